@@ -1,0 +1,190 @@
+// Package dbtest gives tests a real PostgreSQL to work against.
+//
+// The server is the one named by PGRL_TEST_DATABASE_URL, or
+// postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable when it is
+// unset (scripts/test.sh starts a local server and creates that database when
+// none is reachable). Every test gets a schema of its own, created empty or
+// with pgrl's migrations applied and dropped when the test ends, so tests run
+// in parallel without seeing each other's rows.
+package dbtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"io/fs"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgrl/pgrl/sql/schema"
+)
+
+// EnvURL is the environment variable that points the tests at a database.
+const EnvURL = "PGRL_TEST_DATABASE_URL"
+
+// DefaultURL is the database the tests use when EnvURL is unset.
+const DefaultURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable"
+
+// URL returns the test database's connection string.
+func URL() string {
+	if u := os.Getenv(EnvURL); u != "" {
+		return u
+	}
+	return DefaultURL
+}
+
+var (
+	adminOnce sync.Once
+	adminPool *pgxpool.Pool
+	adminErr  error
+)
+
+// Admin returns a pool on the test database outside any test schema, shared
+// by every test of the process. The test fails at once when the database
+// cannot be reached.
+func Admin(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	adminOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		cfg, err := pgxpool.ParseConfig(URL())
+		if err != nil {
+			adminErr = fmt.Errorf("parse %s: %w", EnvURL, err)
+			return
+		}
+		cfg.MaxConns = 4
+		adminPool, adminErr = pgxpool.NewWithConfig(ctx, cfg)
+		if adminErr == nil {
+			adminErr = adminPool.Ping(ctx)
+		}
+		if adminErr != nil {
+			adminErr = fmt.Errorf("test database %s unreachable (%w); run scripts/test.sh, which starts one, or set %s", URL(), adminErr, EnvURL)
+		}
+	})
+	if adminErr != nil {
+		t.Fatal(adminErr)
+	}
+	return adminPool
+}
+
+// NewSchema creates an empty schema with a unique name, drops it (and all it
+// holds) when the test ends, and returns its name.
+func NewSchema(t testing.TB) string {
+	t.Helper()
+	admin := Admin(t)
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "pgrl_test_" + hex.EncodeToString(b[:])
+	ctx := context.Background()
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatalf("create schema %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		if _, err := admin.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{name}.Sanitize()+" CASCADE"); err != nil {
+			t.Logf("drop schema %s: %v", name, err)
+		}
+	})
+	return name
+}
+
+// Migrate applies every embedded up migration, in order, inside schemaName.
+// It does not record versions: tests of the migration tool use that tool.
+func Migrate(t testing.TB, schemaName string) {
+	t.Helper()
+	names, err := fs.Glob(schema.FS, "*.up.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(names)
+	ctx := context.Background()
+	conn, err := Admin(t).Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range names {
+		body, err := fs.ReadFile(schema.FS, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, string(body)); err != nil {
+			t.Fatalf("apply %s: %v", n, err)
+		}
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Option adjusts the pool configuration that Pool builds.
+type Option func(*pgxpool.Config)
+
+// WithExecMode sets pgx's query exec mode on every connection of the pool.
+func WithExecMode(mode pgx.QueryExecMode) Option {
+	return func(c *pgxpool.Config) { c.ConnConfig.DefaultQueryExecMode = mode }
+}
+
+// WithMaxConns sets the pool's size.
+func WithMaxConns(n int32) Option {
+	return func(c *pgxpool.Config) { c.MaxConns = n }
+}
+
+// Pool returns a pool whose connections use a fresh, migrated schema as
+// their search_path. The pool closes and the schema is dropped when the test
+// ends. It also returns the schema's name.
+func Pool(t testing.TB, opts ...Option) (*pgxpool.Pool, string) {
+	t.Helper()
+	name := NewSchema(t)
+	Migrate(t, name)
+	return PoolOn(t, name, opts...), name
+}
+
+// PoolOn returns a pool whose search_path is the given schema. It closes when
+// the test ends.
+func PoolOn(t testing.TB, schemaName string, opts ...Option) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(URL())
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schemaName
+	cfg.MaxConns = 8
+	for _, o := range opts {
+		o(cfg)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// URLWithSchema returns the test database URL with search_path set to the
+// schema, for handing to another process or a CLI.
+func URLWithSchema(schemaName string) string {
+	u := URL()
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	return u + sep + "search_path=" + schemaName
+}

@@ -1,0 +1,63 @@
+-- name: FixedWindowTake :one
+-- FixedWindowTake counts cost units against the key's current window in one
+-- statement and returns the window's state after the check. The check is
+-- allowed when count + cost <= max_count. A denied check adds nothing, unless
+-- penalty is set: then every attempt is counted. Windows are aligned on the
+-- database clock: multiples of window_us microseconds since the Unix epoch.
+-- at pins the clock for tests; production leaves it nil and the database's
+-- statement_timestamp() decides.
+WITH clock AS (
+    SELECT ts,
+           (extract(epoch FROM ts) * 1000000)::bigint AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts) AS n
+), win AS (
+    SELECT ts,
+           timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
+      FROM clock
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT sqlc.arg(key)::bytea,
+       win.expires_at,
+       CASE WHEN sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
+            THEN sqlc.arg(cost)::bigint ELSE 0 END,
+       sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
+  FROM win
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count + sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
+                    THEN t.count + sqlc.arg(cost)::bigint ELSE t.count END,
+       allowed = t.count + sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
+RETURNING count, expires_at, allowed, (SELECT ts FROM win)::timestamptz AS now;
+
+-- name: FixedWindowPeek :one
+-- FixedWindowPeek reports the key's current window without counting anything.
+WITH clock AS (
+    SELECT ts,
+           (extract(epoch FROM ts) * 1000000)::bigint AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts) AS n
+), win AS (
+    SELECT ts,
+           timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
+      FROM clock
+)
+SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
+                  WHERE t.key = sqlc.arg(key)::bytea AND t.expires_at = win.expires_at), 0)::bigint AS count,
+       win.expires_at::timestamptz AS expires_at,
+       win.ts::timestamptz AS now
+  FROM win;
+
+-- name: FixedWindowReset :execrows
+-- FixedWindowReset forgets every window of the key.
+DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
+
+-- name: FixedWindowEnsurePartition :one
+-- FixedWindowEnsurePartition creates, in the partitioned layout, the
+-- partition that the key's current window of window_us belongs in. It returns
+-- how many partitions it created (0 in the plain layout).
+WITH clock AS (
+    SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts) AS n
+), win AS (
+    SELECT timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
+      FROM clock
+)
+SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win;

@@ -1,0 +1,83 @@
+-- name: SlidingWindowTake :one
+-- SlidingWindowTake checks and counts cost units for the key in one statement.
+-- The row holds the current window's count and the previous window's; the
+-- estimate for the sliding window that ends now is
+--   prev_count * (window - elapsed) / window + count
+-- where elapsed is how far now is into the current window. The check is
+-- allowed when estimate + cost <= max_count (compared exactly, in numeric).
+-- When a new window has begun the row rolls forward: count becomes prev_count
+-- if the row's window was the one just before, else both restart at zero. A
+-- denied check adds nothing unless penalty is set. at pins the clock for
+-- tests; production leaves it nil.
+WITH p AS (
+    SELECT n.ts, n.now_us,
+           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           n.window_us, n.cost, n.max_count, n.penalty
+      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
+                   c.window_us, c.cost, c.max_count, c.penalty
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts,
+                           sqlc.arg(window_us)::bigint AS window_us,
+                           sqlc.arg(cost)::bigint AS cost,
+                           sqlc.arg(max_count)::bigint AS max_count,
+                           sqlc.arg(penalty)::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT sqlc.arg(key)::bytea,
+       p.window_start,
+       CASE WHEN p.cost <= p.max_count OR p.penalty THEN p.cost ELSE 0 END,
+       0,
+       p.window_start + 2 * p.window_us * interval '1 microsecond',
+       p.cost <= p.max_count
+  FROM p
+ON CONFLICT (key) DO UPDATE
+   SET (window_start, count, prev_count, expires_at, allowed) = (
+       SELECT r.ws,
+              CASE WHEN r.ok OR r.penalty THEN r.c + r.cost ELSE r.c END,
+              r.p,
+              r.ws + 2 * r.window_us * interval '1 microsecond',
+              r.ok
+         FROM (
+             SELECT v.ws, v.c, v.p, v.cost, v.penalty, v.window_us,
+                    v.p::numeric * (v.window_us - v.e) + (v.c + v.cost)::numeric * v.window_us
+                      <= v.max_count::numeric * v.window_us AS ok
+               FROM (
+                   SELECT greatest(t.window_start, p.window_start) AS ws,
+                          CASE WHEN t.window_start >= p.window_start THEN t.count ELSE 0 END AS c,
+                          CASE WHEN t.window_start >= p.window_start THEN t.prev_count
+                               WHEN t.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN t.count
+                               ELSE 0 END AS p,
+                          least(greatest(p.now_us - (extract(epoch FROM greatest(t.window_start, p.window_start)) * 1000000)::bigint, 0),
+                                p.window_us) AS e,
+                          p.cost, p.max_count, p.penalty, p.window_us
+                     FROM p
+               ) AS v
+         ) AS r
+   )
+RETURNING window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;
+
+-- name: SlidingWindowPeek :one
+-- SlidingWindowPeek reports the key's current and previous window counts as
+-- of now, rolled forward as a check would, without counting anything.
+WITH p AS (
+    SELECT n.ts,
+           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           n.window_us
+      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us, c.window_us
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts,
+                           sqlc.arg(window_us)::bigint AS window_us) AS c) AS n
+), r AS (
+    SELECT t.window_start, t.count, t.prev_count
+      FROM pgrl_sliding_window AS t
+     WHERE t.key = sqlc.arg(key)::bytea
+)
+SELECT greatest(p.window_start, coalesce((SELECT r.window_start FROM r), p.window_start))::timestamptz AS window_start,
+       coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.count ELSE 0 END FROM r), 0)::bigint AS count,
+       coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.prev_count
+                             WHEN r.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN r.count
+                             ELSE 0 END FROM r), 0)::bigint AS prev_count,
+       p.ts::timestamptz AS now
+  FROM p;
+
+-- name: SlidingWindowReset :execrows
+-- SlidingWindowReset forgets the key's counts.
+DELETE FROM pgrl_sliding_window WHERE key = sqlc.arg(key)::bytea;
