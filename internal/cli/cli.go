@@ -1,0 +1,149 @@
+// Package cli holds what pgrl's command-line tools share: exit codes, how a
+// connection string is found, how a connection is opened with safe session
+// settings, and how errors become one actionable line.
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Exit codes shared by rl-migrate and rl-cleanup.
+const (
+	// ExitOK: success, or nothing to do.
+	ExitOK = 0
+	// ExitError: a runtime error (database unreachable, SQL failed, ...).
+	ExitError = 1
+	// ExitUsage: bad flags or arguments; nothing was done.
+	ExitUsage = 2
+	// ExitDirty: the migrations table is marked dirty; run `rl-migrate force`.
+	ExitDirty = 3
+	// ExitPending: `rl-migrate status --check` found migrations not applied.
+	ExitPending = 4
+)
+
+// EnvDatabaseURL is read when no --database-url flag is given.
+const EnvDatabaseURL = "DATABASE_URL"
+
+// ConnString picks the connection string: the flag's value, else
+// $DATABASE_URL, else "" (pgx then reads the libpq PG* variables: PGHOST,
+// PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGSSLMODE, ...). It also says where
+// the value came from, for logs.
+func ConnString(flagValue string) (conn, source string) {
+	if flagValue != "" {
+		return flagValue, "--database-url"
+	}
+	if v := os.Getenv(EnvDatabaseURL); v != "" {
+		return v, EnvDatabaseURL
+	}
+	return "", "PG* environment variables"
+}
+
+// ParseConfig parses a connection string (see ConnString) and sets the
+// application name.
+func ParseConfig(connString, appName string) (*pgx.ConnConfig, error) {
+	cfg, err := pgx.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("invalid connection string: %v; pass a URL such as postgres://user:pass@host:5432/db via --database-url or DATABASE_URL", redact(err))
+	}
+	if cfg.RuntimeParams == nil {
+		cfg.RuntimeParams = map[string]string{}
+	}
+	if _, ok := cfg.RuntimeParams["application_name"]; !ok {
+		cfg.RuntimeParams["application_name"] = appName
+	}
+	return cfg, nil
+}
+
+// Connect opens one connection with the given settings applied as session
+// parameters (for example lock_timeout and statement_timeout).
+func Connect(ctx context.Context, cfg *pgx.ConnConfig, settings map[string]string) (*pgx.Conn, error) {
+	cfg = cfg.Copy()
+	for k, v := range settings {
+		cfg.RuntimeParams[k] = v
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = 10 * time.Second
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		return nil, errors.New(Explain(err))
+	}
+	return conn, nil
+}
+
+// Explain turns an error into one line that says what went wrong and how to
+// fix it. Passwords never appear in it.
+func Explain(err error) string {
+	if err == nil {
+		return ""
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch pgErr.Code {
+		case "28P01", "28000":
+			return fmt.Sprintf("authentication failed (%s): check the user and password in --database-url, DATABASE_URL or PGUSER/PGPASSWORD", pgErr.Message)
+		case "3D000":
+			return fmt.Sprintf("%s: create the database first, or point --database-url at an existing one", pgErr.Message)
+		case "42P01":
+			return fmt.Sprintf("%s: pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)", pgErr.Message)
+		case "55P03":
+			return fmt.Sprintf("%s: another session holds a conflicting lock; retry when it has finished, or raise --lock-timeout", pgErr.Message)
+		case "57014":
+			return fmt.Sprintf("%s: the statement ran past its timeout; retry, or raise --statement-timeout", pgErr.Message)
+		case "25006":
+			return fmt.Sprintf("%s: this server is a read-only standby; point the tool at the primary", pgErr.Message)
+		case "42501":
+			return fmt.Sprintf("%s: the database user lacks a privilege; run as the owner of pgrl's tables or grant it", pgErr.Message)
+		}
+		return fmt.Sprintf("%s (SQLSTATE %s)", pgErr.Message, pgErr.Code)
+	}
+	var netErr net.Error
+	var connectErr *pgconn.ConnectError
+	if errors.As(err, &connectErr) || errors.As(err, &netErr) {
+		msg := redact(err)
+		if strings.Contains(msg, "password authentication failed") {
+			return "authentication failed: check the user and password in --database-url, DATABASE_URL or PGUSER/PGPASSWORD"
+		}
+		if strings.Contains(msg, "does not exist") && strings.Contains(msg, "database") {
+			return msg + ": create the database first, or point --database-url at an existing one"
+		}
+		return "cannot reach the database: " + msg + "; check that PostgreSQL is running and that --database-url, DATABASE_URL or PGHOST/PGPORT point at it"
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return "timed out talking to the database; check that it is reachable and not overloaded"
+	}
+	return redact(err)
+}
+
+// redact removes anything that looks like a password from an error's text.
+func redact(err error) string {
+	s := err.Error()
+	for _, marker := range []string{"password="} {
+		if i := strings.Index(s, marker); i >= 0 {
+			j := strings.IndexAny(s[i:], " &")
+			if j < 0 {
+				j = len(s) - i
+			}
+			s = s[:i] + marker + "xxxxx" + s[i+j:]
+		}
+	}
+	return s
+}
+
+// PrintJSON writes v to w as one JSON object followed by a newline.
+func PrintJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetEscapeHTML(false)
+	return enc.Encode(v)
+}
