@@ -1,0 +1,44 @@
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Errors returned for bad configuration or bad calls. Test with errors.Is;
+// the returned error's text adds the offending value and the fix.
+var (
+	// ErrNilDB: New was given no database.
+	ErrNilDB = errors.New("ratelimit: nil database; pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx")
+	// ErrInvalidName: the limiter has no name, or (with readable keys) a
+	// name containing ':'.
+	ErrInvalidName = errors.New("ratelimit: invalid limiter name")
+	// ErrInvalidAlgorithm: the algorithm is not one of the three.
+	ErrInvalidAlgorithm = errors.New("ratelimit: invalid algorithm")
+	// ErrInvalidLimit: the limit is zero or negative.
+	ErrInvalidLimit = errors.New("ratelimit: invalid limit")
+	// ErrInvalidWindow: the window is zero, negative, shorter than a
+	// millisecond, or longer than a year.
+	ErrInvalidWindow = errors.New("ratelimit: invalid window")
+	// ErrInvalidBurst: the token bucket's burst is negative.
+	ErrInvalidBurst = errors.New("ratelimit: invalid burst")
+	// ErrInvalidCost: a check asked for zero or fewer units.
+	ErrInvalidCost = errors.New("ratelimit: invalid cost")
+	// ErrCostExceedsLimit: a check asked for more units than the limit can
+	// ever admit at once, so it could never succeed.
+	ErrCostExceedsLimit = errors.New("ratelimit: cost exceeds limit")
+	// ErrNotMigrated: pgrl's tables are missing from the database (or from
+	// the connection's search_path).
+	ErrNotMigrated = errors.New("ratelimit: pgrl tables not found; run `rl-migrate up` against this database (with the same --schema as the connection's search_path)")
+	// ErrReadOnly: the database is a read-only standby, where counters can
+	// be neither written nor read (UNLOGGED tables live on the primary only).
+	ErrReadOnly = errors.New("ratelimit: database is a read-only standby; point the limiter at the primary")
+	// ErrPartitionMissing: in the partitioned layout, a check inside the
+	// caller's transaction found no partition for its window. The limiter
+	// has created it; retry the transaction.
+	ErrPartitionMissing = errors.New("ratelimit: partition for this window was missing and has now been created; retry the transaction")
+)
+
+func invalid(base error, format string, args ...any) error {
+	return fmt.Errorf("%w: %s", base, fmt.Sprintf(format, args...))
+}

@@ -1,0 +1,358 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgrl/pgrl/gen"
+)
+
+// DB runs a limiter's statements: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
+type DB = gen.DBTX
+
+// Limiter is one limit kept in PostgreSQL. Every check is one SQL statement
+// in one round trip; the row lock on the key's counter is the only lock. A
+// Limiter is safe for concurrent use.
+type Limiter struct {
+	cfg         Config
+	db          DB
+	q           *gen.Queries
+	windowUs    int64
+	refillPerUs float64
+}
+
+// New returns a limiter that keeps its counters in db, which must have
+// pgrl's tables (run `rl-migrate up`, or migration.Up at start-up). New
+// validates cfg and does not touch the database.
+func New(db DB, cfg Config) (*Limiter, error) {
+	if isNil(db) {
+		return nil, ErrNilDB
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	l := &Limiter{
+		cfg:      cfg,
+		db:       db,
+		q:        gen.New(),
+		windowUs: cfg.Window.Microseconds(),
+	}
+	l.refillPerUs = float64(cfg.Limit) / float64(l.windowUs)
+	return l, nil
+}
+
+func isNil(db DB) bool {
+	switch v := db.(type) {
+	case nil:
+		return true
+	case *pgxpool.Pool:
+		return v == nil
+	case *pgx.Conn:
+		return v == nil
+	}
+	return false
+}
+
+// Config returns the limiter's configuration, defaults filled in.
+func (l *Limiter) Config() Config { return l.cfg }
+
+// Allow checks and counts one unit for key.
+func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
+	return l.AllowN(ctx, key, 1)
+}
+
+// AllowN checks and counts n units (a cost, such as bytes or tokens) for key.
+// Either all n are admitted or none.
+func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
+	if err := l.cfg.checkCost(n); err != nil {
+		return Decision{}, err
+	}
+	d, err := l.take(ctx, l.db, key, n)
+	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+		// Partitioned layout and nobody created this window's partition
+		// yet (cleanup creates them ahead; it may not have run). Create it
+		// and check again.
+		if herr := l.heal(ctx, l.db); herr != nil {
+			return Decision{}, mapErr(herr)
+		}
+		d, err = l.take(ctx, l.db, key, n)
+	}
+	return d, mapErr(err)
+}
+
+// AllowNTx is AllowN inside the caller's transaction: rolling the
+// transaction back refunds the units. The key's counter row stays locked
+// until the transaction ends, so other checks of the same key wait for it:
+// keep such transactions short.
+func (l *Limiter) AllowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
+	if tx == nil {
+		return Decision{}, ErrNilDB
+	}
+	if err := l.cfg.checkCost(n); err != nil {
+		return Decision{}, err
+	}
+	d, err := l.take(ctx, tx, key, n)
+	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+		// The failed statement has aborted the caller's transaction; create
+		// the partition outside it so that a retry succeeds.
+		if herr := l.heal(ctx, l.db); herr != nil {
+			return Decision{}, mapErr(herr)
+		}
+		return Decision{}, fmt.Errorf("%w (%v)", ErrPartitionMissing, err)
+	}
+	return d, mapErr(err)
+}
+
+// Peek reports the key's state, as a check costing one unit would see it,
+// without counting anything.
+func (l *Limiter) Peek(ctx context.Context, key string) (Decision, error) {
+	d, err := l.peek(ctx, l.db, key)
+	return d, mapErr(err)
+}
+
+// PeekTx is Peek inside the caller's transaction.
+func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string) (Decision, error) {
+	if tx == nil {
+		return Decision{}, ErrNilDB
+	}
+	d, err := l.peek(ctx, tx, key)
+	return d, mapErr(err)
+}
+
+// Reset forgets everything counted for key under this limiter.
+func (l *Limiter) Reset(ctx context.Context, key string) error {
+	return mapErr(l.reset(ctx, l.db, key))
+}
+
+// ResetTx is Reset inside the caller's transaction.
+func (l *Limiter) ResetTx(ctx context.Context, tx pgx.Tx, key string) error {
+	if tx == nil {
+		return ErrNilDB
+	}
+	return mapErr(l.reset(ctx, tx, key))
+}
+
+func (l *Limiter) at() *time.Time {
+	if l.cfg.Now == nil {
+		return nil
+	}
+	t := l.cfg.Now()
+	return &t
+}
+
+func (l *Limiter) key(key string) []byte { return storedKey(l.cfg.KeyMode, l.cfg.Name, key) }
+
+func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decision, error) {
+	k := l.key(key)
+	switch l.cfg.Algorithm {
+	case TokenBucket:
+		r, err := l.q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
+			Key: k, At: l.at(), Cost: float64(n), Capacity: float64(l.cfg.Burst),
+			RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+		})
+		if err != nil {
+			return Decision{}, err
+		}
+		return l.tokenDecision(r.Allowed, r.Tokens, r.UpdatedAt, r.FullAt, n), nil
+	case SlidingWindow:
+		r, err := l.q.SlidingWindowTake(ctx, db, gen.SlidingWindowTakeParams{
+			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		})
+		if err != nil {
+			return Decision{}, err
+		}
+		return l.slidingDecision(r.Allowed, r.WindowStart, r.Count, r.PrevCount, r.Now, n), nil
+	default:
+		r, err := l.q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
+			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		})
+		if err != nil {
+			return Decision{}, err
+		}
+		return l.fixedDecision(r.Allowed, r.Count, r.ExpiresAt, r.Now), nil
+	}
+}
+
+func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error) {
+	k := l.key(key)
+	switch l.cfg.Algorithm {
+	case TokenBucket:
+		r, err := l.q.TokenBucketPeek(ctx, db, gen.TokenBucketPeekParams{
+			Key: k, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs,
+		})
+		if err != nil {
+			return Decision{}, err
+		}
+		fullAt := r.Now.Add(usToDuration((float64(l.cfg.Burst) - r.Tokens) / l.refillPerUs))
+		return l.tokenDecision(r.Tokens >= 1, r.Tokens, r.Now, fullAt, 1), nil
+	case SlidingWindow:
+		r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
+			Key: k, At: l.at(), WindowUs: l.windowUs,
+		})
+		if err != nil {
+			return Decision{}, err
+		}
+		allowed := slidingEstimate(r.PrevCount, r.Count, l.elapsedUs(r.WindowStart, r.Now), l.windowUs)+1 <= float64(l.cfg.Limit)
+		return l.slidingDecision(allowed, r.WindowStart, r.Count, r.PrevCount, r.Now, 1), nil
+	default:
+		r, err := l.q.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{
+			Key: k, At: l.at(), WindowUs: l.windowUs,
+		})
+		if err != nil {
+			return Decision{}, err
+		}
+		return l.fixedDecision(r.Count+1 <= l.cfg.Limit, r.Count, r.ExpiresAt, r.Now), nil
+	}
+}
+
+func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
+	k := l.key(key)
+	var err error
+	switch l.cfg.Algorithm {
+	case TokenBucket:
+		_, err = l.q.TokenBucketReset(ctx, db, k)
+	case SlidingWindow:
+		_, err = l.q.SlidingWindowReset(ctx, db, k)
+	default:
+		_, err = l.q.FixedWindowReset(ctx, db, k)
+	}
+	return err
+}
+
+func (l *Limiter) heal(ctx context.Context, db DB) error {
+	_, err := l.q.FixedWindowEnsurePartition(ctx, db, gen.FixedWindowEnsurePartitionParams{
+		At: l.at(), WindowUs: l.windowUs,
+	})
+	return err
+}
+
+// fixedDecision builds a fixed-window decision from the window's state.
+func (l *Limiter) fixedDecision(allowed bool, count int64, expiresAt, now time.Time) Decision {
+	d := Decision{
+		Allowed:   allowed,
+		Limit:     l.cfg.Limit,
+		Remaining: max(l.cfg.Limit-count, 0),
+		ResetAt:   expiresAt,
+		Now:       now,
+		Store:     StorePostgres,
+	}
+	if !allowed {
+		// The next window admits any valid cost.
+		d.RetryAfter = max(expiresAt.Sub(now), 0)
+	}
+	return d
+}
+
+// tokenDecision builds a token-bucket decision from the balance after the
+// check, taken at instant at.
+func (l *Limiter) tokenDecision(allowed bool, tokens float64, at, fullAt time.Time, cost int64) Decision {
+	d := Decision{
+		Allowed:   allowed,
+		Limit:     l.cfg.Burst,
+		Remaining: int64(math.Floor(max(tokens, 0))),
+		ResetAt:   fullAt,
+		Now:       at,
+		Store:     StorePostgres,
+	}
+	if !allowed {
+		d.RetryAfter = max(usToDuration((float64(cost)-tokens)/l.refillPerUs), 0)
+	}
+	return d
+}
+
+// elapsedUs is how far now is into the window starting at start, clamped to
+// [0, window].
+func (l *Limiter) elapsedUs(start, now time.Time) int64 {
+	return min(max(now.Sub(start).Microseconds(), 0), l.windowUs)
+}
+
+// slidingEstimate is prev*(window-elapsed)/window + cur.
+func slidingEstimate(prev, cur, elapsedUs, windowUs int64) float64 {
+	return float64(prev)*float64(windowUs-elapsedUs)/float64(windowUs) + float64(cur)
+}
+
+// slidingDecision builds a sliding-window decision from the row's state
+// after the check.
+func (l *Limiter) slidingDecision(allowed bool, start time.Time, cur, prev int64, now time.Time, cost int64) Decision {
+	w := l.windowUs
+	e := l.elapsedUs(start, now)
+	est := slidingEstimate(prev, cur, e, w)
+	d := Decision{
+		Allowed:   allowed,
+		Limit:     l.cfg.Limit,
+		Remaining: int64(math.Floor(max(float64(l.cfg.Limit)-est, 0) + 1e-9)),
+		ResetAt:   start.Add(2 * l.cfg.Window),
+		Now:       now,
+		Store:     StorePostgres,
+	}
+	if cur == 0 {
+		d.ResetAt = start.Add(l.cfg.Window)
+	}
+	if !allowed {
+		d.RetryAfter = max(l.slidingRetryAfter(start, cur, prev, e, cost), 0)
+	}
+	return d
+}
+
+// slidingRetryAfter finds how long until estimate + cost <= limit, with no
+// further units counted: the previous window's weight shrinks through the
+// current window, then the current count becomes the previous one.
+func (l *Limiter) slidingRetryAfter(start time.Time, cur, prev, e, cost int64) time.Duration {
+	w := float64(l.windowUs)
+	room := float64(l.cfg.Limit - cur - cost)
+	if room >= 0 && prev > 0 {
+		// Within this window: prev*(w-x)/w <= room  <=>  x >= w - room*w/prev.
+		x := math.Ceil(w - room*w/float64(prev))
+		if x <= w {
+			return usToDuration(x - float64(e))
+		}
+	}
+	// In the next window the current count weighs as the previous one:
+	// cur*(w-x)/w + cost <= limit  <=>  x >= w - (limit-cost)*w/cur.
+	x := 0.0
+	if cur > 0 {
+		x = max(math.Ceil(w-float64(l.cfg.Limit-cost)*w/float64(cur)), 0)
+	}
+	return usToDuration(w - float64(e) + x)
+}
+
+func usToDuration(us float64) time.Duration {
+	if us >= float64(math.MaxInt64/int64(time.Microsecond)) {
+		return time.Duration(math.MaxInt64)
+	}
+	return time.Duration(math.Ceil(us)) * time.Microsecond
+}
+
+// isMissingPartition reports a row that no partition accepts.
+func isMissingPartition(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.Contains(pgErr.Message, "no partition")
+}
+
+// mapErr turns the database errors a user can cause into typed errors that
+// name the fix, keeping the original for errors.As.
+func mapErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch {
+		case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
+			return fmt.Errorf("%w (%s)", ErrNotMigrated, pgErr.Message)
+		case pgErr.Code == "25006",
+			pgErr.Code == "0A000" && strings.Contains(pgErr.Message, "during recovery"):
+			return fmt.Errorf("%w (%s)", ErrReadOnly, pgErr.Message)
+		}
+	}
+	return fmt.Errorf("ratelimit: %w", err)
+}
