@@ -45,7 +45,7 @@ const (
 	// (an email, an IP). This is the default.
 	HashedKeys KeyMode = iota
 	// ReadableKeys stores "name:key" as bytes, so the table can be read by
-	// a person: `SELECT convert_from(key, 'UTF8') FROM pgrl_fixed_window`.
+	// a person: `SELECT encode(key, 'escape') FROM pgrl_fixed_window`.
 	// The raw identifiers are then in the database; choose it only when
 	// that is acceptable. Names may not contain ':' in this mode.
 	ReadableKeys
