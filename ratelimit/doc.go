@@ -1,0 +1,117 @@
+// Package ratelimit limits how often a key (a user, an IP address, an API
+// key) may do something, with counters shared by every instance of an
+// application through the PostgreSQL database it already runs.
+//
+//	lim, err := ratelimit.New(pool, ratelimit.Config{
+//		Name:   "login:ip",
+//		Limit:  20,
+//		Window: time.Minute,
+//	})
+//	...
+//	d, err := lim.Allow(ctx, clientIP)
+//	if err != nil { ... }
+//	if !d.Allowed {
+//		w.Header().Set("Retry-After", d.RetryAfterHeader())
+//		w.WriteHeader(http.StatusTooManyRequests)
+//		return
+//	}
+//
+// # One statement, one round trip
+//
+// Every check is a single SQL statement sent in one round trip (the queries
+// are in sql/queries, generated into package gen). There is no read before
+// the write and no transaction around it: the row lock PostgreSQL takes on the
+// key's counter is the only lock, so concurrent checks of one key, from any
+// number of processes, are serialised by the database and admit exactly the
+// limit. Checks of different keys do not wait for each other.
+//
+// # Time
+//
+// The database's clock decides: windows, refill and retry times come from
+// the statement's timestamp (statement_timestamp()), never from the
+// application servers' clocks, which disagree. Config.Now exists only so that
+// tests can pin the instant; production leaves it nil.
+//
+// A statement that waited on a row lock can find the row updated by a
+// statement whose timestamp is later than its own. Elapsed time is clamped at
+// zero in that case: a token bucket never refills backwards, and the sliding
+// window never moves back to an earlier window.
+//
+// # Algorithms
+//
+// FixedWindow counts units in windows of Config.Window aligned on multiples
+// of the window since the Unix epoch (a one-minute window starts on every
+// minute of the database clock). A check costing n is allowed when
+// count + n <= Limit. ResetAt is the window's end. It is exact and cheap, but
+// a client can spend Limit at the end of one window and Limit again at the
+// start of the next.
+//
+// TokenBucket holds up to Burst tokens (default Limit) and refills
+// continuously at Limit tokens per Window:
+//
+//	available = min(Burst, tokens + elapsed × Limit/Window)
+//
+// A check costing n is allowed when available >= n, and then spends n. The
+// refill, the check and the spend happen in one UPDATE (the update arm of an
+// upsert, so a key's first check needs no second statement). ResetAt is when
+// the bucket will be full again; RetryAfter is when n tokens will be there.
+//
+// SlidingWindow keeps, per key, the count of the current aligned window and
+// of the previous one, and estimates the units in the Window that ends now as
+//
+//	estimate = previous × (Window − elapsed)/Window + current
+//
+// where elapsed is how far now is into the current window; a check costing n
+// is allowed when estimate + n <= Limit (compared exactly, in integers). The
+// estimate assumes the previous window's units were spread evenly. Its error
+// bound: no aligned window ever admits more than Limit, so any span of one
+// Window admits at most 2×Limit; when traffic is steady the estimate is close
+// to the true count, and it smooths the burst a fixed window allows at every
+// boundary. The estimate can also deny slightly early, when the previous
+// window's units came early in it.
+//
+// # Denied requests
+//
+// By default a denied check consumes nothing, for every algorithm: a client
+// that retries too early does not push its own reset further away. With
+// Config.Penalty every attempt counts (as a login form wants, so that a
+// script that keeps hammering stays locked out): the fixed and sliding
+// windows count denied units too, and the token bucket charges them, its
+// balance falling to at most −Burst, a debt that refills like any balance.
+//
+// # Keys
+//
+// Any bytes are a valid key: empty, NUL, invalid UTF-8, megabytes long. By
+// default the table holds a 16-byte digest of the limiter's name and the key,
+// never the identifier itself (an email or an IP address is personal data).
+// Config.KeyMode = ReadableKeys stores "name:key" instead, for teams that want
+// to read the table. Because the name is part of the stored key, two
+// limiters with different names never share a counter.
+//
+// # Transactions
+//
+// AllowNTx, PeekTx and ResetTx run in the caller's pgx.Tx: when the
+// transaction rolls back, the units are refunded (a failed signup does not
+// count against the signup limit). The key's row stays locked until the
+// transaction ends, so other checks of that key wait for it: keep such
+// transactions short.
+//
+// # Connections
+//
+// A limiter runs on a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx, in any of pgx's
+// query exec modes (the default cached prepared statements, exec, describe,
+// or the simple protocol used behind PgBouncer without prepared statement
+// support).
+//
+// # Failures and the database
+//
+// Missing tables give ErrNotMigrated (run `rl-migrate up`); a read-only
+// standby gives ErrReadOnly. The counter tables are UNLOGGED: PostgreSQL
+// empties them after a crash, and a standby promoted by a failover starts with
+// empty counters, so every limit starts afresh. For a rate limiter that is
+// the right trade: writes skip the WAL and cost about half as much.
+//
+// In the partitioned layout of the fixed-window table (`rl-migrate layout
+// partitioned`), a check whose window has no partition yet creates it and is
+// retried, so checks never depend on rl-cleanup having run.
+package ratelimit
