@@ -111,7 +111,7 @@ func Explain(err error) string {
 	var netErr net.Error
 	var connectErr *pgconn.ConnectError
 	if errors.As(err, &connectErr) || errors.As(err, &netErr) {
-		msg := redact(err)
+		msg := dedupeLines(redact(err))
 		if strings.Contains(msg, "password authentication failed") {
 			return "authentication failed: check the user and password in --database-url, DATABASE_URL or PGUSER/PGPASSWORD"
 		}
@@ -124,6 +124,34 @@ func Explain(err error) string {
 		return "timed out talking to the database; check that it is reachable and not overloaded"
 	}
 	return redact(err)
+}
+
+// dedupeLines joins the distinct lines of s with "; ". pgconn reports every
+// connection attempt (with and without TLS, every address of a host) on a
+// line of its own, often the same line twice.
+func dedupeLines(s string) string {
+	seen := map[string]bool{}
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		l = strings.TrimSpace(l)
+		if l == "" || seen[l] {
+			continue
+		}
+		seen[l] = true
+		out = append(out, l)
+	}
+	var b strings.Builder
+	for i, l := range out {
+		if i > 0 {
+			if strings.HasSuffix(out[i-1], ":") {
+				b.WriteString(" ")
+			} else {
+				b.WriteString("; ")
+			}
+		}
+		b.WriteString(l)
+	}
+	return b.String()
 }
 
 // redact removes anything that looks like a password from an error's text.

@@ -1,0 +1,99 @@
+package migration
+
+import (
+	"errors"
+	"fmt"
+)
+
+// ErrDirty is matched (with errors.Is) by every error reporting that the
+// migrations table is marked dirty: a migration stopped part-way and someone
+// must look at the database and then record its true version with Force
+// (`rl-migrate force N`).
+var ErrDirty = errors.New("pgrl migrations table is dirty")
+
+// ErrUnknownVersion is matched (with errors.Is) by every *UnknownVersionError.
+var ErrUnknownVersion = errors.New("unknown pgrl migration version")
+
+// ErrLockWait is matched (with errors.Is) by the error returned when another
+// migrator held the migration lock for longer than Config.LockWait.
+var ErrLockWait = errors.New("timed out waiting for the pgrl migration lock")
+
+// ErrNotMigrated is matched (with errors.Is) by the error SetLayout returns
+// when the migrations it needs have not been applied.
+var ErrNotMigrated = errors.New("pgrl migrations not applied")
+
+// DirtyError reports a dirty migrations table.
+type DirtyError struct {
+	// Version is the version recorded in the migrations table.
+	Version uint
+	// Table is the schema-qualified migrations table.
+	Table string
+}
+
+// Error names the fix.
+func (e *DirtyError) Error() string {
+	return fmt.Sprintf("the migrations table %s is dirty at version %d (a migration stopped part-way): "+
+		"check the database by hand, then run `rl-migrate force %d` if migration %d is fully applied, "+
+		"or `rl-migrate force %d` if it is not, and run the command again",
+		e.Table, e.Version, e.Version, e.Version, previous(e.Version))
+}
+
+// Is reports whether target is ErrDirty.
+func (e *DirtyError) Is(target error) bool { return target == ErrDirty }
+
+// UnknownVersionError reports a version that no embedded migration has.
+type UnknownVersionError struct {
+	// Version is the version asked for (or found in the database).
+	Version uint
+	// Available lists the embedded migrations.
+	Available []Migration
+	// InDatabase is true when the version was read from the migrations
+	// table: the database was migrated by a newer pgrl.
+	InDatabase bool
+}
+
+// Error lists the versions that exist.
+func (e *UnknownVersionError) Error() string {
+	if e.InDatabase {
+		return fmt.Sprintf("the database is at pgrl migration version %d, which this build does not know (it has %s): use a newer rl-migrate",
+			e.Version, versionList(e.Available))
+	}
+	return fmt.Sprintf("no pgrl migration has version %d; available versions: %s", e.Version, versionList(e.Available))
+}
+
+// Is reports whether target is ErrUnknownVersion.
+func (e *UnknownVersionError) Is(target error) bool { return target == ErrUnknownVersion }
+
+// FailedError reports a migration file that the database rejected. Every pgrl
+// migration file runs as one transaction, so the file left nothing behind
+// and the migrations table was set back to the version before it.
+type FailedError struct {
+	// Migration is the file that failed.
+	Migration Migration
+	// Direction is Up or Down.
+	Direction Direction
+	// Version is the version the database is at now.
+	Version uint
+	// Err is the database's error (a *pgconn.PgError).
+	Err error
+}
+
+// Error says what failed and that nothing changed.
+func (e *FailedError) Error() string {
+	return fmt.Sprintf("migration %s %s failed and was rolled back, the database stays at version %d: %v",
+		e.Migration, e.Direction, e.Version, e.Err)
+}
+
+// Unwrap returns the database's error.
+func (e *FailedError) Unwrap() error { return e.Err }
+
+// previous returns the embedded version before v, or 0.
+func previous(v uint) uint {
+	var p uint
+	for _, m := range Available() {
+		if m.Version < v {
+			p = m.Version
+		}
+	}
+	return p
+}

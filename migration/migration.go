@@ -1,0 +1,636 @@
+// Package migration applies pgrl's schema migrations: the counter tables and
+// the partitioning functions embedded in package schema. An application calls
+// it at start-up; rl-migrate is a thin command-line front end over it.
+//
+// It drives github.com/golang-migrate/migrate with its own migrations table
+// (pgrl_schema_migrations by default), never golang-migrate's default
+// schema_migrations, which usually belongs to the application. Migrators
+// serialize on an advisory lock, so several instances of an application may
+// call Up at the same moment: one applies the migrations, the others wait and
+// then find nothing to do.
+//
+// Every statement runs with a lock_timeout (Config.LockTimeout), so DDL never
+// queues behind a long transaction and stalls the queries queued behind it.
+// Every pgrl migration file runs as one transaction: when the database
+// rejects one (a lock timeout, for instance), nothing of it remains, the
+// migrations table is set back to the previous version, and the call returns
+// a *FailedError; running it again later is safe.
+package migration
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"time"
+
+	migrate "github.com/golang-migrate/migrate/v4"
+	"github.com/golang-migrate/migrate/v4/database"
+	pgxmigrate "github.com/golang-migrate/migrate/v4/database/pgx/v5"
+	"github.com/golang-migrate/migrate/v4/source/iofs"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/pgrl/pgrl/sql/schema"
+)
+
+// DefaultTable is the migrations table used when Config.Table is empty.
+const DefaultTable = "pgrl_schema_migrations"
+
+// DefaultLockTimeout is the lock_timeout used when Config.LockTimeout is zero.
+const DefaultLockTimeout = 5 * time.Second
+
+// DefaultLockWait is how long a migrator waits for another one when
+// Config.LockWait is zero.
+const DefaultLockWait = time.Minute
+
+// DefaultPartitionWidth is the partition width SetLayout uses when given zero.
+const DefaultPartitionWidth = time.Hour
+
+// Layouts accepted by SetLayout.
+const (
+	// LayoutPlain keeps pgrl_fixed_window as one UNLOGGED table; rl-cleanup
+	// deletes its dead rows in batches.
+	LayoutPlain = "plain"
+	// LayoutPartitioned range-partitions pgrl_fixed_window on expires_at;
+	// rl-cleanup drops whole past partitions.
+	LayoutPartitioned = "partitioned"
+)
+
+// Config configures a Migrator. The zero value is ready to use.
+type Config struct {
+	// Schema is the schema that holds pgrl's tables, functions and the
+	// migrations table. Up, UpTo and Force create it when it is missing.
+	// Defaults to the connection's current schema: the first existing schema
+	// on its search_path, usually public.
+	Schema string
+
+	// Table is the name of the migrations table, inside Schema. It must not be
+	// "schema_migrations", golang-migrate's default, which is most likely the
+	// application's own. Defaults to "pgrl_schema_migrations".
+	Table string
+
+	// LockTimeout is the lock_timeout of every statement the migrator runs:
+	// a migration that cannot get its table locks within it fails (and is
+	// rolled back) instead of queueing behind a long transaction while every
+	// query on the table queues behind it. Defaults to 5 seconds.
+	LockTimeout time.Duration
+
+	// LockWait is how long to wait for another migrator (another instance
+	// of the application, another rl-migrate) to finish before giving up
+	// with ErrLockWait. Defaults to 1 minute.
+	LockWait time.Duration
+
+	// Logger receives one line per migration applied or reverted.
+	// Defaults to discarding logs.
+	Logger *slog.Logger
+}
+
+// Migrator applies pgrl's migrations to one database schema. It is safe for
+// concurrent use; its operations run one at a time. Close it when done.
+type Migrator struct {
+	cfg     Config
+	connCfg *pgx.ConnConfig
+
+	mu     sync.Mutex
+	conn   *pgx.Conn // control connection: lock, status, layout
+	schema string    // resolved schema name
+}
+
+// New parses connString (a postgres:// URL or key=value string; "" reads the
+// libpq PG* environment variables) and returns a Migrator. It does not
+// connect: the first operation does.
+func New(connString string, cfg Config) (*Migrator, error) {
+	connCfg, err := pgx.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("pgrl migration: %w", err)
+	}
+	return NewWithConnConfig(connCfg, cfg)
+}
+
+// NewWithConnConfig is New for an already parsed connection configuration,
+// which it copies.
+func NewWithConnConfig(connCfg *pgx.ConnConfig, cfg Config) (*Migrator, error) {
+	if connCfg == nil {
+		return nil, errors.New("pgrl migration: nil connection config")
+	}
+	if cfg.Table == "" {
+		cfg.Table = DefaultTable
+	}
+	if cfg.Table == pgxmigrate.DefaultMigrationsTable {
+		return nil, fmt.Errorf("pgrl migration: %q is golang-migrate's default table, most likely your application's own; keep the default %q or pick another name",
+			cfg.Table, DefaultTable)
+	}
+	if cfg.LockTimeout < 0 || cfg.LockWait < 0 {
+		return nil, errors.New("pgrl migration: LockTimeout and LockWait must not be negative")
+	}
+	if cfg.LockTimeout == 0 {
+		cfg.LockTimeout = DefaultLockTimeout
+	}
+	if cfg.LockWait == 0 {
+		cfg.LockWait = DefaultLockWait
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	c := connCfg.Copy()
+	if c.RuntimeParams == nil {
+		c.RuntimeParams = map[string]string{}
+	}
+	if _, ok := c.RuntimeParams["application_name"]; !ok {
+		c.RuntimeParams["application_name"] = "pgrl-migrate"
+	}
+	c.RuntimeParams["lock_timeout"] = millis(cfg.LockTimeout)
+	if cfg.Schema != "" {
+		c.RuntimeParams["search_path"] = pgx.Identifier{cfg.Schema}.Sanitize()
+	}
+	if c.ConnectTimeout == 0 {
+		c.ConnectTimeout = 10 * time.Second
+	}
+	return &Migrator{cfg: cfg, connCfg: c}, nil
+}
+
+// Close closes the migrator's connection.
+func (m *Migrator) Close() error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.conn == nil {
+		return nil
+	}
+	err := m.conn.Close(context.Background())
+	m.conn = nil
+	return err
+}
+
+// Result describes what an operation changed.
+type Result struct {
+	// Schema is the schema migrated.
+	Schema string `json:"schema"`
+	// From is the version before the operation (0: none applied).
+	From uint `json:"from"`
+	// To is the version after it.
+	To uint `json:"to"`
+	// Applied lists the migrations applied, in order.
+	Applied []Migration `json:"applied"`
+	// Reverted lists the migrations reverted, in order.
+	Reverted []Migration `json:"reverted"`
+}
+
+// Changed reports whether the operation applied or reverted anything.
+func (r Result) Changed() bool { return r.From != r.To }
+
+// Status describes the state of a schema.
+type Status struct {
+	// Schema is the schema inspected.
+	Schema string `json:"schema"`
+	// Table is the migrations table, inside Schema.
+	Table string `json:"migrations_table"`
+	// Version is the version recorded (0: none applied).
+	Version uint `json:"version"`
+	// Dirty is true when a migration stopped part-way (see ErrDirty).
+	Dirty bool `json:"dirty"`
+	// Latest is the newest embedded version.
+	Latest uint `json:"latest"`
+	// Applied lists the embedded migrations at or below Version.
+	Applied []Migration `json:"applied"`
+	// Pending lists the embedded migrations above Version.
+	Pending []Migration `json:"pending"`
+	// Layout is pgrl_fixed_window's layout, LayoutPlain or
+	// LayoutPartitioned, or "" when the table does not exist.
+	Layout string `json:"layout"`
+	// PartitionWidth is the width of the partitions in the partitioned
+	// layout, else zero.
+	PartitionWidth time.Duration `json:"-"`
+}
+
+// Up applies every pending migration. Nothing pending is success.
+func (m *Migrator) Up(ctx context.Context) (Result, error) {
+	return m.run(ctx, true, Up, func(mg *migrate.Migrate, _ uint) error { return mg.Up() })
+}
+
+// UpTo applies the pending migrations up to and including version. It
+// never reverts: a database already past version is an error.
+func (m *Migrator) UpTo(ctx context.Context, version uint) (Result, error) {
+	if _, err := Lookup(version); err != nil {
+		return Result{}, err
+	}
+	return m.run(ctx, true, Up, func(mg *migrate.Migrate, current uint) error {
+		if current > version {
+			return fmt.Errorf("the database is at version %d, past %d: `up` never reverts; use `rl-migrate down` to go back", current, version)
+		}
+		return mg.Migrate(version)
+	})
+}
+
+// Down reverts the newest steps applied migrations (fewer when fewer are
+// applied). Nothing applied is success.
+func (m *Migrator) Down(ctx context.Context, steps int) (Result, error) {
+	if steps < 1 {
+		return Result{}, fmt.Errorf("pgrl migration: steps must be at least 1, got %d", steps)
+	}
+	return m.run(ctx, false, Down, func(mg *migrate.Migrate, current uint) error {
+		n := 0
+		for _, a := range Available() {
+			if a.Version <= current {
+				n++
+			}
+		}
+		n = min(n, steps)
+		if n == 0 {
+			return migrate.ErrNoChange
+		}
+		return mg.Steps(-n)
+	})
+}
+
+// DownAll reverts every applied migration, removing all of pgrl's tables and
+// functions (and their rows). The migrations table stays, empty.
+func (m *Migrator) DownAll(ctx context.Context) (Result, error) {
+	return m.run(ctx, false, Down, func(mg *migrate.Migrate, _ uint) error { return mg.Down() })
+}
+
+// Force records version as the current one and clears the dirty flag,
+// without running any migration. Use it after repairing a dirty database by
+// hand. Version 0 records that no migration is applied.
+func (m *Migrator) Force(ctx context.Context, version uint) error {
+	target := database.NilVersion
+	if version != 0 {
+		if _, err := Lookup(version); err != nil {
+			return err
+		}
+		target = int(version)
+	}
+	return m.withLock(ctx, true, func(conn *pgx.Conn, schemaName string) error {
+		mg, _, closeFn, err := m.open(schemaName)
+		if err != nil {
+			return err
+		}
+		defer closeFn()
+		if err := mg.Force(target); err != nil {
+			return unwrapDriverError(err)
+		}
+		m.cfg.Logger.Info("forced pgrl migration version", "schema", schemaName, "version", version)
+		return nil
+	})
+}
+
+// Status reports the recorded version and the applied and pending
+// migrations. It changes nothing and takes no lock.
+func (m *Migrator) Status(ctx context.Context) (Status, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	conn, schemaName, err := m.control(ctx)
+	if err != nil {
+		return Status{}, err
+	}
+	return m.status(ctx, conn, schemaName)
+}
+
+// SetLayout switches pgrl_fixed_window between LayoutPlain and
+// LayoutPartitioned (with partitions width wide; zero means
+// DefaultPartitionWidth) by calling pgrl_fixed_window_set_layout, which
+// copies the live rows. It holds an ACCESS EXCLUSIVE lock on
+// pgrl_fixed_window while it works, so checks on fixed-window limits wait
+// for it; it fails after Config.LockTimeout rather than queue behind a long
+// transaction. It returns the layout in place afterwards.
+func (m *Migrator) SetLayout(ctx context.Context, layout string, width time.Duration) (string, error) {
+	if layout != LayoutPlain && layout != LayoutPartitioned {
+		return "", fmt.Errorf("unknown layout %q: use %s or %s", layout, LayoutPlain, LayoutPartitioned)
+	}
+	if width == 0 {
+		width = DefaultPartitionWidth
+	}
+	if width < time.Second {
+		return "", fmt.Errorf("partition width %s is shorter than one second", width)
+	}
+	var out string
+	err := m.withLock(ctx, false, func(conn *pgx.Conn, schemaName string) error {
+		st, err := m.status(ctx, conn, schemaName)
+		if err != nil {
+			return err
+		}
+		if st.Dirty {
+			return &DirtyError{Version: st.Version, Table: qualified(schemaName, m.cfg.Table)}
+		}
+		if st.Version < 2 {
+			return fmt.Errorf("%w: schema %s is at version %d and the layout functions arrive with version 2; run `rl-migrate up` first",
+				ErrNotMigrated, schemaName, st.Version)
+		}
+		return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+				return err
+			}
+			return tx.QueryRow(ctx, "SELECT pgrl_fixed_window_set_layout($1, make_interval(secs => $2))",
+				layout, width.Seconds()).Scan(&out)
+		})
+	})
+	if err != nil {
+		return "", err
+	}
+	m.cfg.Logger.Info("pgrl_fixed_window layout set", "layout", out, "partition_width", width.String())
+	return out, nil
+}
+
+// run takes the migration lock, checks the recorded version, and runs op.
+func (m *Migrator) run(ctx context.Context, create bool, dir Direction, op func(*migrate.Migrate, uint) error) (Result, error) {
+	var res Result
+	err := m.withLock(ctx, create, func(conn *pgx.Conn, schemaName string) error {
+		res.Schema = schemaName
+		mg, drv, closeFn, err := m.open(schemaName)
+		if err != nil {
+			return err
+		}
+		defer closeFn()
+		v, dirty, err := drv.Version()
+		if err != nil {
+			return unwrapDriverError(err)
+		}
+		current := uint(max(v, 0))
+		if dirty {
+			return &DirtyError{Version: current, Table: qualified(schemaName, m.cfg.Table)}
+		}
+		if current != 0 {
+			if _, err := Lookup(current); err != nil {
+				return &UnknownVersionError{Version: current, Available: Available(), InDatabase: true}
+			}
+		}
+		res.From, res.To = current, current
+		drv.lastClean = v
+
+		stop := context.AfterFunc(ctx, func() {
+			select {
+			case mg.GracefulStop <- true:
+			default:
+			}
+		})
+		defer stop()
+
+		err = op(mg, current)
+		res.To = uint(max(drv.lastClean, 0))
+		res.Applied, res.Reverted = between(res.From, res.To)
+		if err == nil || errors.Is(err, migrate.ErrNoChange) {
+			if ctx.Err() != nil && res.To != m.target(dir) {
+				return fmt.Errorf("stopped after version %d: %w", res.To, ctx.Err())
+			}
+			return nil
+		}
+		var dirtyErr migrate.ErrDirty
+		if errors.As(err, &dirtyErr) {
+			return &DirtyError{Version: uint(max(dirtyErr.Version, 0)), Table: qualified(schemaName, m.cfg.Table)}
+		}
+		var pgErr *pgconn.PgError
+		if drv.runErr != nil && errors.As(unwrapDriverError(drv.runErr), &pgErr) {
+			// The file ran as one transaction, which the server rolled
+			// back: record the version before it again.
+			failed := drv.dirtyTarget
+			if dir == Down {
+				failed = drv.lastClean
+			}
+			if resetErr := drv.Driver.SetVersion(drv.lastClean, false); resetErr != nil {
+				return fmt.Errorf("migration %d failed (%w) and resetting the version failed too: %v", failed, pgErr, unwrapDriverError(resetErr))
+			}
+			mig, _ := Lookup(uint(max(failed, 0)))
+			return &FailedError{Migration: mig, Direction: dir, Version: res.To, Err: pgErr}
+		}
+		return unwrapDriverError(err)
+	})
+	return res, err
+}
+
+// target is where an unbounded operation in direction dir ends.
+func (m *Migrator) target(dir Direction) uint {
+	if dir == Down {
+		return 0
+	}
+	return Latest().Version
+}
+
+// withLock runs fn holding the migration lock on the control connection.
+func (m *Migrator) withLock(ctx context.Context, create bool, fn func(*pgx.Conn, string) error) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	conn, schemaName, err := m.control(ctx)
+	if err != nil {
+		return err
+	}
+	key := "pgrl-migrate/" + schemaName + "/" + m.cfg.Table
+	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SET LOCAL lock_timeout = "+quoteLiteral(millis(m.cfg.LockWait))); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, "SELECT pg_advisory_lock(hashtextextended(current_database() || '/' || $1, 0))", key)
+		return err
+	})
+	if err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+			return fmt.Errorf("%w: another migrator held it for more than %s (schema %s); wait for it to finish or raise the wait (--lock-wait)",
+				ErrLockWait, m.cfg.LockWait, schemaName)
+		}
+		return err
+	}
+	defer func() {
+		uctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if _, err := conn.Exec(uctx, "SELECT pg_advisory_unlock(hashtextextended(current_database() || '/' || $1, 0))", key); err != nil {
+			// Closing the session releases the lock as well.
+			_ = conn.Close(uctx)
+		}
+	}()
+	if create {
+		if _, err := conn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+			return err
+		}
+	}
+	return fn(conn, schemaName)
+}
+
+// control returns the control connection, opening it when needed, and the
+// schema to work in. The caller holds m.mu.
+func (m *Migrator) control(ctx context.Context) (*pgx.Conn, string, error) {
+	if m.conn == nil || m.conn.IsClosed() {
+		conn, err := pgx.ConnectConfig(ctx, m.connCfg)
+		if err != nil {
+			return nil, "", err
+		}
+		m.conn = conn
+	}
+	if m.schema == "" {
+		if m.cfg.Schema != "" {
+			m.schema = m.cfg.Schema
+		} else {
+			var s *string
+			if err := m.conn.QueryRow(ctx, "SELECT current_schema()").Scan(&s); err != nil {
+				return nil, "", err
+			}
+			if s == nil {
+				return nil, "", errors.New("no schema to migrate: the connection's search_path names no existing schema; pass a schema (--schema) or fix search_path")
+			}
+			m.schema = *s
+		}
+	}
+	return m.conn, m.schema, nil
+}
+
+// status reads the migrations table and pgrl_fixed_window's layout.
+func (m *Migrator) status(ctx context.Context, conn *pgx.Conn, schemaName string) (Status, error) {
+	st := Status{Schema: schemaName, Table: m.cfg.Table, Latest: Latest().Version, Applied: []Migration{}, Pending: []Migration{}}
+	table := qualified(schemaName, m.cfg.Table)
+	var exists bool
+	if err := conn.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", table).Scan(&exists); err != nil {
+		return st, err
+	}
+	if exists {
+		var v int64
+		err := conn.QueryRow(ctx, "SELECT version, dirty FROM "+table+" LIMIT 1").Scan(&v, &st.Dirty)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return st, err
+		}
+		st.Version = uint(max(v, 0))
+	}
+	for _, a := range Available() {
+		if a.Version <= st.Version {
+			st.Applied = append(st.Applied, a)
+		} else {
+			st.Pending = append(st.Pending, a)
+		}
+	}
+	var kind *string
+	err := conn.QueryRow(ctx, `SELECT c.relkind::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = $1 AND c.relname = 'pgrl_fixed_window'`, schemaName).Scan(&kind)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return st, err
+	case *kind == "p":
+		st.Layout = LayoutPartitioned
+		settings := qualified(schemaName, "pgrl_partition_settings")
+		var secs int64
+		err := conn.QueryRow(ctx, "SELECT partition_seconds FROM "+settings+" WHERE table_name = 'pgrl_fixed_window'").Scan(&secs)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+			return st, err
+		}
+		st.PartitionWidth = time.Duration(secs) * time.Second
+	default:
+		st.Layout = LayoutPlain
+	}
+	return st, nil
+}
+
+// open builds a golang-migrate instance on a connection of its own whose
+// search_path is the schema. closeFn closes it.
+func (m *Migrator) open(schemaName string) (*migrate.Migrate, *trackingDriver, func(), error) {
+	c := m.connCfg.Copy()
+	c.RuntimeParams["search_path"] = pgx.Identifier{schemaName}.Sanitize()
+	db := stdlib.OpenDB(*c)
+	db.SetMaxOpenConns(2)
+	inner, err := pgxmigrate.WithInstance(db, &pgxmigrate.Config{MigrationsTable: m.cfg.Table, SchemaName: schemaName})
+	if err != nil {
+		_ = db.Close()
+		return nil, nil, nil, unwrapDriverError(err)
+	}
+	drv := &trackingDriver{Driver: inner, lastClean: database.NilVersion, dirtyTarget: database.NilVersion}
+	src, err := iofs.New(schema.FS, ".")
+	if err != nil {
+		_ = inner.Close()
+		return nil, nil, nil, err
+	}
+	mg, err := migrate.NewWithInstance("iofs", src, "pgx5", drv)
+	if err != nil {
+		_ = inner.Close()
+		return nil, nil, nil, err
+	}
+	mg.Log = migrateLogger{l: m.cfg.Logger.With("schema", schemaName)}
+	mg.LockTimeout = m.cfg.LockTimeout + 10*time.Second
+	return mg, drv, func() { _, _ = mg.Close() }, nil
+}
+
+// trackingDriver remembers the last clean version recorded and the last
+// error of a migration file, so that a file the server rejected (and rolled
+// back) does not leave the table dirty.
+type trackingDriver struct {
+	database.Driver
+	lastClean   int
+	dirtyTarget int
+	runErr      error
+}
+
+func (d *trackingDriver) Run(r io.Reader) error {
+	err := d.Driver.Run(r)
+	if err != nil {
+		d.runErr = err
+	}
+	return err
+}
+
+func (d *trackingDriver) SetVersion(version int, dirty bool) error {
+	err := d.Driver.SetVersion(version, dirty)
+	if err == nil {
+		if dirty {
+			d.dirtyTarget = version
+		} else {
+			d.lastClean = version
+		}
+	}
+	return err
+}
+
+// migrateLogger adapts slog to golang-migrate's logger.
+type migrateLogger struct{ l *slog.Logger }
+
+func (g migrateLogger) Printf(format string, v ...any) {
+	g.l.Info(strings.TrimSpace(fmt.Sprintf(format, v...)))
+}
+
+func (g migrateLogger) Verbose() bool { return false }
+
+// unwrapDriverError replaces golang-migrate's database.Error, which quotes
+// the whole migration and hides its cause, by its cause.
+func unwrapDriverError(err error) error {
+	var v database.Error
+	if errors.As(err, &v) && v.OrigErr != nil {
+		return v.OrigErr
+	}
+	var p *database.Error
+	if errors.As(err, &p) && p.OrigErr != nil {
+		return p.OrigErr
+	}
+	if errors.Is(err, sql.ErrConnDone) {
+		return errors.New("the database connection was closed")
+	}
+	return err
+}
+
+// between lists the migrations applied (from < to) or reverted (from > to).
+func between(from, to uint) (applied, reverted []Migration) {
+	applied, reverted = []Migration{}, []Migration{}
+	all := Available()
+	if to > from {
+		for _, a := range all {
+			if a.Version > from && a.Version <= to {
+				applied = append(applied, a)
+			}
+		}
+	}
+	if from > to {
+		for i := len(all) - 1; i >= 0; i-- {
+			if all[i].Version <= from && all[i].Version > to {
+				reverted = append(reverted, all[i])
+			}
+		}
+	}
+	return applied, reverted
+}
+
+func qualified(schemaName, table string) string {
+	return pgx.Identifier{schemaName, table}.Sanitize()
+}
+
+func millis(d time.Duration) string { return fmt.Sprintf("%dms", d.Milliseconds()) }
+
+func quoteLiteral(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
