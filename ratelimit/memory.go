@@ -1,0 +1,516 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/sha512"
+	"hash/maphash"
+	"math"
+	"math/bits"
+	"strings"
+	"sync"
+	"time"
+)
+
+// MemoryOptions bound a MemoryLimiter's memory.
+type MemoryOptions struct {
+	// MaxKeys is the most keys the limiter remembers at once. When it is
+	// full, a new key evicts the least recently used one, which starts
+	// afresh if it comes back. Defaults to 100_000.
+	MaxKeys int
+
+	// Shards is how many independently locked parts the keys are spread
+	// over, to keep concurrent checks of different keys from waiting on one
+	// another. Each shard holds at most MaxKeys/Shards keys. Capped at
+	// MaxKeys. Defaults to 64.
+	Shards int
+}
+
+// Defaults for MemoryOptions.
+const (
+	DefaultMemoryMaxKeys = 100_000
+	DefaultMemoryShards  = 64
+)
+
+// maxInlineKey is the longest key a MemoryLimiter or a deny cache stores as
+// given. A longer key is stored as its SHA-512 digest followed by one marker
+// byte: 65 bytes, a length no key stored as given can have, so the two forms
+// never meet. This keeps the memory per key bounded whatever the keys are
+// (a 1 MB key costs 65 bytes, not 1 MB).
+const maxInlineKey = 64
+
+// lookupKey returns the form of key that the maps are indexed by: key
+// itself when it is short, else its digest form (a new string).
+func lookupKey(key string) string {
+	if len(key) <= maxInlineKey {
+		return key
+	}
+	sum := sha512.Sum512([]byte(key))
+	return string(append(sum[:], 0))
+}
+
+// ownedKey returns the string to store for key, whose lookup form is k: a
+// copy of a short key, so that the map never pins a larger buffer the
+// caller's key was sliced from, or k itself, already a string of its own.
+func ownedKey(key, k string) string {
+	if len(key) <= maxInlineKey {
+		return strings.Clone(key)
+	}
+	return k
+}
+
+// MemoryLimiter is one limit kept in process memory: the same three
+// algorithms, the same arithmetic and the same penalty semantics as Limiter,
+// without a database. Use it alone for high-volume, low-stakes limits that
+// must never write to the database (an analytics beacon), or as the fallback
+// of a limiter whose database is down. Each process counts on its own, so a
+// limit of N per instance admits up to N times the instance count in all.
+//
+// Memory is bounded: at most MaxKeys keys are kept, the least recently
+// checked key being evicted first (it starts afresh if it returns), and
+// keys whose state has died (a window that has ended, a bucket that has
+// refilled) are swept a few at a time during ordinary checks. No background
+// goroutine is needed. Keys of up to 64 bytes are stored as given; longer
+// ones as a 65-byte digest. See docs/MEMORY.md for the measured cost per key.
+//
+// Time comes from a monotonic clock: wall time read once when the limiter
+// is created, advanced by the monotonic clock since, so a step of the
+// system clock neither refills buckets nor rewinds windows. Windows are
+// aligned on multiples of Window since the Unix epoch, as in PostgreSQL.
+// Config.Now replaces that clock for tests.
+//
+// A MemoryLimiter is safe for concurrent use.
+type MemoryLimiter struct {
+	cfg         Config
+	calc        *Limiter // decision arithmetic shared with the Postgres limiter; no database
+	windowUs    int64
+	refillPerUs float64
+	capacity    float64
+	start       time.Time // wall and monotonic reading at creation
+	startUs     int64     // start in microseconds since the Unix epoch
+	keys        shardedLRU[memState]
+}
+
+// memState is one key's counter. The fields mean, per algorithm:
+// fixed window: at is the window's end, count the units counted in it;
+// token bucket: at is the last update, tokens the balance then;
+// sliding window: at is the current window's start, count and prev the
+// units counted in it and in the one before.
+type memState struct {
+	at     int64 // microseconds since the Unix epoch
+	count  int64
+	prev   int64
+	tokens float64
+}
+
+// NewMemory returns a limiter that keeps its counters in process memory. It
+// validates cfg as New does; cfg.KeyMode is ignored (keys never leave the
+// process).
+func NewMemory(cfg Config, opts MemoryOptions) (*MemoryLimiter, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if opts.MaxKeys <= 0 {
+		opts.MaxKeys = DefaultMemoryMaxKeys
+	}
+	if opts.Shards <= 0 {
+		opts.Shards = DefaultMemoryShards
+	}
+	w := cfg.Window.Microseconds()
+	m := &MemoryLimiter{
+		cfg:         cfg,
+		windowUs:    w,
+		refillPerUs: float64(cfg.Limit) / float64(w),
+		capacity:    float64(cfg.Burst),
+		start:       time.Now(),
+	}
+	m.startUs = m.start.UnixMicro()
+	m.calc = &Limiter{cfg: cfg, windowUs: w, refillPerUs: m.refillPerUs}
+	m.keys.init(opts.MaxKeys, opts.Shards)
+	return m, nil
+}
+
+// Config returns the limiter's configuration, defaults filled in.
+func (m *MemoryLimiter) Config() Config { return m.cfg }
+
+// Len reports how many keys the limiter holds, including dead ones not yet
+// swept. It never exceeds MaxKeys.
+func (m *MemoryLimiter) Len() int { return m.keys.len() }
+
+// Allow checks and counts one unit for key.
+func (m *MemoryLimiter) Allow(ctx context.Context, key string) (Decision, error) {
+	return m.AllowN(ctx, key, 1)
+}
+
+// AllowN checks and counts n units for key. Either all n are admitted or
+// none (unless Penalty is set: then a denied check is counted too). ctx is
+// accepted for symmetry with Limiter and not consulted: a memory check
+// never waits on I/O, and a fallback must answer even when the context of a
+// failed database check has expired.
+func (m *MemoryLimiter) AllowN(_ context.Context, key string, n int64) (Decision, error) {
+	if err := m.cfg.checkCost(n); err != nil {
+		return Decision{}, err
+	}
+	now := m.nowUs()
+	k := lookupKey(key)
+	sh := m.keys.shard(k)
+	sh.mu.Lock()
+	m.sweep(sh, now)
+	node := sh.get(k)
+	if node == nil {
+		node = sh.insert(ownedKey(key, k))
+		m.fresh(&node.val, now)
+	} else {
+		sh.touch(node)
+	}
+	st := node.val
+	var allowed bool
+	st, allowed = m.take(st, now, n)
+	node.val = st
+	sh.mu.Unlock()
+	return m.decide(allowed, st, now, n), nil
+}
+
+// Peek reports the key's state, as a check costing one unit would see it,
+// without counting anything. It does not make the key more recently used.
+func (m *MemoryLimiter) Peek(_ context.Context, key string) (Decision, error) {
+	now := m.nowUs()
+	k := lookupKey(key)
+	sh := m.keys.shard(k)
+	sh.mu.Lock()
+	m.sweep(sh, now)
+	var st memState
+	if node := sh.get(k); node != nil {
+		st = node.val
+	} else {
+		m.fresh(&st, now)
+	}
+	sh.mu.Unlock()
+	st = m.roll(st, now)
+	d := m.peekDecision(st, now)
+	return d, nil
+}
+
+// Reset forgets everything counted for key. It never fails; the error is
+// there for symmetry with Limiter.
+func (m *MemoryLimiter) Reset(_ context.Context, key string) error {
+	k := lookupKey(key)
+	sh := m.keys.shard(k)
+	sh.mu.Lock()
+	if node := sh.get(k); node != nil {
+		sh.remove(node)
+	}
+	sh.mu.Unlock()
+	return nil
+}
+
+// nowUs is the current instant in microseconds since the Unix epoch.
+func (m *MemoryLimiter) nowUs() int64 {
+	if m.cfg.Now != nil {
+		return m.cfg.Now().UnixMicro()
+	}
+	return m.startUs + time.Since(m.start).Microseconds()
+}
+
+// fixedEnd is the end of the fixed window holding now, as in SQL.
+func (m *MemoryLimiter) fixedEnd(now int64) int64 { return now - now%m.windowUs + m.windowUs }
+
+// slidingStart is the start of the fixed window holding now, as in SQL.
+func (m *MemoryLimiter) slidingStart(now int64) int64 { return now - now%m.windowUs }
+
+// fresh sets st to the state of a key never seen: what a first check's
+// INSERT arm starts from.
+func (m *MemoryLimiter) fresh(st *memState, now int64) {
+	switch m.cfg.Algorithm {
+	case TokenBucket:
+		*st = memState{at: now, tokens: m.capacity}
+	case SlidingWindow:
+		*st = memState{at: m.slidingStart(now)}
+	default:
+		*st = memState{at: m.fixedEnd(now)}
+	}
+}
+
+// dead reports whether st no longer affects any check at now or later: a
+// key in that state is indistinguishable from one never seen, so it can be
+// dropped. The clock only moves forward, so a dead state stays dead.
+func (m *MemoryLimiter) dead(st memState, now int64) bool {
+	switch m.cfg.Algorithm {
+	case TokenBucket:
+		return st.at <= now && st.tokens+float64(now-st.at)*m.refillPerUs >= m.capacity
+	case SlidingWindow:
+		return st.at < m.slidingStart(now)-m.windowUs
+	default:
+		return st.at <= now
+	}
+}
+
+// sweepPerCall is how many dead keys a call may drop from the least
+// recently used end of its shard.
+const sweepPerCall = 2
+
+// sweep drops up to sweepPerCall dead keys from the cold end of sh, stopping
+// at the first live one. For the window algorithms a key's death time only
+// grows with its last check, so the keys behind a live one are live too;
+// for the token bucket the order is nearly so, and LRU eviction bounds what
+// is left.
+func (m *MemoryLimiter) sweep(sh *lruShard[memState], now int64) {
+	for range sweepPerCall {
+		node := sh.tail
+		if node == nil || !m.dead(node.val, now) {
+			return
+		}
+		sh.remove(node)
+	}
+}
+
+// roll brings st forward to now without counting, as a peek sees it.
+func (m *MemoryLimiter) roll(st memState, now int64) memState {
+	switch m.cfg.Algorithm {
+	case TokenBucket:
+		st.tokens = min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
+		st.at = now
+	case SlidingWindow:
+		ws := m.slidingStart(now)
+		switch {
+		case st.at >= ws:
+		case st.at == ws-m.windowUs:
+			st.at, st.count, st.prev = ws, 0, st.count
+		default:
+			st.at, st.count, st.prev = ws, 0, 0
+		}
+	default:
+		if end := m.fixedEnd(now); st.at != end {
+			st = memState{at: end}
+		}
+	}
+	return st
+}
+
+// take applies one check of cost to st at now, as the SQL upsert does, and
+// returns the new state and whether the check was allowed.
+func (m *MemoryLimiter) take(st memState, now, cost int64) (memState, bool) {
+	switch m.cfg.Algorithm {
+	case TokenBucket:
+		avail := min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
+		c := float64(cost)
+		allowed := avail >= c
+		switch {
+		case allowed:
+			st.tokens = avail - c
+		case m.cfg.Penalty:
+			st.tokens = max(avail-c, -m.capacity)
+		default:
+			st.tokens = avail
+		}
+		st.at = max(st.at, now)
+		return st, allowed
+	case SlidingWindow:
+		// A state from a later window (only with a pinned clock that went
+		// back) is kept, as the SQL keeps the row's window.
+		ws := max(st.at, m.slidingStart(now))
+		var cur, prev int64
+		switch {
+		case st.at >= ws:
+			cur, prev = st.count, st.prev
+		case st.at == ws-m.windowUs:
+			prev = st.count
+		}
+		e := min(max(now-ws, 0), m.windowUs)
+		allowed := slidingFits(prev, cur, cost, e, m.windowUs, m.cfg.Limit)
+		if allowed || m.cfg.Penalty {
+			cur = satAdd(cur, cost)
+		}
+		return memState{at: ws, count: cur, prev: prev}, allowed
+	default:
+		// One window per key: with the monotonic clock windows only move
+		// forward, so the current one is all that matters.
+		end := m.fixedEnd(now)
+		var count int64
+		if st.at == end {
+			count = st.count
+		}
+		allowed := count+cost <= m.cfg.Limit
+		if allowed || m.cfg.Penalty {
+			count = satAdd(count, cost)
+		}
+		return memState{at: end, count: count}, allowed
+	}
+}
+
+// slidingFits reports prev*(w-e) + (cur+cost)*w <= limit*w, computed exactly
+// in 128 bits as the SQL computes it in numeric. All inputs are
+// non-negative.
+func slidingFits(prev, cur, cost, e, w, limit int64) bool {
+	h1, l1 := bits.Mul64(uint64(prev), uint64(w-e))
+	h2, l2 := bits.Mul64(uint64(cur)+uint64(cost), uint64(w)) // cur+cost < 2^64
+	lo, carry := bits.Add64(l1, l2, 0)
+	hi, _ := bits.Add64(h1, h2, carry)
+	rh, rl := bits.Mul64(uint64(limit), uint64(w))
+	return hi < rh || (hi == rh && lo <= rl)
+}
+
+// satAdd adds two non-negative counts, saturating at math.MaxInt64.
+func satAdd(a, b int64) int64 {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
+}
+
+// usTime converts microseconds since the Unix epoch to a time.
+func usTime(us int64) time.Time { return time.UnixMicro(us) }
+
+// decide builds the decision of a check from the state after it.
+func (m *MemoryLimiter) decide(allowed bool, st memState, now, cost int64) Decision {
+	var d Decision
+	switch m.cfg.Algorithm {
+	case TokenBucket:
+		// full_at = at + (capacity - tokens)/refill, rounded as PostgreSQL
+		// rounds interval * float8: to the nearest microsecond, ties to even.
+		fullAt := st.at + int64(math.RoundToEven((m.capacity-st.tokens)/m.refillPerUs))
+		d = m.calc.tokenDecision(allowed, st.tokens, usTime(st.at), usTime(fullAt), cost)
+	case SlidingWindow:
+		d = m.calc.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), cost)
+	default:
+		d = m.calc.fixedDecision(allowed, st.count, usTime(st.at), usTime(now))
+	}
+	d.Store = StoreMemory
+	return d
+}
+
+// peekDecision builds a peek's decision from the state rolled to now, as
+// Limiter.Peek does.
+func (m *MemoryLimiter) peekDecision(st memState, now int64) Decision {
+	var d Decision
+	switch m.cfg.Algorithm {
+	case TokenBucket:
+		fullAt := usTime(now).Add(usToDuration((m.capacity - st.tokens) / m.refillPerUs))
+		d = m.calc.tokenDecision(st.tokens >= 1, st.tokens, usTime(now), fullAt, 1)
+	case SlidingWindow:
+		e := min(max(now-st.at, 0), m.windowUs)
+		allowed := slidingEstimate(st.prev, st.count, e, m.windowUs)+1 <= float64(m.cfg.Limit)
+		d = m.calc.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), 1)
+	default:
+		d = m.calc.fixedDecision(st.count+1 <= m.cfg.Limit, st.count, usTime(st.at), usTime(now))
+	}
+	d.Store = StoreMemory
+	return d
+}
+
+// lruNode is one key in an lruShard, linked into the shard's recency list.
+// The links are in the node itself, so a key costs one allocation.
+type lruNode[V any] struct {
+	key        string
+	prev, next *lruNode[V] // towards the head (most recent) and the tail
+	val        V
+}
+
+// lruShard is a map with a recency list and a cap on its size. Its methods
+// require mu to be held.
+type lruShard[V any] struct {
+	mu         sync.Mutex
+	m          map[string]*lruNode[V]
+	head, tail *lruNode[V]
+	max        int
+	_          [64]byte // keeps neighbouring shards' locks off one cache line
+}
+
+func (s *lruShard[V]) get(key string) *lruNode[V] { return s.m[key] }
+
+// insert adds key (which must be absent, and owned: see ownedKey) at the
+// head with a zero value, evicting the least recently used key when the
+// shard is full.
+func (s *lruShard[V]) insert(key string) *lruNode[V] {
+	var node *lruNode[V]
+	if len(s.m) >= s.max && s.tail != nil {
+		// Reuse the evicted node: a full shard allocates nothing per key.
+		node = s.tail
+		s.remove(node)
+		*node = lruNode[V]{}
+	} else {
+		node = new(lruNode[V])
+	}
+	node.key = key
+	if s.m == nil {
+		s.m = make(map[string]*lruNode[V])
+	}
+	s.m[node.key] = node
+	s.pushFront(node)
+	return node
+}
+
+// touch makes node the most recently used.
+func (s *lruShard[V]) touch(node *lruNode[V]) {
+	if s.head == node {
+		return
+	}
+	s.unlink(node)
+	s.pushFront(node)
+}
+
+// remove deletes node from the shard.
+func (s *lruShard[V]) remove(node *lruNode[V]) {
+	s.unlink(node)
+	delete(s.m, node.key)
+}
+
+func (s *lruShard[V]) pushFront(node *lruNode[V]) {
+	node.prev, node.next = nil, s.head
+	if s.head != nil {
+		s.head.prev = node
+	}
+	s.head = node
+	if s.tail == nil {
+		s.tail = node
+	}
+}
+
+func (s *lruShard[V]) unlink(node *lruNode[V]) {
+	if node.prev != nil {
+		node.prev.next = node.next
+	} else {
+		s.head = node.next
+	}
+	if node.next != nil {
+		node.next.prev = node.prev
+	} else {
+		s.tail = node.prev
+	}
+	node.prev, node.next = nil, nil
+}
+
+// shardedLRU spreads keys over shards by a seeded hash; each shard is an
+// lruShard with its own lock and its share of the cap.
+type shardedLRU[V any] struct {
+	seed   maphash.Seed
+	shards []lruShard[V]
+}
+
+// init sizes the shards so that together they never hold more than maxKeys.
+func (l *shardedLRU[V]) init(maxKeys, shards int) {
+	shards = max(min(shards, maxKeys), 1)
+	l.seed = maphash.MakeSeed()
+	l.shards = make([]lruShard[V], shards)
+	for i := range l.shards {
+		l.shards[i].max = max(maxKeys/shards, 1)
+	}
+}
+
+// shard returns the shard that holds key (in its stored form).
+func (l *shardedLRU[V]) shard(key string) *lruShard[V] {
+	hi, _ := bits.Mul64(maphash.String(l.seed, key), uint64(len(l.shards)))
+	return &l.shards[hi]
+}
+
+// len counts the keys held.
+func (l *shardedLRU[V]) len() int {
+	n := 0
+	for i := range l.shards {
+		s := &l.shards[i]
+		s.mu.Lock()
+		n += len(s.m)
+		s.mu.Unlock()
+	}
+	return n
+}
