@@ -21,7 +21,8 @@ SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_wi
        coalesce((SELECT n.nspname FROM pg_catalog.pg_class AS c
                    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS schema_name,
-       current_setting('server_version_num')::integer AS server_version_num
+       current_setting('server_version_num')::integer AS server_version_num,
+       statement_timestamp()::timestamptz AS now
 `
 
 type CleanupTablesRow struct {
@@ -32,6 +33,7 @@ type CleanupTablesRow struct {
 	FixedWindowPartitioned  bool
 	SchemaName              string
 	ServerVersionNum        int32
+	Now                     time.Time
 }
 
 // Queries behind rl-cleanup and package cleanup.
@@ -61,7 +63,7 @@ type CleanupTablesRow struct {
 // took 6.1 s for the same work (random heap reads), so it is not used.
 // CleanupTables reports which pgrl tables exist in the search_path, whether
 // pgrl_fixed_window is partitioned, its partition width (0 when plain), the
-// schema it lives in, and the server's version number.
+// schema it lives in, the server's version number and the database clock.
 func (q *Queries) CleanupTables(ctx context.Context, db DBTX) (CleanupTablesRow, error) {
 	row := db.QueryRow(ctx, cleanupTables)
 	var i CleanupTablesRow
@@ -73,6 +75,7 @@ func (q *Queries) CleanupTables(ctx context.Context, db DBTX) (CleanupTablesRow,
 		&i.FixedWindowPartitioned,
 		&i.SchemaName,
 		&i.ServerVersionNum,
+		&i.Now,
 	)
 	return i, err
 }
@@ -151,6 +154,48 @@ func (q *Queries) FixedWindowDeleteExpiredBatch(ctx context.Context, db DBTX, ar
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const fixedWindowDetachedPartitions = `-- name: FixedWindowDetachedPartitions :many
+SELECT n.nspname::text AS schema_name,
+       c.relname::text AS table_name
+  FROM pg_catalog.pg_class AS c
+  JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE c.relkind = 'r'
+   AND c.relnamespace = (SELECT p.relnamespace FROM pg_catalog.pg_class AS p
+                          WHERE p.oid = 'pgrl_fixed_window'::regclass)
+   AND c.relname ~ '^pgrl_fixed_window_[0-9]{8}t[0-9]{6}$'
+   AND NOT c.relispartition
+ ORDER BY c.relname
+`
+
+type FixedWindowDetachedPartitionsRow struct {
+	SchemaName string
+	TableName  string
+}
+
+// FixedWindowDetachedPartitions lists tables named like pgrl_fixed_window's
+// partitions (pgrl_fixed_window_YYYYMMDDtHHMMSS) in its schema that are no
+// longer attached to it: what a cleanup interrupted between DETACH and DROP
+// leaves behind. No check can reach them.
+func (q *Queries) FixedWindowDetachedPartitions(ctx context.Context, db DBTX) ([]FixedWindowDetachedPartitionsRow, error) {
+	rows, err := db.Query(ctx, fixedWindowDetachedPartitions)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowDetachedPartitionsRow
+	for rows.Next() {
+		var i FixedWindowDetachedPartitionsRow
+		if err := rows.Scan(&i.SchemaName, &i.TableName); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const fixedWindowEnsurePartitionsAhead = `-- name: FixedWindowEnsurePartitionsAhead :one

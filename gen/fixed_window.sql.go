@@ -13,7 +13,7 @@ import (
 const fixedWindowEnsurePartition = `-- name: FixedWindowEnsurePartition :one
 WITH clock AS (
     SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($1::timestamptz, statement_timestamp()) AS ts) AS n
+      FROM (SELECT coalesce($1::timestamptz, now()) AS ts) AS n
 ), win AS (
     SELECT timestamptz 'epoch' + ((now_us - now_us % $2::bigint) + $2::bigint) * interval '1 microsecond' AS expires_at
       FROM clock
@@ -40,7 +40,7 @@ const fixedWindowPeek = `-- name: FixedWindowPeek :one
 WITH clock AS (
     SELECT ts,
            (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($2::timestamptz, statement_timestamp()) AS ts) AS n
+      FROM (SELECT coalesce($2::timestamptz, now()) AS ts) AS n
 ), win AS (
     SELECT ts,
            timestamptz 'epoch' + ((now_us - now_us % $3::bigint) + $3::bigint) * interval '1 microsecond' AS expires_at
@@ -90,7 +90,7 @@ const fixedWindowTake = `-- name: FixedWindowTake :one
 WITH clock AS (
     SELECT ts,
            (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($5::timestamptz, statement_timestamp()) AS ts) AS n
+      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS n
 ), win AS (
     SELECT ts,
            timestamptz 'epoch' + ((now_us - now_us % $6::bigint) + $6::bigint) * interval '1 microsecond' AS expires_at
@@ -132,7 +132,9 @@ type FixedWindowTakeRow struct {
 // penalty is set: then every attempt is counted. Windows are aligned on the
 // database clock: multiples of window_us microseconds since the Unix epoch.
 // at pins the clock for tests; production leaves it nil and the database's
-// statement_timestamp() decides.
+// now() decides: the transaction's start, which for a check sent on its own is
+// the statement's, and which gives every check of one multi-limit batch the
+// same instant.
 func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowTakeParams) (FixedWindowTakeRow, error) {
 	row := db.QueryRow(ctx, fixedWindowTake,
 		arg.Key,

@@ -16,7 +16,7 @@ WITH p AS (
            timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
            n.window_us
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us, c.window_us
-              FROM (SELECT coalesce($1::timestamptz, statement_timestamp()) AS ts,
+              FROM (SELECT coalesce($1::timestamptz, now()) AS ts,
                            $2::bigint AS window_us) AS c) AS n
 ), r AS (
     SELECT t.window_start, t.count, t.prev_count
@@ -79,7 +79,7 @@ WITH p AS (
            n.window_us, n.cost, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.cost, c.max_count, c.penalty
-              FROM (SELECT coalesce($2::timestamptz, statement_timestamp()) AS ts,
+              FROM (SELECT coalesce($2::timestamptz, now()) AS ts,
                            $3::bigint AS window_us,
                            $4::bigint AS cost,
                            $5::bigint AS max_count,

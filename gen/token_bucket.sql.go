@@ -12,7 +12,7 @@ import (
 
 const tokenBucketPeek = `-- name: TokenBucketPeek :one
 WITH p AS (
-    SELECT coalesce($2::timestamptz, statement_timestamp()) AS ts,
+    SELECT coalesce($2::timestamptz, now()) AS ts,
            $3::float8 AS capacity,
            $4::float8 AS refill_per_us
 )
@@ -68,7 +68,7 @@ func (q *Queries) TokenBucketReset(ctx context.Context, db DBTX, key []byte) (in
 
 const tokenBucketTake = `-- name: TokenBucketTake :one
 WITH p AS (
-    SELECT coalesce($2::timestamptz, statement_timestamp()) AS ts,
+    SELECT coalesce($2::timestamptz, now()) AS ts,
            $3::float8 AS cost,
            $4::float8 AS capacity,
            $5::float8 AS refill_per_us,

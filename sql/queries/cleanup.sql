@@ -25,7 +25,7 @@
 -- name: CleanupTables :one
 -- CleanupTables reports which pgrl tables exist in the search_path, whether
 -- pgrl_fixed_window is partitioned, its partition width (0 when plain), the
--- schema it lives in, and the server's version number.
+-- schema it lives in, the server's version number and the database clock.
 SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_window_exists,
        (to_regclass('pgrl_token_bucket'::text) IS NOT NULL)::boolean AS token_bucket_exists,
        (to_regclass('pgrl_sliding_window'::text) IS NOT NULL)::boolean AS sliding_window_exists,
@@ -35,7 +35,8 @@ SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_wi
        coalesce((SELECT n.nspname FROM pg_catalog.pg_class AS c
                    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS schema_name,
-       current_setting('server_version_num')::integer AS server_version_num;
+       current_setting('server_version_num')::integer AS server_version_num,
+       statement_timestamp()::timestamptz AS now;
 
 -- name: FixedWindowPartitionSeconds :one
 -- FixedWindowPartitionSeconds returns the width of pgrl_fixed_window's
@@ -148,3 +149,19 @@ SELECT pgrl_fixed_window_ensure_partitions(
            statement_timestamp(),
            statement_timestamp() + sqlc.arg(horizon_us)::bigint * interval '1 microsecond'
        )::integer AS created;
+
+-- name: FixedWindowDetachedPartitions :many
+-- FixedWindowDetachedPartitions lists tables named like pgrl_fixed_window's
+-- partitions (pgrl_fixed_window_YYYYMMDDtHHMMSS) in its schema that are no
+-- longer attached to it: what a cleanup interrupted between DETACH and DROP
+-- leaves behind. No check can reach them.
+SELECT n.nspname::text AS schema_name,
+       c.relname::text AS table_name
+  FROM pg_catalog.pg_class AS c
+  JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE c.relkind = 'r'
+   AND c.relnamespace = (SELECT p.relnamespace FROM pg_catalog.pg_class AS p
+                          WHERE p.oid = 'pgrl_fixed_window'::regclass)
+   AND c.relname ~ '^pgrl_fixed_window_[0-9]{8}t[0-9]{6}$'
+   AND NOT c.relispartition
+ ORDER BY c.relname;

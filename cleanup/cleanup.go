@@ -1,0 +1,689 @@
+// Package cleanup removes pgrl counter rows that can no longer change any
+// decision, for applications that call it themselves and for rl-cleanup.
+//
+// A row is dead when its fixed window has ended, when its token bucket would
+// be full again, or when its sliding-window state is older than two windows.
+// Run deletes dead rows in bounded batches (ModeDelete), or, for the
+// partitioned layout of pgrl_fixed_window, drops whole partitions whose range
+// lies in the past and creates upcoming ones (ModePartitions). Either way it
+// never touches a row a check can still read or write, holds no lock longer
+// than one short statement, and stops between batches when its context is
+// cancelled or MaxDuration has passed.
+//
+// Two runs against the same schema never work at once: Run takes a
+// session-level advisory lock and, when another run holds it, returns at once
+// with Result.Skipped set.
+//
+// Opportunistic runs a small cleanup from inside the request path, on about
+// one check in N, for applications that have no cron.
+package cleanup
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgrl/pgrl/gen"
+)
+
+// Mode selects how Run removes dead fixed-window rows.
+type Mode int
+
+const (
+	// ModeDelete deletes dead rows in batches from all three tables. It is the
+	// default and works with both layouts of pgrl_fixed_window.
+	ModeDelete Mode = iota
+	// ModePartitions needs the partitioned layout: it creates partitions
+	// ahead up to Horizon, drops the partitions of pgrl_fixed_window whose
+	// whole range is past, and deletes dead rows from the token-bucket and
+	// sliding-window tables.
+	ModePartitions
+)
+
+// String returns "delete" or "partitions".
+func (m Mode) String() string {
+	switch m {
+	case ModeDelete:
+		return "delete"
+	case ModePartitions:
+		return "partitions"
+	}
+	return "Mode(" + strconv.Itoa(int(m)) + ")"
+}
+
+// ParseMode parses "delete" or "partitions".
+func ParseMode(s string) (Mode, error) {
+	switch s {
+	case "delete":
+		return ModeDelete, nil
+	case "partitions":
+		return ModePartitions, nil
+	}
+	return 0, fmt.Errorf("%w: unknown mode %q; use delete or partitions", ErrInvalidOptions, s)
+}
+
+// Defaults applied by Run to zero-valued Options fields.
+const (
+	DefaultBatchSize        = 5000
+	DefaultHorizon          = 24 * time.Hour
+	DefaultLockTimeout      = time.Second
+	DefaultStatementTimeout = 30 * time.Second
+)
+
+// Table names, as they appear in Result and in progress reports.
+const (
+	TableFixedWindow   = "pgrl_fixed_window"
+	TableTokenBucket   = "pgrl_token_bucket"
+	TableSlidingWindow = "pgrl_sliding_window"
+)
+
+// Errors returned by Run. Each message names the fix; test with errors.Is.
+var (
+	// ErrInvalidOptions: an Options field is out of range. Nothing was done.
+	ErrInvalidOptions = errors.New("invalid cleanup options")
+	// ErrNotMigrated: pgrl's tables are missing from the search_path.
+	ErrNotMigrated = errors.New("pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)")
+	// ErrPlainLayout: ModePartitions was asked for, but pgrl_fixed_window uses
+	// the plain layout.
+	ErrPlainLayout = errors.New("pgrl_fixed_window is not partitioned; run `rl-migrate layout partitioned` first, or use delete mode")
+)
+
+// Options configures Run. The zero value is a delete-mode run with the
+// defaults below.
+type Options struct {
+	// Mode is ModeDelete (the default) or ModePartitions.
+	Mode Mode
+	// BatchSize is the most rows one DELETE statement removes. Defaults to
+	// DefaultBatchSize (5000). Must not be negative.
+	BatchSize int
+	// MaxBatches stops each table after this many batches. Defaults to 0: no
+	// limit. Opportunistic sets it to 1.
+	MaxBatches int
+	// MaxDuration stops the run between batches once it has run this long.
+	// Defaults to 0: no limit. Must not be negative.
+	MaxDuration time.Duration
+	// DryRun counts what would be deleted, created and dropped, and changes
+	// nothing.
+	DryRun bool
+	// Horizon is how far ahead of now ModePartitions creates partitions.
+	// Defaults to DefaultHorizon (24h). Must not be negative.
+	Horizon time.Duration
+	// LockTimeout is the session's lock_timeout: the longest any statement
+	// of the run waits for a lock. Defaults to DefaultLockTimeout (1s).
+	LockTimeout time.Duration
+	// StatementTimeout is the session's statement_timeout: the longest any
+	// one statement of the run (a batch, a DETACH, a VACUUM) may take.
+	// Defaults to DefaultStatementTimeout (30s).
+	StatementTimeout time.Duration
+	// BatchPause is slept between batches to leave more of the server to
+	// the checks. Defaults to 0.
+	BatchPause time.Duration
+	// Vacuum runs VACUUM (SKIP_LOCKED) on every table the run deleted rows
+	// from, so their space is reused at once. Defaults to false: the tables'
+	// own autovacuum settings normally do this within a minute or two.
+	Vacuum bool
+	// Logger receives a line per batch (debug) and a summary (info).
+	// Defaults to discarding everything.
+	Logger *slog.Logger
+	// Progress, when set, is called after every batch and every partition
+	// dropped, from the goroutine running Run.
+	Progress func(Progress)
+	// At pins the clock that decides which rows are dead, for tests only;
+	// production leaves it nil and the database clock decides. Partitions
+	// are always judged on the database clock.
+	At *time.Time
+}
+
+// Progress reports how far a run has got.
+type Progress struct {
+	// Table is the table being worked on.
+	Table string
+	// Deleted is how many rows the run has deleted from Table so far.
+	Deleted int64
+	// Batches is how many batches have run on Table so far.
+	Batches int
+	// PartitionsDropped is how many partitions the run has dropped so far.
+	PartitionsDropped int
+	// Elapsed is the time since the run started.
+	Elapsed time.Duration
+}
+
+// TableResult is what a run did to one table.
+type TableResult struct {
+	// Deleted is how many dead rows were deleted (0 in a dry run).
+	Deleted int64 `json:"deleted"`
+	// WouldDelete is, in a dry run, how many dead rows the table holds.
+	WouldDelete int64 `json:"would_delete"`
+	// Batches is how many DELETE statements ran.
+	Batches int `json:"batches"`
+	// Vacuumed is true when the run vacuumed the table afterwards.
+	Vacuumed bool `json:"vacuumed"`
+}
+
+// Tables holds the per-table results.
+type Tables struct {
+	FixedWindow   TableResult `json:"pgrl_fixed_window"`
+	TokenBucket   TableResult `json:"pgrl_token_bucket"`
+	SlidingWindow TableResult `json:"pgrl_sliding_window"`
+}
+
+// Partitions is what a ModePartitions run did to pgrl_fixed_window's
+// partitions.
+type Partitions struct {
+	// Created is how many partitions were created ahead (in a dry run: how
+	// many would be).
+	Created int `json:"created"`
+	// Dropped names the partitions dropped (in a dry run: that would be).
+	Dropped []string `json:"dropped"`
+	// RowsDropped is how many rows the dropped partitions held.
+	RowsDropped int64 `json:"rows_dropped"`
+	// LeftoversDropped names tables left detached by an interrupted earlier
+	// run, dropped now.
+	LeftoversDropped []string `json:"leftovers_dropped"`
+	// Detach is the form used: "concurrently" or "plain" (PostgreSQL 13, or
+	// a DEFAULT partition exists).
+	Detach string `json:"detach,omitempty"`
+}
+
+// Result reports what Run did. It is filled in as far as the run got, also
+// when Run returns an error.
+type Result struct {
+	// Mode is "delete" or "partitions".
+	Mode string `json:"mode"`
+	// DryRun repeats Options.DryRun.
+	DryRun bool `json:"dry_run"`
+	// Tables holds per-table counts.
+	Tables Tables `json:"tables"`
+	// Batches is the total number of DELETE statements run.
+	Batches int `json:"batches"`
+	// Partitions is set in ModePartitions.
+	Partitions *Partitions `json:"partitions,omitempty"`
+	// Duration is how long the run took.
+	Duration time.Duration `json:"-"`
+	// DurationMS is Duration in milliseconds.
+	DurationMS int64 `json:"duration_ms"`
+	// StoppedEarly is true when the run stopped before it was done, because
+	// its context was cancelled or MaxDuration passed; StopReason says which.
+	StoppedEarly bool `json:"stopped_early"`
+	// StopReason is "cancelled", "max-duration" or "max-batches" when
+	// StoppedEarly.
+	StopReason string `json:"stop_reason,omitempty"`
+	// Skipped is true when another cleanup of the same schema was running,
+	// so this one did nothing. SkippedReason says so in words.
+	Skipped bool `json:"skipped"`
+	// SkippedReason explains Skipped.
+	SkippedReason string `json:"skipped_reason,omitempty"`
+}
+
+// SkippedAnotherRunning is Result.SkippedReason when another cleanup holds
+// the lock.
+const SkippedAnotherRunning = "another rl-cleanup is running; nothing done"
+
+// Run cleans the pgrl tables found in the pool's search_path, on one
+// connection it holds for the whole run and returns to the pool with its
+// session settings restored.
+//
+// Cancelling ctx stops the run between batches; the statement in flight
+// finishes first (StatementTimeout bounds it). The Result says how far the
+// run got. See RunConn for the rest.
+func Run(ctx context.Context, db *pgxpool.Pool, opts Options) (Result, error) {
+	if db == nil {
+		return Result{}, fmt.Errorf("%w: nil pool", ErrInvalidOptions)
+	}
+	if err := opts.validate(); err != nil {
+		return Result{}, err
+	}
+	pc, err := db.Acquire(ctx)
+	if err != nil {
+		return Result{}, err
+	}
+	conn := pc.Conn()
+	var prevLock, prevStmt string
+	if err := conn.QueryRow(context.WithoutCancel(ctx),
+		"SELECT current_setting('lock_timeout'), current_setting('statement_timeout')").Scan(&prevLock, &prevStmt); err != nil {
+		pc.Release()
+		return Result{}, err
+	}
+	res, err := RunConn(ctx, conn, opts)
+	rctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if _, rerr := conn.Exec(rctx, "SELECT set_config('lock_timeout', $1, false), set_config('statement_timeout', $2, false)",
+		prevLock, prevStmt); rerr != nil {
+		// The session's state is unknown: do not hand it back to the pool.
+		_ = pc.Hijack().Close(rctx)
+		return res, err
+	}
+	pc.Release()
+	return res, err
+}
+
+// RunConn is Run on a connection the caller owns, such as the one rl-cleanup
+// opens. It sets lock_timeout and statement_timeout on the session (and
+// leaves them set), takes the cleanup lock, works, and releases the lock.
+//
+// Before touching anything it checks that pgrl's tables exist
+// (ErrNotMigrated) and, in ModePartitions, that pgrl_fixed_window is
+// partitioned (ErrPlainLayout). When another cleanup of the same schema is
+// running it returns at once with Result.Skipped set and a nil error.
+func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err error) {
+	start := time.Now()
+	res.Mode = opts.Mode.String()
+	res.DryRun = opts.DryRun
+	defer func() {
+		res.Duration = time.Since(start)
+		res.DurationMS = res.Duration.Milliseconds()
+	}()
+	if conn == nil {
+		return res, fmt.Errorf("%w: nil connection", ErrInvalidOptions)
+	}
+	if err := opts.validate(); err != nil {
+		return res, err
+	}
+	opts.setDefaults()
+
+	r := &runner{
+		conn:  conn,
+		opts:  opts,
+		q:     gen.New(),
+		stop:  ctx,
+		ctx:   context.WithoutCancel(ctx),
+		start: start,
+		res:   &res,
+		log:   opts.Logger,
+	}
+	if err := ctx.Err(); err != nil {
+		return res, err
+	}
+	if _, err := conn.Exec(r.ctx, "SELECT set_config('lock_timeout', $1, false), set_config('statement_timeout', $2, false)",
+		msString(opts.LockTimeout), msString(opts.StatementTimeout)); err != nil {
+		return res, err
+	}
+	tables, err := r.q.CleanupTables(r.ctx, conn)
+	if err != nil {
+		return res, err
+	}
+	if !tables.FixedWindowExists || !tables.TokenBucketExists || !tables.SlidingWindowExists || !tables.PartitionSettingsExists {
+		return res, ErrNotMigrated
+	}
+	if opts.Mode == ModePartitions {
+		if !tables.FixedWindowPartitioned {
+			return res, ErrPlainLayout
+		}
+		res.Partitions = &Partitions{Dropped: []string{}, LeftoversDropped: []string{}}
+	}
+	r.tables = tables
+
+	locked, err := r.q.CleanupTryLock(r.ctx, conn)
+	if err != nil {
+		return res, err
+	}
+	if !locked {
+		res.Skipped = true
+		res.SkippedReason = SkippedAnotherRunning
+		r.log.Info("cleanup skipped", "reason", res.SkippedReason)
+		return res, nil
+	}
+	defer func() {
+		uctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if _, uerr := r.q.CleanupUnlock(uctx, conn); uerr != nil {
+			// A session lock outlives an error only with its session: close it.
+			_ = conn.Close(uctx)
+			if err == nil {
+				err = fmt.Errorf("release cleanup lock: %w", uerr)
+			}
+		}
+	}()
+
+	err = r.run()
+	r.log.Info("cleanup finished",
+		"mode", res.Mode, "dry_run", res.DryRun,
+		"fixed_window_deleted", res.Tables.FixedWindow.Deleted,
+		"token_bucket_deleted", res.Tables.TokenBucket.Deleted,
+		"sliding_window_deleted", res.Tables.SlidingWindow.Deleted,
+		"batches", res.Batches, "stopped_early", res.StoppedEarly,
+		"elapsed", time.Since(start))
+	return res, err
+}
+
+func (o *Options) validate() error {
+	switch {
+	case o.Mode != ModeDelete && o.Mode != ModePartitions:
+		return fmt.Errorf("%w: unknown mode %d", ErrInvalidOptions, o.Mode)
+	case o.BatchSize < 0:
+		return fmt.Errorf("%w: batch size %d is negative; use a positive number such as %d", ErrInvalidOptions, o.BatchSize, DefaultBatchSize)
+	case o.BatchSize > 1_000_000:
+		return fmt.Errorf("%w: batch size %d is too large; use at most 1000000", ErrInvalidOptions, o.BatchSize)
+	case o.MaxBatches < 0:
+		return fmt.Errorf("%w: max batches %d is negative", ErrInvalidOptions, o.MaxBatches)
+	case o.MaxDuration < 0:
+		return fmt.Errorf("%w: max duration %s is negative; use a positive duration such as 2m", ErrInvalidOptions, o.MaxDuration)
+	case o.Horizon < 0:
+		return fmt.Errorf("%w: horizon %s is negative; use a positive duration such as 24h", ErrInvalidOptions, o.Horizon)
+	case o.LockTimeout < 0:
+		return fmt.Errorf("%w: lock timeout %s is negative; use a positive duration such as 1s", ErrInvalidOptions, o.LockTimeout)
+	case o.LockTimeout > 0 && o.LockTimeout < time.Millisecond:
+		return fmt.Errorf("%w: lock timeout %s is under 1ms; use at least 1ms", ErrInvalidOptions, o.LockTimeout)
+	case o.StatementTimeout < 0:
+		return fmt.Errorf("%w: statement timeout %s is negative; use a positive duration such as 30s", ErrInvalidOptions, o.StatementTimeout)
+	case o.StatementTimeout > 0 && o.StatementTimeout < time.Millisecond:
+		return fmt.Errorf("%w: statement timeout %s is under 1ms; use at least 1ms", ErrInvalidOptions, o.StatementTimeout)
+	case o.BatchPause < 0:
+		return fmt.Errorf("%w: batch pause %s is negative", ErrInvalidOptions, o.BatchPause)
+	}
+	return nil
+}
+
+func (o *Options) setDefaults() {
+	if o.BatchSize == 0 {
+		o.BatchSize = DefaultBatchSize
+	}
+	if o.Horizon == 0 {
+		o.Horizon = DefaultHorizon
+	}
+	if o.LockTimeout == 0 {
+		o.LockTimeout = DefaultLockTimeout
+	}
+	if o.StatementTimeout == 0 {
+		o.StatementTimeout = DefaultStatementTimeout
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+}
+
+func msString(d time.Duration) string {
+	return strconv.FormatInt(d.Milliseconds(), 10)
+}
+
+// runner carries one run's state.
+type runner struct {
+	conn   *pgx.Conn
+	opts   Options
+	q      *gen.Queries
+	stop   context.Context // cancelled: stop between batches
+	ctx    context.Context // for statements: never cancelled mid-statement
+	start  time.Time
+	res    *Result
+	log    *slog.Logger
+	tables gen.CleanupTablesRow
+	halted bool // cancelled or out of time: do nothing more
+}
+
+// stopped reports whether the run must stop now, and records why.
+func (r *runner) stopped() bool {
+	if r.halted {
+		return true
+	}
+	switch {
+	case r.stop.Err() != nil:
+		r.res.StopReason = "cancelled"
+	case r.opts.MaxDuration > 0 && time.Since(r.start) >= r.opts.MaxDuration:
+		r.res.StopReason = "max-duration"
+	default:
+		return false
+	}
+	r.res.StoppedEarly = true
+	r.halted = true
+	return true
+}
+
+func (r *runner) run() error {
+	if r.opts.Mode == ModePartitions {
+		if err := r.partitions(); err != nil {
+			return err
+		}
+	} else if err := r.table(TableFixedWindow, &r.res.Tables.FixedWindow); err != nil {
+		return err
+	}
+	if err := r.table(TableTokenBucket, &r.res.Tables.TokenBucket); err != nil {
+		return err
+	}
+	return r.table(TableSlidingWindow, &r.res.Tables.SlidingWindow)
+}
+
+// table deletes (or, in a dry run, counts) one table's dead rows.
+func (r *runner) table(name string, tr *TableResult) error {
+	if r.stopped() {
+		return nil
+	}
+	if r.opts.DryRun {
+		var n int64
+		var err error
+		switch name {
+		case TableFixedWindow:
+			n, err = r.q.FixedWindowCountExpired(r.ctx, r.conn, r.opts.At)
+		case TableTokenBucket:
+			n, err = r.q.TokenBucketCountFull(r.ctx, r.conn, r.opts.At)
+		case TableSlidingWindow:
+			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.opts.At)
+		}
+		if err != nil {
+			return fmt.Errorf("count dead rows of %s: %w", name, err)
+		}
+		tr.WouldDelete = n
+		return nil
+	}
+	size := int32(r.opts.BatchSize)
+	for {
+		if tr.Batches > 0 && r.opts.BatchPause > 0 {
+			select {
+			case <-time.After(r.opts.BatchPause):
+			case <-r.stop.Done():
+			}
+		}
+		if r.stopped() {
+			break
+		}
+		if r.opts.MaxBatches > 0 && tr.Batches >= r.opts.MaxBatches {
+			// Only this table stops; the others still get their batches.
+			r.res.StoppedEarly = true
+			if r.res.StopReason == "" {
+				r.res.StopReason = "max-batches"
+			}
+			break
+		}
+		t0 := time.Now()
+		var n int64
+		var err error
+		switch name {
+		case TableFixedWindow:
+			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, gen.FixedWindowDeleteExpiredBatchParams{At: r.opts.At, BatchSize: size})
+		case TableTokenBucket:
+			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, gen.TokenBucketDeleteFullBatchParams{At: r.opts.At, BatchSize: size})
+		case TableSlidingWindow:
+			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, gen.SlidingWindowDeleteExpiredBatchParams{At: r.opts.At, BatchSize: size})
+		}
+		if err != nil {
+			return fmt.Errorf("delete dead rows of %s (batch %d): %w", name, tr.Batches+1, err)
+		}
+		tr.Batches++
+		tr.Deleted += n
+		r.res.Batches++
+		r.log.Debug("cleanup batch", "table", name, "deleted", n, "took", time.Since(t0))
+		r.progress(name, tr)
+		if n < int64(size) {
+			break
+		}
+	}
+	if tr.Deleted > 0 && r.opts.Vacuum && !r.stopped() {
+		if err := r.vacuum(name); err != nil {
+			return err
+		}
+		tr.Vacuumed = true
+	}
+	return nil
+}
+
+func (r *runner) progress(name string, tr *TableResult) {
+	if r.opts.Progress == nil {
+		return
+	}
+	p := Progress{Table: name, Elapsed: time.Since(r.start)}
+	if tr != nil {
+		p.Deleted, p.Batches = tr.Deleted, tr.Batches
+	}
+	if r.res.Partitions != nil {
+		p.PartitionsDropped = len(r.res.Partitions.Dropped)
+	}
+	r.opts.Progress(p)
+}
+
+func (r *runner) vacuum(name string) error {
+	sql := "VACUUM (SKIP_LOCKED) " + pgx.Identifier{r.tables.SchemaName, name}.Sanitize()
+	if _, err := r.conn.Exec(r.ctx, sql); err != nil {
+		return fmt.Errorf("vacuum %s: %w", name, err)
+	}
+	return nil
+}
+
+// partitions creates partitions ahead and drops past ones.
+func (r *runner) partitions() error {
+	p := r.res.Partitions
+	schema := r.tables.SchemaName
+	parent := pgx.Identifier{schema, TableFixedWindow}.Sanitize()
+
+	// Create ahead first: a check must find its partition even if the drops
+	// below fail.
+	if r.opts.DryRun {
+		n, err := r.missingAhead()
+		if err != nil {
+			return err
+		}
+		p.Created = n
+	} else {
+		n, err := r.q.FixedWindowEnsurePartitionsAhead(r.ctx, r.conn, r.opts.Horizon.Microseconds())
+		if err != nil {
+			return fmt.Errorf("create partitions ahead: %w", err)
+		}
+		p.Created = int(n)
+	}
+
+	parts, err := r.q.FixedWindowPartitions(r.ctx, r.conn)
+	if err != nil {
+		return fmt.Errorf("list partitions: %w", err)
+	}
+	concurrently := r.tables.ServerVersionNum >= 140000
+	for _, part := range parts {
+		if part.IsDefault {
+			// DETACH CONCURRENTLY is refused while a DEFAULT partition exists.
+			concurrently = false
+		}
+	}
+	p.Detach = "plain"
+	if concurrently {
+		p.Detach = "concurrently"
+	}
+
+	for _, part := range parts {
+		if !part.Past || part.IsDefault {
+			continue // it can hold a live row
+		}
+		if r.stopped() {
+			return nil
+		}
+		t0 := time.Now()
+		ident := pgx.Identifier{part.SchemaName, part.PartitionName}.Sanitize()
+		var rows int64
+		if err := r.conn.QueryRow(r.ctx, "SELECT count(*) FROM "+ident).Scan(&rows); err != nil {
+			return fmt.Errorf("count rows of partition %s: %w", part.PartitionName, err)
+		}
+		if !r.opts.DryRun {
+			if err := r.detach(parent, ident, concurrently); err != nil {
+				return fmt.Errorf("detach partition %s: %w", part.PartitionName, err)
+			}
+			if _, err := r.conn.Exec(r.ctx, "DROP TABLE "+ident); err != nil {
+				return fmt.Errorf("drop detached partition %s: %w", part.PartitionName, err)
+			}
+		}
+		p.Dropped = append(p.Dropped, part.PartitionName)
+		p.RowsDropped += rows
+		r.log.Debug("cleanup partition", "partition", part.PartitionName, "rows", rows,
+			"upper_bound", part.UpperBound, "dry_run", r.opts.DryRun, "took", time.Since(t0))
+		r.progress(TableFixedWindow, nil)
+	}
+
+	leftovers, err := r.q.FixedWindowDetachedPartitions(r.ctx, r.conn)
+	if err != nil {
+		return fmt.Errorf("list detached partitions: %w", err)
+	}
+	for _, l := range leftovers {
+		if r.stopped() {
+			return nil
+		}
+		if !r.opts.DryRun {
+			if _, err := r.conn.Exec(r.ctx, "DROP TABLE "+pgx.Identifier{l.SchemaName, l.TableName}.Sanitize()); err != nil {
+				return fmt.Errorf("drop detached partition %s: %w", l.TableName, err)
+			}
+		}
+		p.LeftoversDropped = append(p.LeftoversDropped, l.TableName)
+	}
+	return nil
+}
+
+// detach detaches one partition, with the least locking form available. An
+// earlier DETACH CONCURRENTLY that was interrupted leaves the partition
+// "pending detach"; FINALIZE completes it.
+func (r *runner) detach(parent, part string, concurrently bool) error {
+	if !concurrently {
+		_, err := r.conn.Exec(r.ctx, "ALTER TABLE "+parent+" DETACH PARTITION "+part)
+		return err
+	}
+	_, err := r.conn.Exec(r.ctx, "ALTER TABLE "+parent+" DETACH PARTITION "+part+" CONCURRENTLY")
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && strings.Contains(pgErr.Hint, "FINALIZE") {
+		_, err = r.conn.Exec(r.ctx, "ALTER TABLE "+parent+" DETACH PARTITION "+part+" FINALIZE")
+	}
+	return err
+}
+
+// missingAhead counts the partitions that creating ahead would add, for a
+// dry run.
+func (r *runner) missingAhead() (int, error) {
+	step, err := r.q.FixedWindowPartitionSeconds(r.ctx, r.conn)
+	if err != nil {
+		return 0, fmt.Errorf("read partition width: %w", err)
+	}
+	if step <= 0 {
+		return 0, nil
+	}
+	parts, err := r.q.FixedWindowPartitions(r.ctx, r.conn)
+	if err != nil {
+		return 0, fmt.Errorf("list partitions: %w", err)
+	}
+	have := make(map[string]bool, len(parts))
+	for _, p := range parts {
+		have[p.PartitionName] = true
+	}
+	from := r.tables.Now.Unix()
+	to := r.tables.Now.Add(r.opts.Horizon).Unix()
+	n := 0
+	for s := floorDiv(from, step) * step; s <= floorDiv(to, step)*step; s += step {
+		if !have[PartitionName(time.Unix(s, 0))] {
+			n++
+		}
+	}
+	return n, nil
+}
+
+func floorDiv(a, b int64) int64 {
+	q := a / b
+	if a%b != 0 && (a < 0) != (b < 0) {
+		q--
+	}
+	return q
+}
+
+// PartitionName returns the name of the pgrl_fixed_window partition that
+// starts at start: pgrl_fixed_window_YYYYMMDDtHHMMSS in UTC.
+func PartitionName(start time.Time) string {
+	return TableFixedWindow + "_" + start.UTC().Format("20060102t150405")
+}
