@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"log/slog"
 	"strings"
 	"time"
 )
@@ -51,6 +52,37 @@ const (
 	ReadableKeys
 )
 
+// FailurePolicy says what a check answers when the database cannot.
+type FailurePolicy int
+
+const (
+	// FailToMemory decides in process memory with the same algorithm and
+	// FallbackLimit, so each process still limits on its own. The default.
+	FailToMemory FailurePolicy = iota
+	// FailOpen allows every check: availability over protection.
+	FailOpen
+	// FailClosed denies every check: protection over availability (for
+	// paid third-party calls, say).
+	FailClosed
+	// FailError returns the error to the caller, who decides.
+	FailError
+)
+
+// String names the policy.
+func (p FailurePolicy) String() string {
+	switch p {
+	case FailToMemory:
+		return "fail to memory"
+	case FailOpen:
+		return "fail open"
+	case FailClosed:
+		return "fail closed"
+	case FailError:
+		return "fail with error"
+	}
+	return "unknown policy"
+}
+
 // Minimum and maximum windows a limiter accepts.
 const (
 	MinWindow = time.Millisecond
@@ -90,6 +122,50 @@ type Config struct {
 
 	// KeyMode chooses how keys are stored. Defaults to HashedKeys.
 	KeyMode KeyMode
+
+	// OnFailure chooses the answer when the database cannot give one in
+	// time (down, slow, connection killed, breaker open). Defaults to
+	// FailToMemory.
+	OnFailure FailurePolicy
+
+	// FallbackLimit is the limit of the in-process limiter that answers
+	// under FailToMemory, per process. Set it to Limit divided by the
+	// number of instances you run to keep the total near Limit. Defaults
+	// to Limit.
+	FallbackLimit int64
+
+	// Timeout bounds each check's round trip on the client. Pair it with a
+	// server-side statement_timeout a little shorter (see
+	// StatementTimeoutParam), so that PostgreSQL abandons a slow statement
+	// itself and the connection survives. Zero means the caller's context
+	// alone bounds the check. Defaults to 0.
+	Timeout time.Duration
+
+	// DenyCacheSize caps the keys the local deny cache remembers. When
+	// PostgreSQL denies a key until T, this process answers "denied" for
+	// that key without a round trip until T. Negative disables the cache.
+	// Defaults to 10,000 keys, or to disabled when Penalty is set (a cached
+	// denial is not counted, which would soften the penalty).
+	DenyCacheSize int
+
+	// Shadow makes the limiter decide, report and log, but never deny: a
+	// check the limit would deny is allowed, with Decision.ShadowDenied
+	// set. Use it to roll out a new limit and watch what it would do.
+	// Defaults to false.
+	Shadow bool
+
+	// BreakerThreshold is how many consecutive failed checks open the
+	// breaker; while open, checks skip the database and the failure policy
+	// answers. Defaults to 5.
+	BreakerThreshold int
+
+	// BreakerCooldown is how long the breaker stays open before one check
+	// probes the database again. Defaults to 500ms.
+	BreakerCooldown time.Duration
+
+	// Logger receives outage and recovery events (once per outage, not per
+	// check) and shadow denials. Defaults to slog.Default().
+	Logger *slog.Logger
 
 	// Now pins the instant each check is decided at, for tests that replay
 	// a sequence of instants. Leave it nil in production: the database's
@@ -137,6 +213,40 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Burst == 0 {
 		c.Burst = c.Limit
+	}
+	switch c.OnFailure {
+	case FailToMemory, FailOpen, FailClosed, FailError:
+	default:
+		return c, invalid(ErrInvalidPolicy, "%d for %q; use FailToMemory, FailOpen, FailClosed or FailError", c.OnFailure, c.Name)
+	}
+	if c.FallbackLimit < 0 {
+		return c, invalid(ErrInvalidLimit, "fallback limit %d for %q; use a positive number, or 0 for Limit", c.FallbackLimit, c.Name)
+	}
+	if c.FallbackLimit == 0 {
+		c.FallbackLimit = c.Limit
+	}
+	if c.Timeout < 0 {
+		return c, invalid(ErrInvalidTimeout, "%v for %q; use a positive timeout, or 0 for none", c.Timeout, c.Name)
+	}
+	if c.DenyCacheSize == 0 {
+		c.DenyCacheSize = 10_000
+		if c.Penalty {
+			// Penalty counts every attempt, so every attempt must reach
+			// PostgreSQL.
+			c.DenyCacheSize = -1
+		}
+	}
+	if c.BreakerThreshold < 0 || c.BreakerCooldown < 0 {
+		return c, invalid(ErrInvalidTimeout, "breaker threshold %d / cooldown %v for %q; use positive values, or 0 for the defaults", c.BreakerThreshold, c.BreakerCooldown, c.Name)
+	}
+	if c.BreakerThreshold == 0 {
+		c.BreakerThreshold = 5
+	}
+	if c.BreakerCooldown == 0 {
+		c.BreakerCooldown = 500 * time.Millisecond
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
 	}
 	return c, nil
 }

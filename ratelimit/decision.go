@@ -45,6 +45,9 @@ type Decision struct {
 	Now time.Time
 	// Store says what answered.
 	Store Store
+	// ShadowDenied reports, for a limiter in shadow mode, that the limit
+	// would have denied this check (Allowed is true regardless).
+	ShadowDenied bool
 	// Reason explains a decision that PostgreSQL did not make, such as
 	// "database unavailable: fail open"; empty otherwise.
 	Reason string

@@ -28,7 +28,9 @@
 // # Time
 //
 // The database's clock decides: windows, refill and retry times come from
-// the statement's timestamp (statement_timestamp()), never from the
+// the transaction's timestamp (now(): for a check sent on its own, the
+// statement's; for a check in the caller's transaction, the transaction's start),
+// never from the
 // application servers' clocks, which disagree. Config.Now exists only so that
 // tests can pin the instant; production leaves it nil.
 //

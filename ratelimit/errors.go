@@ -22,6 +22,10 @@ var (
 	ErrInvalidWindow = errors.New("ratelimit: invalid window")
 	// ErrInvalidBurst: the token bucket's burst is negative.
 	ErrInvalidBurst = errors.New("ratelimit: invalid burst")
+	// ErrInvalidPolicy: OnFailure is not one of the policies.
+	ErrInvalidPolicy = errors.New("ratelimit: invalid failure policy")
+	// ErrInvalidTimeout: a negative timeout, breaker threshold or cooldown.
+	ErrInvalidTimeout = errors.New("ratelimit: invalid timeout")
 	// ErrInvalidCost: a check asked for zero or fewer units.
 	ErrInvalidCost = errors.New("ratelimit: invalid cost")
 	// ErrCostExceedsLimit: a check asked for more units than the limit can
@@ -33,6 +37,14 @@ var (
 	// ErrReadOnly: the database is a read-only standby, where counters can
 	// be neither written nor read (UNLOGGED tables live on the primary only).
 	ErrReadOnly = errors.New("ratelimit: database is a read-only standby; point the limiter at the primary")
+	// ErrEmptyMulti: a multi-limit decision was given no checks.
+	ErrEmptyMulti = errors.New("ratelimit: no checks to decide; pass at least one")
+	// ErrDuplicateCheck: one multi-limit decision names the same limiter and
+	// key twice.
+	ErrDuplicateCheck = errors.New("ratelimit: the same limiter and key appear twice in one decision")
+	// ErrMixedDatabases: a multi-limit decision mixes limiters on different
+	// databases, which one round trip cannot reach.
+	ErrMixedDatabases = errors.New("ratelimit: the limiters of one decision must share a database")
 	// ErrPartitionMissing: in the partitioned layout, a check inside the
 	// caller's transaction found no partition for its window. The limiter
 	// has created it; retry the transaction.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -22,11 +23,15 @@ type DB = gen.DBTX
 // in one round trip; the row lock on the key's counter is the only lock. A
 // Limiter is safe for concurrent use.
 type Limiter struct {
-	cfg         Config
-	db          DB
-	q           *gen.Queries
-	windowUs    int64
-	refillPerUs float64
+	cfg          Config
+	db           DB
+	q            *gen.Queries
+	windowUs     int64
+	refillPerUs  float64
+	breaker      *breaker
+	memory       *MemoryLimiter // answers under FailToMemory
+	deny         *denyCache     // nil when disabled
+	shadowLogged atomic.Int64
 }
 
 // New returns a limiter that keeps its counters in db, which must have
@@ -47,6 +52,19 @@ func New(db DB, cfg Config) (*Limiter, error) {
 		windowUs: cfg.Window.Microseconds(),
 	}
 	l.refillPerUs = float64(cfg.Limit) / float64(l.windowUs)
+	l.breaker = &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name}
+	fb := cfg
+	fb.Limit = cfg.FallbackLimit
+	if cfg.Algorithm == TokenBucket {
+		// Keep the bucket's shape: scale the burst with the limit.
+		fb.Burst = max(1, cfg.Burst*cfg.FallbackLimit/cfg.Limit)
+	}
+	if l.memory, err = NewMemory(fb, MemoryOptions{}); err != nil {
+		return nil, err
+	}
+	if cfg.DenyCacheSize > 0 {
+		l.deny = newDenyCache(cfg.DenyCacheSize)
+	}
 	return l, nil
 }
 
@@ -72,10 +90,51 @@ func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 
 // AllowN checks and counts n units (a cost, such as bytes or tokens) for key.
 // Either all n are admitted or none.
+//
+// When the database fails or takes longer than Config.Timeout, the failure
+// policy answers (Decision.Store and Reason say so) and the error is nil,
+// unless the policy is FailError. Errors that mean the setup is wrong
+// (ErrNotMigrated, ErrReadOnly) and bad arguments are always returned, as is
+// the caller's own context ending.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
 	if err := l.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}
+	sent := l.localNow()
+	if l.deny != nil {
+		if d, ok := l.deny.get(key, n, sent); ok {
+			return l.shadow(key, d), nil
+		}
+	}
+	if !l.breaker.allow(sent) {
+		return l.fallback(ctx, key, n, errBreakerOpen)
+	}
+	cctx, cancel := ctx, context.CancelFunc(func() {})
+	if l.cfg.Timeout > 0 {
+		cctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
+	}
+	d, err := l.allowDB(cctx, key, n)
+	cancel()
+	if err != nil {
+		if ctx.Err() != nil {
+			return Decision{}, fmt.Errorf("ratelimit: %w", ctx.Err())
+		}
+		if isConfigError(err) {
+			l.breaker.success() // the database answered
+			return Decision{}, err
+		}
+		l.breaker.failure(time.Now(), err, l.cfg.OnFailure)
+		return l.fallback(ctx, key, n, err)
+	}
+	l.breaker.success()
+	if l.deny != nil && !d.Allowed {
+		l.deny.put(key, n, d, sent)
+	}
+	return l.shadow(key, d), nil
+}
+
+// allowDB asks PostgreSQL, healing a missing partition once.
+func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
 	d, err := l.take(ctx, l.db, key, n)
 	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
@@ -128,9 +187,18 @@ func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string) (Decision, 
 	return d, mapErr(err)
 }
 
-// Reset forgets everything counted for key under this limiter.
+// Reset forgets everything counted for key under this limiter (in
+// PostgreSQL, in this process's memory fallback and in its deny cache).
 func (l *Limiter) Reset(ctx context.Context, key string) error {
+	l.forgetLocal(ctx, key)
 	return mapErr(l.reset(ctx, l.db, key))
+}
+
+func (l *Limiter) forgetLocal(ctx context.Context, key string) {
+	if l.deny != nil {
+		l.deny.forget(key)
+	}
+	_ = l.memory.Reset(ctx, key)
 }
 
 // ResetTx is Reset inside the caller's transaction.
@@ -138,7 +206,17 @@ func (l *Limiter) ResetTx(ctx context.Context, tx pgx.Tx, key string) error {
 	if tx == nil {
 		return ErrNilDB
 	}
+	l.forgetLocal(ctx, key)
 	return mapErr(l.reset(ctx, tx, key))
+}
+
+// localNow is the process's clock (with its monotonic reading), or the
+// pinned clock in tests.
+func (l *Limiter) localNow() time.Time {
+	if l.cfg.Now != nil {
+		return l.cfg.Now()
+	}
+	return time.Now()
 }
 
 func (l *Limiter) at() *time.Time {

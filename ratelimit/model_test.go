@@ -184,6 +184,7 @@ func replay(t *testing.T, db ratelimit.DB, alg ratelimit.Algorithm, penalty bool
 	cfg := ratelimit.Config{
 		Name: fmt.Sprintf("model-%s-%v-%d", alg, penalty, seed), Algorithm: alg,
 		Limit: int64(3 + rng.IntN(8)), Window: window, Penalty: penalty,
+		DenyCacheSize: -1, // every decision from PostgreSQL, with its exact Remaining
 	}
 	if alg == ratelimit.TokenBucket {
 		cfg.Burst = cfg.Limit + int64(rng.IntN(5))

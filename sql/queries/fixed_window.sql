@@ -5,11 +5,13 @@
 -- penalty is set: then every attempt is counted. Windows are aligned on the
 -- database clock: multiples of window_us microseconds since the Unix epoch.
 -- at pins the clock for tests; production leaves it nil and the database's
--- statement_timestamp() decides.
+-- now() decides: the transaction's start, which for a check sent on its own is
+-- the statement's, and which gives every check of one multi-limit batch the
+-- same instant.
 WITH clock AS (
     SELECT ts,
            (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts) AS n
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
 ), win AS (
     SELECT ts,
            timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
@@ -33,7 +35,7 @@ RETURNING count, expires_at, allowed, (SELECT ts FROM win)::timestamptz AS now;
 WITH clock AS (
     SELECT ts,
            (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts) AS n
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
 ), win AS (
     SELECT ts,
            timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
@@ -55,7 +57,7 @@ DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
 -- how many partitions it created (0 in the plain layout).
 WITH clock AS (
     SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts) AS n
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
 ), win AS (
     SELECT timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
       FROM clock

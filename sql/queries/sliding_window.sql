@@ -15,7 +15,7 @@ WITH p AS (
            n.window_us, n.cost, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.cost, c.max_count, c.penalty
-              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts,
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
                            sqlc.arg(window_us)::bigint AS window_us,
                            sqlc.arg(cost)::bigint AS cost,
                            sqlc.arg(max_count)::bigint AS max_count,
@@ -63,7 +63,7 @@ WITH p AS (
            timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
            n.window_us
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us, c.window_us
-              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts,
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
                            sqlc.arg(window_us)::bigint AS window_us) AS c) AS n
 ), r AS (
     SELECT t.window_start, t.count, t.prev_count

@@ -9,7 +9,7 @@
 -- sees a newer updated_at than its own clock never refills backwards. at pins
 -- the clock for tests; production leaves it nil.
 WITH p AS (
-    SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts,
+    SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
            sqlc.arg(cost)::float8 AS cost,
            sqlc.arg(capacity)::float8 AS capacity,
            sqlc.arg(refill_per_us)::float8 AS refill_per_us,
@@ -55,7 +55,7 @@ RETURNING tokens, updated_at, full_at, allowed;
 -- TokenBucketPeek reports the key's balance now, refilled, without spending.
 -- A key never seen has a full bucket.
 WITH p AS (
-    SELECT coalesce(sqlc.narg(at)::timestamptz, statement_timestamp()) AS ts,
+    SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
            sqlc.arg(capacity)::float8 AS capacity,
            sqlc.arg(refill_per_us)::float8 AS refill_per_us
 )

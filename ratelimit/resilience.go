@@ -1,0 +1,136 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// StatementTimeoutParam is the run-time parameter that bounds a statement
+// on the server. Set it on the pool's connections, a little below
+// Config.Timeout, so that a check stuck behind a lock or a slow server is
+// abandoned by PostgreSQL before the client gives up (a client-side
+// cancellation closes the connection; a server-side timeout does not):
+//
+//	cfg.ConnConfig.RuntimeParams[ratelimit.StatementTimeoutParam] = "200ms"
+const StatementTimeoutParam = "statement_timeout"
+
+// breaker stops sending checks to a database that keeps failing. After
+// threshold consecutive failures it opens for cooldown; then one check at a
+// time probes the database, and the first success closes it. It logs each
+// outage once when it opens and once on recovery.
+type breaker struct {
+	threshold int64
+	cooldown  time.Duration
+	logger    *slog.Logger
+	name      string
+
+	failures  atomic.Int64
+	open      atomic.Bool
+	openUntil atomic.Int64 // unix nanoseconds
+	probing   atomic.Bool
+	mu        sync.Mutex
+	since     time.Time
+}
+
+// allow reports whether a check may go to the database now.
+func (b *breaker) allow(now time.Time) bool {
+	if !b.open.Load() {
+		return true
+	}
+	if now.UnixNano() < b.openUntil.Load() {
+		return false
+	}
+	// Cool-down over: let one probe through at a time.
+	return b.probing.CompareAndSwap(false, true)
+}
+
+// success records a check the database answered.
+func (b *breaker) success() {
+	b.failures.Store(0)
+	if b.open.Load() {
+		b.mu.Lock()
+		if b.open.Load() {
+			b.open.Store(false)
+			b.logger.Info("pgrl: database answering again; checks go to PostgreSQL",
+				"limiter", b.name, "outage", time.Since(b.since).Round(time.Millisecond).String())
+		}
+		b.mu.Unlock()
+	}
+	b.probing.Store(false)
+}
+
+// failure records a check the database failed, with its error.
+func (b *breaker) failure(now time.Time, err error, policy FailurePolicy) {
+	n := b.failures.Add(1)
+	if b.open.Load() {
+		b.openUntil.Store(now.Add(b.cooldown).UnixNano())
+		b.probing.Store(false)
+		return
+	}
+	if n < b.threshold {
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.open.Load() {
+		return
+	}
+	b.since = now
+	b.openUntil.Store(now.Add(b.cooldown).UnixNano())
+	b.open.Store(true)
+	b.logger.Warn("pgrl: database unavailable; answering checks by failure policy until it recovers",
+		"limiter", b.name, "policy", policy.String(), "error", err.Error())
+}
+
+// errBreakerOpen is the reason given while the breaker skips the database.
+var errBreakerOpen = errors.New("breaker open after repeated database failures")
+
+// isConfigError reports errors that a failure policy must not hide: they
+// mean the setup is wrong, not that the database is briefly unavailable.
+func isConfigError(err error) bool {
+	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly)
+}
+
+// fallback answers a check the database could not, by the failure policy.
+func (l *Limiter) fallback(ctx context.Context, key string, n int64, cause error) (Decision, error) {
+	reason := fmt.Sprintf("database unavailable (%v): %s", cause, l.cfg.OnFailure)
+	switch l.cfg.OnFailure {
+	case FailOpen:
+		return Decision{Allowed: true, Limit: l.cfg.capacity(), Remaining: 0, Now: time.Now(), Store: StorePolicy, Reason: reason}, nil
+	case FailClosed:
+		now := time.Now()
+		return l.shadow(key, Decision{Allowed: false, Limit: l.cfg.capacity(), Now: now, RetryAfter: l.cfg.BreakerCooldown,
+			ResetAt: now.Add(l.cfg.BreakerCooldown), Store: StorePolicy, Reason: reason}), nil
+	case FailError:
+		return Decision{}, cause
+	default:
+		d, err := l.memory.AllowN(ctx, key, n)
+		if err != nil {
+			return Decision{}, err
+		}
+		d.Reason = reason
+		return l.shadow(key, d), nil
+	}
+}
+
+// shadow applies shadow mode: a denial is reported, logged and allowed.
+func (l *Limiter) shadow(key string, d Decision) Decision {
+	if !l.cfg.Shadow || d.Allowed {
+		return d
+	}
+	d.Allowed = true
+	d.ShadowDenied = true
+	d.RetryAfter = 0
+	now := time.Now().UnixNano()
+	last := l.shadowLogged.Load()
+	if now-last >= int64(time.Second) && l.shadowLogged.CompareAndSwap(last, now) {
+		l.cfg.Logger.Info("pgrl: shadow limit would have denied a check (logged at most once a second)",
+			"limiter", l.cfg.Name, "store", string(d.Store), "limit", d.Limit)
+	}
+	return d
+}

@@ -1,0 +1,1 @@
+DROP FUNCTION IF EXISTS pgrl_abort_unless(boolean, text);
