@@ -1,0 +1,386 @@
+package ratelimit
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgrl/pgrl/gen"
+)
+
+// Check is one limit of a multi-limit decision.
+type Check struct {
+	// Limiter is the limit to check. Required.
+	Limiter *Limiter
+	// Key is the key to check it for.
+	Key string
+	// Cost is the units the check asks for. Defaults to 1.
+	Cost int64
+}
+
+// MultiMode says what a multi-limit decision consumes when a limit denies.
+type MultiMode int
+
+const (
+	// AllOrNothing consumes nothing unless every limit allows: a request
+	// denied by its per-IP limit does not eat into its per-email limit.
+	// The default.
+	AllOrNothing MultiMode = iota
+	// ConsumeAll counts the request against every limit that allows it,
+	// even when another denies (a global ceiling that must see every
+	// attempt, however it ends).
+	ConsumeAll
+)
+
+// MultiDecision is the outcome of a multi-limit decision.
+type MultiDecision struct {
+	// Allowed reports whether every limit allowed the request.
+	Allowed bool
+	// Decisions holds each limit's own decision, in the order of the
+	// checks. Under AllOrNothing, when the request was denied, nothing was
+	// consumed even where Decisions[i].Allowed is true; their Remaining
+	// counts the units as if they had been.
+	Decisions []Decision
+	// DeniedBy is the index of the first check that denied, or -1.
+	DeniedBy int
+}
+
+// RetryAfter is the longest RetryAfter of the denying checks: when every
+// one of them would admit a retry. Zero when allowed.
+func (m MultiDecision) RetryAfter() time.Duration {
+	var r time.Duration
+	for _, d := range m.Decisions {
+		if !d.Allowed {
+			r = max(r, d.RetryAfter)
+		}
+	}
+	return r
+}
+
+// errMultiDenied is the SQLSTATE MultiRequireAllowed raises.
+const errMultiDenied = "PGRL1"
+
+// batcher is what sends a pgx.Batch: a pool, a connection or a transaction.
+type batcher interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// AllowAll decides several limits at once (for example a login's per
+// email+IP, per IP and per email limits, or a per-IP limit and a global
+// ceiling) in one round trip and one transaction. Algorithms may be mixed;
+// the limiters must share one database. The rows are locked in one fixed
+// order (by table, then stored key), so concurrent decisions over
+// overlapping keys never deadlock.
+//
+// Under AllOrNothing, the checks run and a last statement aborts the
+// transaction unless all allowed, so a denied request consumes nothing;
+// limiters in shadow mode are left out of that vote. When the database
+// fails, each check is answered by its own limiter's failure policy.
+func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
+	if len(checks) == 0 {
+		return MultiDecision{}, ErrEmptyMulti
+	}
+	if mode != AllOrNothing && mode != ConsumeAll {
+		return MultiDecision{}, invalid(ErrInvalidPolicy, "multi mode %d; use AllOrNothing or ConsumeAll", mode)
+	}
+	type item struct {
+		i    int
+		c    Check
+		skey []byte
+	}
+	items := make([]item, len(checks))
+	seen := map[string]int{}
+	var db DB
+	for i, c := range checks {
+		if c.Limiter == nil {
+			return MultiDecision{}, invalid(ErrNilDB, "check %d has no limiter", i)
+		}
+		if c.Cost == 0 {
+			c.Cost = 1
+		}
+		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
+			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
+		}
+		if i == 0 {
+			db = c.Limiter.db
+		} else if c.Limiter.db != db {
+			return MultiDecision{}, invalid(ErrMixedDatabases, "check %d (%q) uses another database than check 0", i, c.Limiter.cfg.Name)
+		}
+		skey := c.Limiter.key(c.Key)
+		id := string(c.Limiter.cfg.Algorithm) + "\x00" + string(skey)
+		if j, dup := seen[id]; dup {
+			return MultiDecision{}, invalid(ErrDuplicateCheck, "checks %d and %d (%q, same key); merge them into one check with the summed cost", j, i, c.Limiter.cfg.Name)
+		}
+		seen[id] = i
+		items[i] = item{i: i, c: c, skey: skey}
+	}
+	out := MultiDecision{Decisions: make([]Decision, len(checks)), DeniedBy: -1}
+
+	// A denial this process already knows of decides without a round trip
+	// (only when nothing would be consumed anyway).
+	if mode == AllOrNothing {
+		for _, it := range items {
+			l := it.c.Limiter
+			if l.deny == nil || l.cfg.Shadow {
+				continue
+			}
+			if d, ok := l.deny.get(it.c.Key, it.c.Cost, l.localNow()); ok {
+				for j, other := range items {
+					out.Decisions[j] = Decision{Allowed: true, Limit: other.c.Limiter.cfg.capacity(), Store: StoreDenyCache,
+						Now: d.Now, Reason: "not checked: another limit of the decision denied"}
+				}
+				out.Decisions[it.i] = d
+				out.DeniedBy = it.i
+				return out, nil
+			}
+		}
+	}
+
+	// Deterministic lock order: fixed window, token bucket, sliding window
+	// tables in that order, keys in byte order within each.
+	order := slices.Clone(items)
+	slices.SortFunc(order, func(a, b item) int {
+		if c := algoRank(a.c.Limiter.cfg.Algorithm) - algoRank(b.c.Limiter.cfg.Algorithm); c != 0 {
+			return c
+		}
+		return bytes.Compare(a.skey, b.skey)
+	})
+
+	first := checks[0].Limiter
+	sent := first.localNow()
+	if !first.breaker.allow(sent) {
+		return fallbackAll(ctx, checks, errBreakerOpen)
+	}
+	cctx, cancel := ctx, context.CancelFunc(func() {})
+	if first.cfg.Timeout > 0 {
+		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
+	}
+	defer cancel()
+
+	stmts := make([]*deferred, 0, len(order)+1)
+	results := make([]chan takeResult, len(order))
+	for k, it := range order {
+		d := newDeferred()
+		stmts = append(stmts, d)
+		results[k] = make(chan takeResult, 1)
+		go func() {
+			dec, err := it.c.Limiter.take(cctx, d, it.c.Key, it.c.Cost)
+			results[k] <- takeResult{dec, err}
+		}()
+	}
+	var vote *deferred
+	if mode == AllOrNothing {
+		var p gen.MultiRequireAllowedParams
+		p.At = first.at()
+		for _, it := range order {
+			l := it.c.Limiter
+			if l.cfg.Shadow {
+				continue
+			}
+			switch l.cfg.Algorithm {
+			case TokenBucket:
+				p.TokenBucketKeys = append(p.TokenBucketKeys, it.skey)
+			case SlidingWindow:
+				p.SlidingWindowKeys = append(p.SlidingWindowKeys, it.skey)
+			default:
+				p.FixedWindowKeys = append(p.FixedWindowKeys, it.skey)
+				p.FixedWindowWindowsUs = append(p.FixedWindowWindowsUs, l.windowUs)
+			}
+		}
+		vote = newDeferred()
+		stmts = append(stmts, vote)
+		go func() { _, _ = first.q.MultiRequireAllowed(cctx, vote, p) }()
+	}
+
+	b := &pgx.Batch{}
+	for _, s := range stmts {
+		<-s.queued
+		b.Queue(s.sql, s.args...)
+	}
+	sendErr := runBatch(cctx, db, b, stmts)
+
+	decs := make([]Decision, len(order))
+	var firstErr error
+	for k := range order {
+		r := <-results[k]
+		decs[k] = r.d
+		if r.err != nil && firstErr == nil {
+			firstErr = r.err
+		}
+	}
+	if vote != nil && sendErr == nil {
+		sendErr = vote.err
+	}
+	denied := vote != nil && isMultiDenied(sendErr)
+	if denied {
+		sendErr = nil
+	}
+	if sendErr == nil {
+		sendErr = firstErr
+	}
+	if sendErr != nil {
+		if ctx.Err() != nil {
+			return MultiDecision{}, fmt.Errorf("ratelimit: %w", ctx.Err())
+		}
+		err := mapErr(sendErr)
+		if isConfigError(err) || isMissingPartition(sendErr) {
+			if isMissingPartition(sendErr) {
+				// Create the partitions and decide again.
+				for _, it := range order {
+					if it.c.Limiter.cfg.Algorithm == FixedWindow {
+						if herr := it.c.Limiter.heal(ctx, db); herr != nil {
+							return MultiDecision{}, mapErr(herr)
+						}
+					}
+				}
+				return AllowAll(ctx, mode, checks...)
+			}
+			return MultiDecision{}, err
+		}
+		first.breaker.failure(time.Now(), err, first.cfg.OnFailure)
+		return fallbackAll(ctx, checks, err)
+	}
+	first.breaker.success()
+
+	out.Allowed = true
+	for k, it := range order {
+		d := decs[k]
+		l := it.c.Limiter
+		if !d.Allowed && l.deny != nil {
+			l.deny.put(it.c.Key, it.c.Cost, d, sent)
+		}
+		d = l.shadow(it.c.Key, d)
+		out.Decisions[it.i] = d
+		if !d.Allowed {
+			out.Allowed = false
+			if out.DeniedBy < 0 || it.i < out.DeniedBy {
+				out.DeniedBy = it.i
+			}
+		}
+	}
+	return out, nil
+}
+
+// fallbackAll answers every check by its limiter's failure policy.
+func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecision, error) {
+	out := MultiDecision{Allowed: true, Decisions: make([]Decision, len(checks)), DeniedBy: -1}
+	for i, c := range checks {
+		cost := c.Cost
+		if cost == 0 {
+			cost = 1
+		}
+		d, err := c.Limiter.fallback(ctx, c.Key, cost, cause)
+		if err != nil {
+			return MultiDecision{}, err
+		}
+		out.Decisions[i] = d
+		if !d.Allowed {
+			out.Allowed = false
+			if out.DeniedBy < 0 {
+				out.DeniedBy = i
+			}
+		}
+	}
+	return out, nil
+}
+
+func algoRank(a Algorithm) int {
+	switch a {
+	case TokenBucket:
+		return 1
+	case SlidingWindow:
+		return 2
+	}
+	return 0
+}
+
+func isMultiDenied(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == errMultiDenied
+}
+
+type takeResult struct {
+	d   Decision
+	err error
+}
+
+// deferred is a gen.DBTX that, instead of running a generated query,
+// records its SQL and arguments so that several queries go out in one
+// pgx.Batch, and then blocks the generated code's Scan until the batch's
+// result for that query arrives. This keeps the SQL in one place, the gen
+// package, for single checks and batches alike.
+type deferred struct {
+	sql    string
+	args   []any
+	dest   []any
+	queued chan struct{}
+	done   chan struct{}
+	err    error
+}
+
+func newDeferred() *deferred {
+	return &deferred{queued: make(chan struct{}), done: make(chan struct{})}
+}
+
+// QueryRow records the query; the returned row's Scan waits for the batch.
+func (d *deferred) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
+	d.sql, d.args = sql, args
+	return d
+}
+
+// Scan hands the destinations to the batch and waits for the result.
+func (d *deferred) Scan(dest ...any) error {
+	d.dest = dest
+	close(d.queued)
+	<-d.done
+	return d.err
+}
+
+// Exec is not used by the queries a batch sends.
+func (d *deferred) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return pgconn.CommandTag{}, errors.New("ratelimit: Exec in a batch")
+}
+
+// Query is not used by the queries a batch sends.
+func (d *deferred) Query(context.Context, string, ...any) (pgx.Rows, error) {
+	return nil, errors.New("ratelimit: Query in a batch")
+}
+
+// runBatch sends b and delivers each result to its deferred query, in
+// order. Every deferred query is released, with an error if need be.
+func runBatch(ctx context.Context, db DB, b *pgx.Batch, stmts []*deferred) (err error) {
+	release := func(from int, e error) {
+		for _, s := range stmts[from:] {
+			s.err = e
+			close(s.done)
+		}
+	}
+	bt, ok := db.(batcher)
+	if !ok {
+		e := fmt.Errorf("ratelimit: %T cannot send a batch; use a *pgxpool.Pool, *pgx.Conn or pgx.Tx", db)
+		release(0, e)
+		return e
+	}
+	br := bt.SendBatch(ctx, b)
+	for i, s := range stmts {
+		e := br.QueryRow().Scan(s.dest...)
+		s.err = e
+		close(s.done)
+		if e != nil {
+			cerr := br.Close()
+			if cerr == nil || isMultiDenied(e) {
+				cerr = e
+			}
+			// Later statements never ran: the transaction is aborted.
+			release(i+1, cerr)
+			return e
+		}
+	}
+	return br.Close()
+}
