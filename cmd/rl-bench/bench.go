@@ -1,0 +1,447 @@
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"runtime"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/migration"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// The limit every case uses: so high that every check is admitted, so the
+// statement always takes its update path and writes the row.
+const (
+	benchLimit  = 1_000_000_000
+	benchWindow = time.Hour
+	benchName   = "rl-bench"
+)
+
+// sliceTarget is the length the paths' alternating slices aim at.
+const sliceTarget = 250 * time.Millisecond
+
+// populateBatch is how many statements one round trip carries when every
+// key is touched before the measurement.
+const populateBatch = 1000
+
+// checkFunc runs one check of key number k.
+type checkFunc func(ctx context.Context, k int) error
+
+// workload is one algorithm's two paths over a set of keys.
+type workload struct {
+	algorithm ratelimit.Algorithm
+	keys      []string // the library's keys
+	hashed    [][]byte // the same keys as the raw statement sends them
+	cfg       ratelimit.Config
+}
+
+func newWorkload(a ratelimit.Algorithm, nkeys int) workload {
+	w := workload{
+		algorithm: a,
+		keys:      make([]string, nkeys),
+		hashed:    make([][]byte, nkeys),
+		cfg: ratelimit.Config{
+			Name:      benchName,
+			Algorithm: a,
+			Limit:     benchLimit,
+			Window:    benchWindow,
+			Burst:     benchLimit,
+		},
+	}
+	for i := range nkeys {
+		w.keys[i] = "key-" + strconv.Itoa(i)
+		w.hashed[i] = hashedKey(benchName, w.keys[i])
+	}
+	return w
+}
+
+// hashedKey is the key column's value for a limiter name and key under
+// ratelimit.HashedKeys (the default): the first 16 bytes of
+// SHA-256(uvarint(len(name)) || name || key). The library computes it on
+// every check; the raw path has it computed ahead.
+func hashedKey(name, key string) []byte {
+	h := sha256.New()
+	var n [binary.MaxVarintLen64]byte
+	h.Write(n[:binary.PutUvarint(n[:], uint64(len(name)))])
+	h.Write([]byte(name))
+	h.Write([]byte(key))
+	return h.Sum(nil)[:16]
+}
+
+// raw returns the raw path: the generated statement, with the parameters the
+// library derives from the same Config, through db.
+func (w workload) raw(db gen.DBTX) checkFunc {
+	q := gen.New()
+	windowUs := w.cfg.Window.Microseconds()
+	switch w.algorithm {
+	case ratelimit.TokenBucket:
+		refill := float64(w.cfg.Limit) / float64(windowUs)
+		return func(ctx context.Context, k int) error {
+			_, err := q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
+				Key: w.hashed[k], Cost: 1, Capacity: float64(w.cfg.Burst), RefillPerUs: refill,
+			})
+			return err
+		}
+	case ratelimit.SlidingWindow:
+		return func(ctx context.Context, k int) error {
+			_, err := q.SlidingWindowTake(ctx, db, gen.SlidingWindowTakeParams{
+				Key: w.hashed[k], WindowUs: windowUs, Cost: 1, MaxCount: w.cfg.Limit,
+			})
+			return err
+		}
+	default:
+		return func(ctx context.Context, k int) error {
+			_, err := q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
+				Key: w.hashed[k], Cost: 1, MaxCount: w.cfg.Limit, WindowUs: windowUs,
+			})
+			return err
+		}
+	}
+}
+
+// library returns the library path: Limiter.AllowN on db.
+func (w workload) library(db ratelimit.DB) (checkFunc, error) {
+	l, err := ratelimit.New(db, w.cfg)
+	if err != nil {
+		return nil, err
+	}
+	return func(ctx context.Context, k int) error {
+		d, err := l.AllowN(ctx, w.keys[k], 1)
+		if err == nil && !d.Allowed {
+			return fmt.Errorf("check of %q denied with a limit of %d: the benchmark measures admitted checks", w.keys[k], benchLimit)
+		}
+		return err
+	}, nil
+}
+
+// populate touches every key once, so that the measured checks update
+// existing rows. It sends the raw statement in batches.
+func (w workload) populate(ctx context.Context, pool *pgxpool.Pool) error {
+	for start := 0; start < len(w.keys); start += populateBatch {
+		b := &pgx.Batch{}
+		check := w.raw(batchDB{b})
+		for k := start; k < min(start+populateBatch, len(w.keys)); k++ {
+			if err := check(ctx, k); err != nil {
+				return err
+			}
+		}
+		if err := pool.SendBatch(ctx, b).Close(); err != nil {
+			return fmt.Errorf("populate %s keys: %w", w.algorithm, err)
+		}
+	}
+	return nil
+}
+
+// batchDB queues the statements that generated code sends into a batch.
+// Results are discarded: QueryRow's row scans nothing.
+type batchDB struct{ b *pgx.Batch }
+
+func (d batchDB) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	d.b.Queue(sql, args...)
+	return pgconn.CommandTag{}, nil
+}
+
+func (d batchDB) Query(context.Context, string, ...any) (pgx.Rows, error) {
+	return nil, errors.New("rl-bench: Query is not batched")
+}
+
+func (d batchDB) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
+	d.b.Queue(sql, args...)
+	return discardRow{}
+}
+
+type discardRow struct{}
+
+func (discardRow) Scan(...any) error { return nil }
+
+// pathStats accumulates one path's measurements in a case.
+type pathStats struct {
+	latencies []int64 // nanoseconds
+	elapsed   time.Duration
+}
+
+func (p *pathStats) opsPerSec() float64 {
+	if p.elapsed <= 0 {
+		return 0
+	}
+	return float64(len(p.latencies)) / p.elapsed.Seconds()
+}
+
+// percentileUs returns the q-quantile (0..1) of the latencies in
+// microseconds; the latencies must be sorted.
+func (p *pathStats) percentileUs(q float64) float64 {
+	if len(p.latencies) == 0 {
+		return 0
+	}
+	i := min(int(q*float64(len(p.latencies))), len(p.latencies)-1)
+	return float64(p.latencies[i]) / 1e3
+}
+
+// runner drives callers goroutines, each with its own key sequence.
+type runner struct {
+	callers int
+	nkeys   int
+	rngs    []*rand.Rand
+	buf     [][]int64
+}
+
+func newRunner(callers, nkeys int) *runner {
+	r := &runner{callers: callers, nkeys: nkeys, rngs: make([]*rand.Rand, callers), buf: make([][]int64, callers)}
+	for i := range callers {
+		r.rngs[i] = rand.New(rand.NewPCG(uint64(i)+1, uint64(nkeys)))
+	}
+	return r
+}
+
+// slice runs check from every caller for d, appending the latencies to st
+// when it is not nil.
+func (r *runner) slice(ctx context.Context, d time.Duration, check checkFunc, st *pathStats) error {
+	var wg sync.WaitGroup
+	errs := make([]error, r.callers)
+	start := time.Now()
+	deadline := start.Add(d)
+	for w := range r.callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng, lat := r.rngs[w], r.buf[w][:0]
+			for {
+				t0 := time.Now()
+				if !t0.Before(deadline) {
+					break
+				}
+				k := 0
+				if r.nkeys > 1 {
+					k = rng.IntN(r.nkeys)
+				}
+				if err := check(ctx, k); err != nil {
+					errs[w] = err
+					break
+				}
+				lat = append(lat, time.Since(t0).Nanoseconds())
+			}
+			r.buf[w] = lat
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if st != nil {
+		st.elapsed += elapsed
+		for _, lat := range r.buf {
+			st.latencies = append(st.latencies, lat...)
+		}
+	}
+	return nil
+}
+
+// openPool opens a pool of n connections on the benchmark's schema and
+// establishes all of them.
+func openPool(ctx context.Context, connString, schema string, n int) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("invalid connection string: %w", err)
+	}
+	cfg.MaxConns = int32(n)
+	cfg.MinConns = int32(n)
+	cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
+	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "rl-bench"
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	held := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for range n {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			pool.Close()
+			return nil, err
+		}
+		held = append(held, c)
+	}
+	return pool, nil
+}
+
+// runCase measures both paths of one algorithm at one number of callers
+// over nkeys keys.
+func runCase(ctx context.Context, o options, connString string, w workload, callers, nkeys int) (Case, error) {
+	pool, err := openPool(ctx, connString, o.schema, callers)
+	if err != nil {
+		return Case{}, err
+	}
+	defer pool.Close()
+	raw := w.raw(pool)
+	lib, err := w.library(pool)
+	if err != nil {
+		return Case{}, err
+	}
+	r := newRunner(callers, nkeys)
+	if o.warmup > 0 {
+		if err := r.slice(ctx, o.warmup/2, raw, nil); err != nil {
+			return Case{}, fmt.Errorf("raw: %w", err)
+		}
+		if err := r.slice(ctx, o.warmup/2, lib, nil); err != nil {
+			return Case{}, fmt.Errorf("library: %w", err)
+		}
+	}
+	n := max(int(o.duration/sliceTarget), 1)
+	sliceLen := o.duration / time.Duration(n)
+	var rawSt, libSt pathStats
+	for i := range n {
+		// Alternate which path goes first, so that neither always runs
+		// right after the other.
+		first, firstSt, second, secondSt := raw, &rawSt, lib, &libSt
+		if i%2 == 1 {
+			first, firstSt, second, secondSt = lib, &libSt, raw, &rawSt
+		}
+		if err := r.slice(ctx, sliceLen, first, firstSt); err != nil {
+			return Case{}, err
+		}
+		if err := r.slice(ctx, sliceLen, second, secondSt); err != nil {
+			return Case{}, err
+		}
+	}
+	slices.Sort(rawSt.latencies)
+	slices.Sort(libSt.latencies)
+	c := Case{
+		Algorithm:        string(w.algorithm),
+		Callers:          callers,
+		Keys:             nkeys,
+		RawChecks:        len(rawSt.latencies),
+		LibraryChecks:    len(libSt.latencies),
+		RawOpsPerSec:     round(rawSt.opsPerSec(), 1),
+		LibraryOpsPerSec: round(libSt.opsPerSec(), 1),
+		RawP50Us:         round(rawSt.percentileUs(0.50), 1),
+		LibraryP50Us:     round(libSt.percentileUs(0.50), 1),
+		RawP99Us:         round(rawSt.percentileUs(0.99), 1),
+		LibraryP99Us:     round(libSt.percentileUs(0.99), 1),
+	}
+	c.ThroughputRatio = ratio(libSt.opsPerSec(), rawSt.opsPerSec())
+	c.P50Ratio = ratio(libSt.percentileUs(0.50), rawSt.percentileUs(0.50))
+	c.P99Ratio = ratio(libSt.percentileUs(0.99), rawSt.percentileUs(0.99))
+	return c, nil
+}
+
+// benchmark runs every case and gathers the report.
+func benchmark(ctx context.Context, o options, connString string, log io.Writer) (Report, error) {
+	cfg, err := cli.ParseConfig(connString, "rl-bench")
+	if err != nil {
+		return Report{}, err
+	}
+	m, err := migration.NewWithConnConfig(cfg, migration.Config{Schema: o.schema})
+	if err != nil {
+		return Report{}, err
+	}
+	res, err := m.Up(ctx)
+	_ = m.Close()
+	if err != nil {
+		return Report{}, fmt.Errorf("migrate schema %s: %w", o.schema, err)
+	}
+	if res.Changed() {
+		fmt.Fprintf(log, "rl-bench: migrated schema %s to version %d\n", o.schema, res.To)
+	}
+
+	admin, err := cli.Connect(ctx, cfg, map[string]string{"search_path": pgx.Identifier{o.schema}.Sanitize()})
+	if err != nil {
+		return Report{}, err
+	}
+	defer func() { _ = admin.Close(context.Background()) }()
+	rep := Report{
+		Machine: Machine{
+			GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, NumCPU: runtime.NumCPU(), GoVersion: runtime.Version(),
+		},
+		Schema:          o.schema,
+		DurationSeconds: o.duration.Seconds(),
+		WarmupSeconds:   o.warmup.Seconds(),
+		Limit:           benchLimit,
+		Window:          benchWindow.String(),
+		Targets:         defaultTargets,
+	}
+	var versionNum int
+	if err := admin.QueryRow(ctx, "SELECT current_setting('server_version'), current_setting('server_version_num')::int").
+		Scan(&rep.Machine.ServerVersion, &versionNum); err != nil {
+		return rep, err
+	}
+	before, err := tableStats(ctx, admin, o.schema)
+	if err != nil {
+		return rep, err
+	}
+
+	maxKeys := slices.Max(o.keys)
+	for _, a := range o.algorithms {
+		w := newWorkload(a, maxKeys)
+		pool, err := openPool(ctx, connString, o.schema, 1)
+		if err != nil {
+			return rep, err
+		}
+		fmt.Fprintf(log, "rl-bench: %s: touching %d keys\n", a, maxKeys)
+		err = w.populate(ctx, pool)
+		pool.Close()
+		if err != nil {
+			return rep, err
+		}
+		for _, callers := range o.callers {
+			for _, nkeys := range o.keys {
+				fmt.Fprintf(log, "rl-bench: %s, %d callers, %d keys: raw and library, %v each\n", a, callers, nkeys, o.duration)
+				c, err := runCase(ctx, o, connString, w, callers, nkeys)
+				if err != nil {
+					return rep, fmt.Errorf("%s, %d callers, %d keys: %w", a, callers, nkeys, err)
+				}
+				rep.Cases = append(rep.Cases, c)
+			}
+		}
+	}
+
+	after, err := settledTableStats(ctx, admin, o.schema, versionNum)
+	if err != nil {
+		return rep, err
+	}
+	rep.HotUpdateRatio, rep.TableUpdates = hotRatios(before, after)
+	rep.TargetsMet, rep.TargetMisses = rep.Targets.check(rep)
+	return rep, nil
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return round(a/b, 3)
+}
+
+func round(x float64, digits int) float64 {
+	p := 1.0
+	for range digits {
+		p *= 10
+	}
+	if x >= 0 {
+		return float64(int64(x*p+0.5)) / p
+	}
+	return -float64(int64(-x*p+0.5)) / p
+}

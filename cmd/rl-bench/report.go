@@ -1,0 +1,134 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+)
+
+// Report is rl-bench's result; --output json prints it as one object.
+type Report struct {
+	// Machine describes where the benchmark ran.
+	Machine Machine `json:"machine"`
+	// Schema holds the benchmark's tables.
+	Schema string `json:"schema"`
+	// DurationSeconds is the measured time per path per case.
+	DurationSeconds float64 `json:"duration_seconds"`
+	// WarmupSeconds is the unmeasured time per case.
+	WarmupSeconds float64 `json:"warmup_seconds"`
+	// Limit and Window are the limit every check is made against: high
+	// enough that every check is admitted.
+	Limit  int64  `json:"limit"`
+	Window string `json:"window"`
+	// Cases holds one entry per algorithm, number of callers and key spread.
+	Cases []Case `json:"cases"`
+	// HotUpdateRatio maps each counter table updated during the run to the
+	// share of its updates that were HOT (n_tup_hot_upd / n_tup_upd).
+	HotUpdateRatio map[string]float64 `json:"hot_update_ratio"`
+	// TableUpdates holds the update counts behind HotUpdateRatio.
+	TableUpdates map[string]tableCounters `json:"table_updates"`
+	// Targets are the thresholds the run is checked against; TargetsMet
+	// reports whether every case and table met them, and TargetMisses
+	// lists the ones that did not.
+	Targets      Targets  `json:"targets"`
+	TargetsMet   bool     `json:"targets_met"`
+	TargetMisses []string `json:"target_misses,omitempty"`
+}
+
+// Machine describes the client and the server of a run.
+type Machine struct {
+	GOOS          string `json:"goos"`
+	GOARCH        string `json:"goarch"`
+	NumCPU        int    `json:"num_cpu"`
+	GoVersion     string `json:"go_version"`
+	ServerVersion string `json:"server_version"`
+}
+
+// Case is one algorithm at one number of callers over one key spread.
+// Ratios are library over raw: a throughput ratio of 1 and latency ratios
+// of 1 mean the library costs nothing beyond its statement.
+type Case struct {
+	Algorithm        string  `json:"algorithm"`
+	Callers          int     `json:"callers"`
+	Keys             int     `json:"keys"`
+	LibraryChecks    int     `json:"library_checks"`
+	RawChecks        int     `json:"raw_checks"`
+	LibraryOpsPerSec float64 `json:"library_ops_per_sec"`
+	RawOpsPerSec     float64 `json:"raw_ops_per_sec"`
+	ThroughputRatio  float64 `json:"throughput_ratio"`
+	LibraryP50Us     float64 `json:"library_p50_us"`
+	RawP50Us         float64 `json:"raw_p50_us"`
+	P50Ratio         float64 `json:"p50_ratio"`
+	LibraryP99Us     float64 `json:"library_p99_us"`
+	RawP99Us         float64 `json:"raw_p99_us"`
+	P99Ratio         float64 `json:"p99_ratio"`
+}
+
+// Targets are what a run should show: the library within a small margin of
+// its raw statement, and counter updates that stay HOT.
+type Targets struct {
+	MinThroughputRatio float64 `json:"min_throughput_ratio"`
+	MaxP50Ratio        float64 `json:"max_p50_ratio"`
+	MinHotUpdateRatio  float64 `json:"min_hot_update_ratio"`
+}
+
+var defaultTargets = Targets{MinThroughputRatio: 0.85, MaxP50Ratio: 1.2, MinHotUpdateRatio: 0.95}
+
+func (t Targets) check(r Report) (bool, []string) {
+	var misses []string
+	for _, c := range r.Cases {
+		name := fmt.Sprintf("%s, %d callers, %d keys", c.Algorithm, c.Callers, c.Keys)
+		if c.ThroughputRatio < t.MinThroughputRatio {
+			misses = append(misses, fmt.Sprintf("%s: throughput ratio %.3f < %.2f", name, c.ThroughputRatio, t.MinThroughputRatio))
+		}
+		if c.P50Ratio > t.MaxP50Ratio {
+			misses = append(misses, fmt.Sprintf("%s: p50 ratio %.3f > %.2f", name, c.P50Ratio, t.MaxP50Ratio))
+		}
+	}
+	for _, name := range sortedKeys(r.HotUpdateRatio) {
+		if v := r.HotUpdateRatio[name]; v < t.MinHotUpdateRatio {
+			misses = append(misses, fmt.Sprintf("%s: HOT-update ratio %.4f < %.2f", name, v, t.MinHotUpdateRatio))
+		}
+	}
+	return len(misses) == 0, misses
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	return keys
+}
+
+// printText writes the report as a table.
+func printText(w io.Writer, r Report) error {
+	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved\n\n",
+		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "algorithm\tcallers\tkeys\traw ops/s\tlib ops/s\tratio\traw p50 µs\tlib p50 µs\tratio\traw p99 µs\tlib p99 µs\tratio\t")
+	for _, c := range r.Cases {
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.0f\t%.0f\t%.3f\t%.1f\t%.1f\t%.3f\t%.1f\t%.1f\t%.3f\t\n",
+			c.Algorithm, c.Callers, c.Keys, c.RawOpsPerSec, c.LibraryOpsPerSec, c.ThroughputRatio,
+			c.RawP50Us, c.LibraryP50Us, c.P50Ratio, c.RawP99Us, c.LibraryP99Us, c.P99Ratio)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "\nHOT updates during the run (n_tup_hot_upd / n_tup_upd):\n")
+	for _, name := range sortedKeys(r.HotUpdateRatio) {
+		u := r.TableUpdates[name]
+		fmt.Fprintf(w, "  %-24s %.4f  (%d of %d)\n", name, r.HotUpdateRatio[name], u.HotUpdates, u.Updates)
+	}
+	fmt.Fprintf(w, "\nTargets: throughput ratio >= %.2f, p50 ratio <= %.2f, HOT ratio >= %.2f: ",
+		r.Targets.MinThroughputRatio, r.Targets.MaxP50Ratio, r.Targets.MinHotUpdateRatio)
+	if r.TargetsMet {
+		fmt.Fprintln(w, "all met")
+		return nil
+	}
+	fmt.Fprintf(w, "missed\n  %s\n", strings.Join(r.TargetMisses, "\n  "))
+	return nil
+}

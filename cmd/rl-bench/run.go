@@ -1,0 +1,135 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// options are the parsed command line.
+type options struct {
+	databaseURL string
+	schema      string
+	algorithms  []ratelimit.Algorithm
+	callers     []int
+	keys        []int
+	duration    time.Duration
+	warmup      time.Duration
+	output      string
+}
+
+func parseFlags(args []string, stderr io.Writer) (options, error) {
+	var o options
+	fs := flag.NewFlagSet("rl-bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL connection URL; defaults to $DATABASE_URL, else the PG* environment variables")
+	fs.StringVar(&o.schema, "schema", "pgrl_bench", "schema for the benchmark's tables; created and migrated")
+	algorithms := fs.String("algorithms", "fixed_window,token_bucket,sliding_window", "comma-separated algorithms to measure")
+	callers := fs.String("callers", "1,8", "comma-separated numbers of concurrent callers (the pool has as many connections)")
+	keys := fs.String("keys", "100000,1", "comma-separated numbers of distinct keys the callers spread over (1: one hot key)")
+	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per path (raw and library) per case")
+	fs.DurationVar(&o.warmup, "warmup", time.Second, "unmeasured time per case before measuring, split between the paths")
+	fs.StringVar(&o.output, "output", "text", "output format: text or json")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: rl-bench [flags]\n\nMeasures pgrl's checks against the raw SQL statement they send, per algorithm,\nnumber of callers and key spread, and reports the HOT-update ratio of each table.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	for _, s := range splitList(*algorithms) {
+		a, err := ratelimit.ParseAlgorithm(s)
+		if err != nil {
+			return o, fmt.Errorf("--algorithms: %v", err)
+		}
+		o.algorithms = append(o.algorithms, a)
+	}
+	var err error
+	if o.callers, err = positiveInts("--callers", *callers); err != nil {
+		return o, err
+	}
+	if o.keys, err = positiveInts("--keys", *keys); err != nil {
+		return o, err
+	}
+	switch {
+	case len(o.algorithms) == 0:
+		return o, errors.New("--algorithms: name at least one algorithm")
+	case o.duration <= 0:
+		return o, fmt.Errorf("--duration %v: must be positive", o.duration)
+	case o.warmup < 0:
+		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
+	case o.schema == "":
+		return o, errors.New("--schema: must not be empty")
+	case o.output != "text" && o.output != "json":
+		return o, fmt.Errorf("--output %q: use text or json", o.output)
+	}
+	return o, nil
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func positiveInts(name, s string) ([]int, error) {
+	var out []int
+	for _, p := range splitList(s) {
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s: %q is not a positive integer", name, p)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: give at least one number", name)
+	}
+	return out, nil
+}
+
+// run is the whole program; it returns the exit status.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return cli.ExitOK
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "rl-bench: %v\n", err)
+		return cli.ExitUsage
+	}
+	conn, source := cli.ConnString(o.databaseURL)
+	fmt.Fprintf(stderr, "rl-bench: connection from %s, schema %s\n", source, o.schema)
+	rep, err := benchmark(ctx, o, conn, stderr)
+	if err != nil {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("interrupted: %w", ctx.Err())
+		}
+		fmt.Fprintf(stderr, "rl-bench: %s\n", cli.Explain(err))
+		return cli.ExitError
+	}
+	if o.output == "json" {
+		err = cli.PrintJSON(stdout, rep)
+	} else {
+		err = printText(stdout, rep)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "rl-bench: %v\n", err)
+		return cli.ExitError
+	}
+	return cli.ExitOK
+}
