@@ -163,6 +163,19 @@ type Config struct {
 	// probes the database again. Defaults to 500ms.
 	BreakerCooldown time.Duration
 
+	// Spread splits the limit over this many rows, for a key so hot (a
+	// global ceiling checked by every request) that one row's lock becomes
+	// the bottleneck: every check then serialises on it. Each check goes
+	// to one row (the rows in turn, from a random start in each process),
+	// which holds Limit/Spread of the limit (and of Burst). The trade-off:
+	// the total admitted never exceeds Limit, but a check can be denied by
+	// its row while other rows still have room (several processes, uneven
+	// costs), so under a burst the limit can start denying somewhat before
+	// Limit is reached; once traffic has exhausted every row the total is
+	// Limit exactly. Remaining and Peek are estimates (a row's
+	// figure times Spread; the sum over rows). Defaults to 1 (one row).
+	Spread int
+
 	// Logger receives outage and recovery events (once per outage, not per
 	// check) and shadow denials. Defaults to slog.Default().
 	Logger *slog.Logger
@@ -245,6 +258,15 @@ func (c Config) withDefaults() (Config, error) {
 	if c.BreakerCooldown == 0 {
 		c.BreakerCooldown = 500 * time.Millisecond
 	}
+	if c.Spread < 0 {
+		return c, invalid(ErrInvalidLimit, "spread %d for %q; use 1 or more (0 means 1)", c.Spread, c.Name)
+	}
+	if c.Spread == 0 {
+		c.Spread = 1
+	}
+	if c.Spread > 1 && (c.Limit < int64(c.Spread) || c.Burst < int64(c.Spread)) {
+		return c, invalid(ErrInvalidLimit, "limit %d (burst %d) for %q cannot be spread over %d rows; each row needs at least 1", c.Limit, c.Burst, c.Name, c.Spread)
+	}
 	if c.Logger == nil {
 		c.Logger = slog.Default()
 	}
@@ -255,6 +277,12 @@ func (c Config) withDefaults() (Config, error) {
 func (c Config) checkCost(n int64) error {
 	if n <= 0 {
 		return invalid(ErrInvalidCost, "%d for %q; a check costs at least 1", n, c.Name)
+	}
+	if c.Spread > 1 {
+		// The first rows hold the largest share: ceil(capacity/Spread).
+		if per := (c.capacity() + int64(c.Spread) - 1) / int64(c.Spread); n > per {
+			return invalid(ErrCostExceedsLimit, "cost %d for %q can never be admitted: spread over %d rows, one row admits at most %d at once; lower Spread or split the work", n, c.Name, c.Spread, per)
+		}
 	}
 	if n > c.capacity() {
 		return invalid(ErrCostExceedsLimit, "cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit (or Burst) or split the work", n, c.Name, c.capacity())

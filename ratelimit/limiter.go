@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -32,6 +33,8 @@ type Limiter struct {
 	memory       *MemoryLimiter // answers under FailToMemory
 	deny         *denyCache     // nil when disabled
 	shadowLogged atomic.Int64
+	shards       []*Limiter // with Spread > 1: one limiter per row
+	nextShard    atomic.Uint64
 }
 
 // New returns a limiter that keeps its counters in db, which must have
@@ -64,6 +67,27 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	}
 	if cfg.DenyCacheSize > 0 {
 		l.deny = newDenyCache(cfg.DenyCacheSize)
+	}
+	if cfg.Spread > 1 {
+		s := int64(cfg.Spread)
+		for i := range s {
+			sc := cfg
+			sc.Name = fmt.Sprintf("%s#%d", cfg.Name, i)
+			sc.Spread, sc.DenyCacheSize = 1, -1
+			// Share Limit and Burst out, the remainder to the first rows.
+			sc.Limit = cfg.Limit/s + b2i(i < cfg.Limit%s)
+			sc.Burst = cfg.Burst/s + b2i(i < cfg.Burst%s)
+			if cfg.Algorithm == TokenBucket {
+				// Every row refills at its share of the rate.
+				sc.Limit = max(sc.Limit, 1)
+			}
+			shard, err := New(db, sc)
+			if err != nil {
+				return nil, err
+			}
+			l.shards = append(l.shards, shard)
+		}
+		l.nextShard.Store(rand.Uint64())
 	}
 	return l, nil
 }
@@ -230,6 +254,10 @@ func (l *Limiter) at() *time.Time {
 func (l *Limiter) key(key string) []byte { return storedKey(l.cfg.KeyMode, l.cfg.Name, key) }
 
 func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decision, error) {
+	if l.shards != nil {
+		d, err := l.pickShard(n).take(ctx, db, key, n)
+		return l.spreadDecision(d), err
+	}
 	k := l.key(key)
 	switch l.cfg.Algorithm {
 	case TokenBucket:
@@ -261,6 +289,28 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decisio
 }
 
 func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error) {
+	if l.shards != nil {
+		var sum Decision
+		for i, s := range l.shards {
+			d, err := s.peek(ctx, db, key)
+			if err != nil {
+				return Decision{}, err
+			}
+			if i == 0 {
+				sum = d
+				continue
+			}
+			sum.Allowed = sum.Allowed || d.Allowed
+			sum.Remaining += d.Remaining
+			sum.ResetAt = maxTime(sum.ResetAt, d.ResetAt)
+			sum.RetryAfter = min(sum.RetryAfter, d.RetryAfter)
+		}
+		sum.Limit = l.cfg.capacity()
+		if sum.Allowed {
+			sum.RetryAfter = 0
+		}
+		return sum, nil
+	}
 	k := l.key(key)
 	switch l.cfg.Algorithm {
 	case TokenBucket:
@@ -293,6 +343,11 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 }
 
 func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
+	for _, s := range l.shards {
+		if err := s.reset(ctx, db, key); err != nil {
+			return err
+		}
+	}
 	k := l.key(key)
 	var err error
 	switch l.cfg.Algorithm {
@@ -311,6 +366,40 @@ func (l *Limiter) heal(ctx context.Context, db DB) error {
 		At: l.at(), WindowUs: l.windowUs,
 	})
 	return err
+}
+
+// pickShard picks the row a check of cost n goes to: the rows in turn (from
+// a random start per process, so that processes spread differently), which
+// fills them evenly, skipping rows whose share cannot hold n.
+func (l *Limiter) pickShard(n int64) *Limiter {
+	for range len(l.shards) {
+		s := l.shards[l.nextShard.Add(1)%uint64(len(l.shards))]
+		if n <= s.cfg.capacity() {
+			return s
+		}
+	}
+	return l.shards[0] // the first rows hold the largest shares
+}
+
+// spreadDecision reports a row's decision in terms of the whole limit.
+func (l *Limiter) spreadDecision(d Decision) Decision {
+	d.Limit = l.cfg.capacity()
+	d.Remaining *= int64(len(l.shards))
+	return d
+}
+
+func b2i(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 // fixedDecision builds a fixed-window decision from the window's state.

@@ -107,6 +107,13 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
 			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
 		}
+		if c.Limiter.shards != nil {
+			// A spread limit is decided by one of its rows.
+			c.Limiter = c.Limiter.pickShard(c.Cost)
+		}
+		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
+			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
+		}
 		if i == 0 {
 			db = c.Limiter.db
 		} else if c.Limiter.db != db {
