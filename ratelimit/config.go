@@ -176,6 +176,10 @@ type Config struct {
 	// figure times Spread; the sum over rows). Defaults to 1 (one row).
 	Spread int
 
+	// Observer receives every decision and breaker change, for metrics.
+	// Defaults to nil (none).
+	Observer Observer
+
 	// Logger receives outage and recovery events (once per outage, not per
 	// check) and shadow denials. Defaults to slog.Default().
 	Logger *slog.Logger

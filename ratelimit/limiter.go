@@ -55,7 +55,7 @@ func New(db DB, cfg Config) (*Limiter, error) {
 		windowUs: cfg.Window.Microseconds(),
 	}
 	l.refillPerUs = float64(cfg.Limit) / float64(l.windowUs)
-	l.breaker = &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name}
+	l.breaker = &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	if cfg.Algorithm == TokenBucket {
@@ -104,6 +104,10 @@ func isNil(db DB) bool {
 	return false
 }
 
+// BreakerOpen reports whether the breaker currently keeps checks away from
+// the database.
+func (l *Limiter) BreakerOpen() bool { return l.breaker.open.Load() }
+
 // Config returns the limiter's configuration, defaults filled in.
 func (l *Limiter) Config() Config { return l.cfg }
 
@@ -121,6 +125,16 @@ func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // (ErrNotMigrated, ErrReadOnly) and bad arguments are always returned, as is
 // the caller's own context ending.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
+	if l.cfg.Observer == nil {
+		return l.allowN(ctx, key, n)
+	}
+	start := time.Now()
+	d, err := l.allowN(ctx, key, n)
+	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
+	return d, err
+}
+
+func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, error) {
 	if err := l.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}

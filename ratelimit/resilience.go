@@ -19,6 +19,19 @@ import (
 //	cfg.ConnConfig.RuntimeParams[ratelimit.StatementTimeoutParam] = "200ms"
 const StatementTimeoutParam = "statement_timeout"
 
+// Observer receives what a limiter does, for metrics (package
+// ratelimit/metrics implements it for Prometheus). Its methods are called on
+// the checking goroutine and must be fast and safe for concurrent use.
+type Observer interface {
+	// ObserveDecision is called after every Allow and AllowN with the
+	// decision, how long the check took, and its error (nil when a
+	// decision was made, by whatever store).
+	ObserveDecision(limiter string, d Decision, took time.Duration, err error)
+	// ObserveBreaker is called when the breaker opens (open true) after
+	// repeated database failures, and when it closes again.
+	ObserveBreaker(limiter string, open bool)
+}
+
 // breaker stops sending checks to a database that keeps failing. After
 // threshold consecutive failures it opens for cooldown; then one check at a
 // time probes the database, and the first success closes it. It logs each
@@ -28,6 +41,7 @@ type breaker struct {
 	cooldown  time.Duration
 	logger    *slog.Logger
 	name      string
+	observer  Observer
 
 	failures  atomic.Int64
 	open      atomic.Bool
@@ -56,6 +70,9 @@ func (b *breaker) success() {
 		b.mu.Lock()
 		if b.open.Load() {
 			b.open.Store(false)
+			if b.observer != nil {
+				b.observer.ObserveBreaker(b.name, false)
+			}
 			b.logger.Info("pgrl: database answering again; checks go to PostgreSQL",
 				"limiter", b.name, "outage", time.Since(b.since).Round(time.Millisecond).String())
 		}
@@ -83,6 +100,9 @@ func (b *breaker) failure(now time.Time, err error, policy FailurePolicy) {
 	b.since = now
 	b.openUntil.Store(now.Add(b.cooldown).UnixNano())
 	b.open.Store(true)
+	if b.observer != nil {
+		b.observer.ObserveBreaker(b.name, true)
+	}
 	b.logger.Warn("pgrl: database unavailable; answering checks by failure policy until it recovers",
 		"limiter", b.name, "policy", policy.String(), "error", err.Error())
 }
