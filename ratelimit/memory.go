@@ -27,8 +27,10 @@ type MemoryOptions struct {
 
 // Defaults for MemoryOptions.
 const (
+	// DefaultMemoryMaxKeys is MemoryOptions.MaxKeys when it is not set.
 	DefaultMemoryMaxKeys = 100_000
-	DefaultMemoryShards  = 64
+	// DefaultMemoryShards is MemoryOptions.Shards when it is not set.
+	DefaultMemoryShards = 64
 )
 
 // maxInlineKey is the longest key a MemoryLimiter or a deny cache stores as
