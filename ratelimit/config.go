@@ -176,6 +176,22 @@ type Config struct {
 	// figure times Spread; the sum over rows). Defaults to 1 (one row).
 	Spread int
 
+	// DisableCoalescing turns off the coalescing of concurrent checks. By
+	// default, checks of this limiter that arrive while MaxInFlight round
+	// trips are already running wait and go out together, one statement
+	// for up to MaxBatch of them, decided exactly as if one after another;
+	// a check that finds the way clear goes out at once, alone, so a lone
+	// caller's latency does not change. Defaults to false (coalescing on).
+	DisableCoalescing bool
+
+	// MaxBatch caps the checks that one coalesced statement decides.
+	// Defaults to 256.
+	MaxBatch int
+
+	// MaxInFlight is how many of this limiter's round trips may run at once
+	// before further checks wait to be coalesced. Defaults to 2.
+	MaxInFlight int
+
 	// Observer receives every decision and breaker change, for metrics.
 	// Defaults to nil (none).
 	Observer Observer
@@ -261,6 +277,15 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.BreakerCooldown == 0 {
 		c.BreakerCooldown = 500 * time.Millisecond
+	}
+	if c.MaxBatch < 0 || c.MaxInFlight < 0 {
+		return c, invalid(ErrInvalidLimit, "MaxBatch %d / MaxInFlight %d for %q; use positive values, or 0 for the defaults", c.MaxBatch, c.MaxInFlight, c.Name)
+	}
+	if c.MaxBatch == 0 {
+		c.MaxBatch = 256
+	}
+	if c.MaxInFlight == 0 {
+		c.MaxInFlight = 2
 	}
 	if c.Spread < 0 {
 		return c, invalid(ErrInvalidLimit, "spread %d for %q; use 1 or more (0 means 1)", c.Spread, c.Name)

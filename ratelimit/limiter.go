@@ -35,6 +35,7 @@ type Limiter struct {
 	shadowLogged atomic.Int64
 	shards       []*Limiter // with Spread > 1: one limiter per row
 	nextShard    atomic.Uint64
+	coalescer    *coalescer // nil when coalescing is off
 }
 
 // New returns a limiter that keeps its counters in db, which must have
@@ -67,6 +68,11 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	}
 	if cfg.DenyCacheSize > 0 {
 		l.deny = newDenyCache(cfg.DenyCacheSize)
+	}
+	if !cfg.DisableCoalescing {
+		if _, isTx := db.(pgx.Tx); !isTx {
+			l.coalescer = newCoalescer(l, cfg.MaxBatch, cfg.MaxInFlight)
+		}
 	}
 	if cfg.Spread > 1 {
 		s := int64(cfg.Spread)
@@ -173,7 +179,17 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 
 // allowDB asks PostgreSQL, healing a missing partition once.
 func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
-	d, err := l.take(ctx, l.db, key, n)
+	if l.shards != nil {
+		d, err := l.pickShard(n).allowDB(ctx, key, n)
+		return l.spreadDecision(d), err
+	}
+	take := func() (Decision, error) {
+		if l.coalescer != nil {
+			return l.coalescer.take(ctx, key, n)
+		}
+		return l.take(ctx, l.db, key, n)
+	}
+	d, err := take()
 	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
 		// yet (cleanup creates them ahead; it may not have run). Create it
@@ -181,7 +197,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 		if herr := l.heal(ctx, l.db); herr != nil {
 			return Decision{}, mapErr(herr)
 		}
-		d, err = l.take(ctx, l.db, key, n)
+		d, err = take()
 	}
 	return d, mapErr(err)
 }

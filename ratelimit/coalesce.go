@@ -1,0 +1,293 @@
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgrl/pgrl/gen"
+)
+
+// coalescer gathers the checks that one limiter's callers make at the same
+// time into one statement per round trip.
+//
+// It is adaptive: a check that finds fewer than maxInFlight round trips
+// running goes out at once, alone, as the very statement an uncoalesced
+// check sends, so a lone caller pays nothing. Checks that arrive while the
+// round trips are busy wait in a queue; when a round trip ends, its leader
+// hands the queue (up to maxBatch checks, one per key) to the first waiting
+// check, which sends it as one statement and becomes the next leader. A key
+// met twice in the queue waits for the following statement, so every check
+// of a key is decided after the previous one exactly as if they had come
+// one after another.
+type coalescer struct {
+	l           *Limiter
+	maxBatch    int
+	maxInFlight int
+
+	batched atomic.Uint64 // checks decided in statements of two or more
+
+	mu       sync.Mutex
+	inFlight int
+	busy     map[string]bool // keys of the checks in the round trips running
+	pending  []*pendingCheck
+}
+
+// pendingCheck is one check waiting for, or riding, a round trip.
+type pendingCheck struct {
+	ctx  context.Context
+	key  string
+	skey []byte
+	cost int64
+	lead chan []*pendingCheck // receives a batch this check must send
+	done chan struct{}        // closed when d and err are set
+	d    Decision
+	err  error
+}
+
+func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
+	return &coalescer{l: l, maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]bool{}}
+}
+
+// take decides one check, alone or in a batch.
+func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, error) {
+	r := &pendingCheck{ctx: ctx, key: key, cost: n, lead: make(chan []*pendingCheck, 1), done: make(chan struct{})}
+	c.mu.Lock()
+	if c.inFlight < c.maxInFlight && !c.busy[key] {
+		c.inFlight++
+		c.busy[key] = true
+		c.mu.Unlock()
+		c.lead([]*pendingCheck{r})
+		return r.d, r.err
+	}
+	r.skey = c.l.key(key)
+	c.pending = append(c.pending, r)
+	c.mu.Unlock()
+
+	select {
+	case <-r.done:
+		return r.d, r.err
+	case batch := <-r.lead:
+		c.lead(batch)
+		return r.d, r.err
+	case <-ctx.Done():
+		c.mu.Lock()
+		withdrawn := c.withdraw(r)
+		c.mu.Unlock()
+		if !withdrawn {
+			// Already in a batch: the statement may count it. If this
+			// check was to lead the batch, lead it in the background.
+			go func() {
+				select {
+				case batch := <-r.lead:
+					c.lead(batch)
+				case <-r.done:
+				}
+			}()
+		}
+		return Decision{}, ctx.Err()
+	}
+}
+
+// withdraw removes r from the queue; it reports false when r has already
+// left it for a batch. The caller holds c.mu.
+func (c *coalescer) withdraw(r *pendingCheck) bool {
+	for i, p := range c.pending {
+		if p == r {
+			c.pending = append(c.pending[:i], c.pending[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// lead sends batch, then hands the next batch to its first check.
+func (c *coalescer) lead(batch []*pendingCheck) {
+	c.send(batch)
+	c.mu.Lock()
+	for _, r := range batch {
+		delete(c.busy, r.key)
+	}
+	next := c.nextBatch()
+	if len(next) == 0 {
+		c.inFlight--
+		c.mu.Unlock()
+		return
+	}
+	c.mu.Unlock()
+	next[0].lead <- next
+}
+
+// nextBatch takes up to maxBatch queued checks, one per key and none of a
+// key whose check is in flight, in arrival order. A queued check that the
+// deny cache can now answer (its key was denied by the round trip that just
+// ended) is answered at once and never sent. The caller holds c.mu.
+func (c *coalescer) nextBatch() []*pendingCheck {
+	if len(c.pending) == 0 {
+		return nil
+	}
+	var batch []*pendingCheck
+	deny := c.l.deny
+	now := c.l.localNow()
+	rest := c.pending[:0]
+	for _, p := range c.pending {
+		if deny != nil {
+			if d, ok := deny.get(p.key, p.cost, now); ok {
+				p.d = d
+				close(p.done)
+				continue
+			}
+		}
+		if len(batch) < c.maxBatch && !c.busy[p.key] {
+			c.busy[p.key] = true
+			batch = append(batch, p)
+			continue
+		}
+		rest = append(rest, p)
+	}
+	clear(c.pending[len(rest):])
+	c.pending = rest
+	return batch
+}
+
+// send runs one round trip for batch and delivers every result.
+func (c *coalescer) send(batch []*pendingCheck) {
+	l := c.l
+	// The statement serves several callers: no single caller's
+	// cancellation may abort it, but the limiter's timeout bounds it.
+	ctx := context.WithoutCancel(batch[0].ctx)
+	if l.cfg.Timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
+		defer cancel()
+	}
+	sent := l.localNow()
+	if len(batch) == 1 {
+		r := batch[0]
+		r.d, r.err = l.take(ctx, l.db, r.key, r.cost)
+		c.remember(r, sent)
+		close(r.done)
+		return
+	}
+	c.batched.Add(uint64(len(batch)))
+	err := c.takeMany(ctx, batch)
+	var pgErr *pgconn.PgError
+	if err != nil && errors.As(err, &pgErr) {
+		// The statement failed as a whole: decide each check on its own so
+		// that every error reaches the check it belongs to.
+		for _, r := range batch {
+			r.d, r.err = l.take(ctx, l.db, r.key, r.cost)
+		}
+		err = nil
+	}
+	for _, r := range batch {
+		if err != nil {
+			r.err = err
+		}
+		c.remember(r, sent)
+		close(r.done)
+	}
+}
+
+// remember puts a denial into the deny cache before the queue is looked at
+// again, so that queued checks of the same key are answered without a
+// statement.
+func (c *coalescer) remember(r *pendingCheck, sent time.Time) {
+	if c.l.deny != nil && r.err == nil && !r.d.Allowed {
+		c.l.deny.put(r.key, r.cost, r.d, sent)
+	}
+}
+
+// takeMany decides the batch in one statement.
+func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
+	l := c.l
+	keys := make([][]byte, len(batch))
+	byKey := make(map[string]*pendingCheck, len(batch))
+	for i, r := range batch {
+		if r.skey == nil {
+			r.skey = l.key(r.key)
+		}
+		keys[i] = r.skey
+		byKey[string(r.skey)] = r
+	}
+	missing := func(k []byte) (*pendingCheck, error) {
+		r := byKey[string(k)]
+		if r == nil {
+			return nil, errors.New("ratelimit: batched statement returned an unknown key")
+		}
+		return r, nil
+	}
+	switch l.cfg.Algorithm {
+	case TokenBucket:
+		costs := make([]float64, len(batch))
+		for i, r := range batch {
+			costs[i] = float64(r.cost)
+		}
+		rows, err := l.q.TokenBucketTakeMany(ctx, l.db, gen.TokenBucketTakeManyParams{
+			Keys: keys, Costs: costs, At: l.at(), Capacity: float64(l.cfg.Burst),
+			RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+		})
+		if err != nil {
+			return err
+		}
+		for _, row := range rows {
+			r, err := missing(row.Key)
+			if err != nil {
+				return err
+			}
+			r.d = l.tokenDecision(row.Allowed, row.Tokens, row.UpdatedAt, row.FullAt, r.cost)
+		}
+		return checkAll(batch, len(rows))
+	case SlidingWindow:
+		costs := costsOf(batch)
+		rows, err := l.q.SlidingWindowTakeMany(ctx, l.db, gen.SlidingWindowTakeManyParams{
+			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		})
+		if err != nil {
+			return err
+		}
+		for _, row := range rows {
+			r, err := missing(row.Key)
+			if err != nil {
+				return err
+			}
+			r.d = l.slidingDecision(row.Allowed, row.WindowStart, row.Count, row.PrevCount, row.Now, r.cost)
+		}
+		return checkAll(batch, len(rows))
+	default:
+		costs := costsOf(batch)
+		rows, err := l.q.FixedWindowTakeMany(ctx, l.db, gen.FixedWindowTakeManyParams{
+			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		})
+		if err != nil {
+			return err
+		}
+		for _, row := range rows {
+			r, err := missing(row.Key)
+			if err != nil {
+				return err
+			}
+			r.d = l.fixedDecision(row.Allowed, row.Count, row.ExpiresAt, row.Now)
+		}
+		return checkAll(batch, len(rows))
+	}
+}
+
+func costsOf(batch []*pendingCheck) []int64 {
+	costs := make([]int64, len(batch))
+	for i, r := range batch {
+		costs[i] = r.cost
+	}
+	return costs
+}
+
+func checkAll(batch []*pendingCheck, got int) error {
+	if got != len(batch) {
+		return errors.New("ratelimit: batched statement returned fewer rows than checks")
+	}
+	return nil
+}

@@ -1,0 +1,164 @@
+package ratelimit_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+type observed struct {
+	key     string
+	cost    int64
+	allowed bool
+	before  int64 // units counted before this check, derived from Remaining
+}
+
+// TestCoalescedMatchesSequentialReplay fires 64 goroutines over 50 keys with
+// costs 1–5 through a coalescing limiter, then replays the same checks one
+// by one, without coalescing, in an order consistent with what each
+// decision saw, on a fresh schema: every decision and every final count
+// must be identical.
+func TestCoalescedMatchesSequentialReplay(t *testing.T) {
+	t.Parallel()
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(8))
+			ctx := context.Background()
+			at := base.Add(30 * time.Second) // pinned: no refill, no window change
+			cfg := ratelimit.Config{Name: "coalesce", Algorithm: alg, Limit: 40, Window: time.Hour,
+				DenyCacheSize: -1, Now: func() time.Time { return at }}
+			l := newLimiter(t, pool, cfg)
+
+			var mu sync.Mutex
+			var got []observed
+			var wg sync.WaitGroup
+			for g := range 64 {
+				wg.Go(func() {
+					rng := rand.New(rand.NewPCG(uint64(g), 1))
+					for range 40 {
+						key := fmt.Sprintf("k%02d", rng.IntN(50))
+						cost := 1 + rng.Int64N(5)
+						d, err := l.AllowN(ctx, key, cost)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						after := cfg.Limit - d.Remaining
+						before := after
+						if d.Allowed {
+							before -= cost
+						}
+						mu.Lock()
+						got = append(got, observed{key, cost, d.Allowed, before})
+						mu.Unlock()
+					}
+				})
+			}
+			wg.Wait()
+			require.Len(t, got, 64*40)
+			batched := ratelimit.BatchedChecks(l)
+			t.Logf("%s: %d of %d checks rode coalesced statements", alg, batched, len(got))
+			require.Positive(t, batched, "64 concurrent callers must coalesce")
+
+			// Replay: per key, in the order of the count each check saw;
+			// at one count, denials first (they change nothing).
+			slices.SortStableFunc(got, func(a, b observed) int {
+				if a.key != b.key {
+					return compare(a.key, b.key)
+				}
+				if a.before != b.before {
+					return int(a.before - b.before)
+				}
+				return boolRank(a.allowed) - boolRank(b.allowed)
+			})
+			replayPool, _ := dbtest.Pool(t)
+			rcfg := cfg
+			rcfg.DisableCoalescing = true
+			r := newLimiter(t, replayPool, rcfg)
+			admitted := map[string]int64{}
+			for i, o := range got {
+				d, err := r.AllowN(ctx, o.key, o.cost)
+				require.NoError(t, err)
+				require.Equal(t, o.allowed, d.Allowed, "replay step %d: %+v", i, o)
+				if d.Allowed {
+					admitted[o.key] += o.cost
+				}
+			}
+			for key, n := range admitted {
+				a, err := l.Peek(ctx, key)
+				require.NoError(t, err)
+				b, err := r.Peek(ctx, key)
+				require.NoError(t, err)
+				require.Equal(t, b.Remaining, a.Remaining, "key %s", key)
+				require.Equal(t, cfg.Limit-n, a.Remaining, "key %s", key)
+			}
+		})
+	}
+}
+
+func compare(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+func boolRank(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// TestCoalescingCancellation checks that a check waiting to be coalesced
+// returns as soon as its context ends.
+func TestCoalescingCancellation(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
+	ctx := context.Background()
+	l := newLimiter(t, pool, ratelimit.Config{Name: "cancel", Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1})
+
+	// Hold the row lock of key "busy" so that the round trip in flight
+	// waits, and the next checks queue behind it.
+	_, err := l.Allow(ctx, "busy")
+	require.NoError(t, err)
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SELECT 1 FROM pgrl_fixed_window FOR UPDATE")
+	require.NoError(t, err)
+
+	first := make(chan error, 1)
+	go func() {
+		_, err := l.Allow(ctx, "busy")
+		first <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // the first check is now in flight, blocked
+
+	cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = l.Allow(cctx, "other")
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Less(t, time.Since(start), time.Second, "a queued check honours its context")
+
+	require.NoError(t, tx.Rollback(ctx))
+	require.NoError(t, <-first)
+	// The queue drains: later checks are answered.
+	d, err := l.Allow(ctx, "other")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+}

@@ -1,0 +1,124 @@
+-- name: FixedWindowTakeMany :many
+-- FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+-- decides many checks of one limiter in one statement, one check per
+-- distinct key, so that concurrent checks can share one round trip. Each row
+-- gets exactly the arithmetic of the single check. Rows are inserted, and so
+-- locked, in key order: concurrent batches never deadlock. Keys must be
+-- distinct within one call (one statement cannot update a row twice) and
+-- each cost at most max_count. The update arm reads each check's cost back
+-- from the proposed row (excluded), since it cannot see the arrays.
+WITH p AS (
+    SELECT ts,
+           timestamptz 'epoch' + ((now_us - now_us % window_us) + window_us) * interval '1 microsecond' AS expires_at,
+           max_count, penalty
+      FROM (SELECT ts, (extract(epoch FROM ts) * 1000000)::bigint AS now_us, window_us, max_count, penalty
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
+                           sqlc.arg(window_us)::bigint AS window_us,
+                           sqlc.arg(max_count)::bigint AS max_count,
+                           sqlc.arg(penalty)::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i], p.expires_at, (sqlc.arg(costs)::bigint[])[i], (sqlc.arg(costs)::bigint[])[i] <= p.max_count
+  FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET (count, allowed) = (
+       SELECT CASE WHEN t.count + excluded.count <= p.max_count OR p.penalty
+                   THEN t.count + excluded.count ELSE t.count END,
+              t.count + excluded.count <= p.max_count
+         FROM p
+   )
+RETURNING key, count, expires_at, allowed, (SELECT ts FROM p)::timestamptz AS now;
+
+-- name: TokenBucketTakeMany :many
+-- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
+-- rules of FixedWindowTakeMany; the cost comes back as capacity minus the
+-- proposed balance (exact for integer costs).
+WITH p AS (
+    SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
+           sqlc.arg(capacity)::float8 AS capacity,
+           sqlc.arg(refill_per_us)::float8 AS refill_per_us,
+           sqlc.arg(penalty)::boolean AS penalty
+)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i],
+       p.capacity - (sqlc.arg(costs)::float8[])[i],
+       p.ts,
+       p.ts + ((sqlc.arg(costs)::float8[])[i] / p.refill_per_us) * interval '1 microsecond',
+       (sqlc.arg(costs)::float8[])[i] <= p.capacity
+  FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET (tokens, updated_at, full_at, allowed) = (
+       SELECT s.tokens,
+              s.at,
+              s.at + ((s.capacity - s.tokens) / s.refill_per_us) * interval '1 microsecond',
+              s.allowed
+         FROM (
+             SELECT CASE WHEN a.avail >= a.cost THEN a.avail - a.cost
+                         WHEN a.penalty THEN greatest(a.avail - a.cost, 0 - a.capacity)
+                         ELSE a.avail END AS tokens,
+                    a.avail >= a.cost AS allowed,
+                    a.at, a.capacity, a.refill_per_us
+               FROM (
+                   SELECT least(p.capacity,
+                                t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
+                                           * p.refill_per_us) AS avail,
+                          greatest(t.updated_at, p.ts) AS at,
+                          p.capacity - excluded.tokens AS cost,
+                          p.capacity, p.refill_per_us, p.penalty
+                     FROM p
+               ) AS a
+         ) AS s
+   )
+RETURNING key, tokens, updated_at, full_at, allowed;
+
+-- name: SlidingWindowTakeMany :many
+-- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
+-- the rules of FixedWindowTakeMany.
+WITH p AS (
+    SELECT n.ts, n.now_us,
+           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           n.window_us, n.max_count, n.penalty
+      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
+                   c.window_us, c.max_count, c.penalty
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
+                           sqlc.arg(window_us)::bigint AS window_us,
+                           sqlc.arg(max_count)::bigint AS max_count,
+                           sqlc.arg(penalty)::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i],
+       p.window_start,
+       (sqlc.arg(costs)::bigint[])[i],
+       0,
+       p.window_start + 2 * p.window_us * interval '1 microsecond',
+       (sqlc.arg(costs)::bigint[])[i] <= p.max_count
+  FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET (window_start, count, prev_count, expires_at, allowed) = (
+       SELECT r.ws,
+              CASE WHEN r.ok OR r.penalty THEN r.c + r.cost ELSE r.c END,
+              r.p,
+              r.ws + 2 * r.window_us * interval '1 microsecond',
+              r.ok
+         FROM (
+             SELECT v.ws, v.c, v.p, v.cost, v.penalty, v.window_us,
+                    v.p::numeric * (v.window_us - v.e) + (v.c + v.cost)::numeric * v.window_us
+                      <= v.max_count::numeric * v.window_us AS ok
+               FROM (
+                   SELECT greatest(t.window_start, p.window_start) AS ws,
+                          CASE WHEN t.window_start >= p.window_start THEN t.count ELSE 0 END AS c,
+                          CASE WHEN t.window_start >= p.window_start THEN t.prev_count
+                               WHEN t.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN t.count
+                               ELSE 0 END AS p,
+                          least(greatest(p.now_us - (extract(epoch FROM greatest(t.window_start, p.window_start)) * 1000000)::bigint, 0),
+                                p.window_us) AS e,
+                          excluded.count AS cost,
+                          p.max_count, p.penalty, p.window_us
+                     FROM p
+               ) AS v
+         ) AS r
+   )
+RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;
