@@ -4,6 +4,8 @@ import (
 	"log/slog"
 	"strings"
 	"time"
+
+	"github.com/pgrl/pgrl/cleanup"
 )
 
 // Algorithm selects how a limiter counts.
@@ -191,6 +193,14 @@ type Config struct {
 	// MaxInFlight is how many of this limiter's round trips may run at once
 	// before further checks wait to be coalesced. Defaults to 2.
 	MaxInFlight int
+
+	// Cleanup, when set, deletes dead counter rows from the request path,
+	// for applications that schedule no rl-cleanup: on about one check in
+	// Cleanup.Every it starts one small batch in the background, after the
+	// check has its answer, so the check is never delayed and never fails
+	// because of it. Share one value among all limiters of a pool. Only
+	// limiters on a *pgxpool.Pool use it. Defaults to nil (off).
+	Cleanup *cleanup.Opportunistic
 
 	// Observer receives every decision and breaker change, for metrics.
 	// Defaults to nil (none).

@@ -174,6 +174,11 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 	if l.deny != nil && !d.Allowed {
 		l.deny.put(key, n, d, sent)
 	}
+	if l.cfg.Cleanup != nil {
+		if pool, ok := l.db.(*pgxpool.Pool); ok {
+			l.cfg.Cleanup.Maybe(ctx, pool)
+		}
+	}
 	return l.shadow(key, d), nil
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -401,3 +402,26 @@ func TestRetryAfterSeconds(t *testing.T) {
 var _ = errors.Is
 var _ = math.Abs
 var _ = rand.IntN
+
+func TestOpportunisticCleanup(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	// Rows of windows long past, as if no cleanup had run for a while.
+	_, err := pool.Exec(ctx, `INSERT INTO pgrl_fixed_window (key, expires_at, count, allowed)
+		SELECT decode(lpad(to_hex(g), 32, '0'), 'hex'), now() - interval '1 hour', 1, true FROM generate_series(1, 500) AS g`)
+	require.NoError(t, err)
+	oc := &cleanup.Opportunistic{Every: 1}
+	l := newLimiter(t, pool, ratelimit.Config{Name: "oc", Limit: 10, Window: time.Minute, Cleanup: oc})
+	for range 3 {
+		d, err := l.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+	}
+	oc.Wait()
+	require.Positive(t, oc.Started())
+	var dead, live int
+	require.NoError(t, pool.QueryRow(ctx, "SELECT count(*) FILTER (WHERE expires_at <= now()), count(*) FILTER (WHERE expires_at > now()) FROM pgrl_fixed_window").Scan(&dead, &live))
+	require.Zero(t, dead, "expired rows deleted from the request path")
+	require.Equal(t, 1, live, "the live counter is kept")
+}
