@@ -8,6 +8,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // StatementTimeoutParam is the run-time parameter that bounds a statement
@@ -46,7 +48,7 @@ type breaker struct {
 	failures  atomic.Int64
 	open      atomic.Bool
 	openUntil atomic.Int64 // unix nanoseconds
-	probing   atomic.Bool
+	probeAt   atomic.Int64 // unix nanoseconds the running probe began; 0 for none
 	mu        sync.Mutex
 	since     time.Time
 }
@@ -59,14 +61,24 @@ func (b *breaker) allow(now time.Time) bool {
 	if now.UnixNano() < b.openUntil.Load() {
 		return false
 	}
-	// Cool-down over: let one probe through at a time.
-	return b.probing.CompareAndSwap(false, true)
+	// Cool-down over: let one probe through at a time. A probe whose
+	// caller gave up (its context ended, so it recorded neither success
+	// nor failure) is forgotten after a cool-down, so the breaker cannot
+	// stay open for good.
+	p := b.probeAt.Load()
+	if p != 0 && now.UnixNano()-p < int64(b.cooldown) {
+		return false
+	}
+	return b.probeAt.CompareAndSwap(p, now.UnixNano())
 }
 
-// success records a check the database answered.
+// success records a check the database answered. While the breaker is
+// open, only the probe closes it: a check sent before the outage that
+// succeeds late says nothing about the database now, and closing on it
+// would log a recovery and a second outage for one outage.
 func (b *breaker) success() {
 	b.failures.Store(0)
-	if b.open.Load() {
+	if b.open.Load() && b.probeAt.Load() != 0 {
 		b.mu.Lock()
 		if b.open.Load() {
 			b.open.Store(false)
@@ -77,16 +89,23 @@ func (b *breaker) success() {
 				"limiter", b.name, "outage", time.Since(b.since).Round(time.Millisecond).String())
 		}
 		b.mu.Unlock()
+		b.probeAt.Store(0)
 	}
-	b.probing.Store(false)
 }
 
-// failure records a check the database failed, with its error.
+// failure records a check the database failed, with its error. A lock
+// wait that ran out (lock_timeout, SQLSTATE 55P03) is one key's contention,
+// not an outage: it is answered by the policy but does not count towards
+// opening the breaker, so that one locked row does not send every other
+// key to the fallback.
 func (b *breaker) failure(now time.Time, err error, policy FailurePolicy) {
+	if isLockTimeout(err) {
+		return
+	}
 	n := b.failures.Add(1)
 	if b.open.Load() {
 		b.openUntil.Store(now.Add(b.cooldown).UnixNano())
-		b.probing.Store(false)
+		b.probeAt.Store(0)
 		return
 	}
 	if n < b.threshold {
@@ -105,6 +124,12 @@ func (b *breaker) failure(now time.Time, err error, policy FailurePolicy) {
 	}
 	b.logger.Warn("pgrl: database unavailable; answering checks by failure policy until it recovers",
 		"limiter", b.name, "policy", policy.String(), "error", err.Error())
+}
+
+// isLockTimeout reports a statement abandoned by lock_timeout.
+func isLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
 }
 
 // errBreakerOpen is the reason given while the breaker skips the database.
