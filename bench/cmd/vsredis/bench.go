@@ -1,0 +1,619 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/go-redis/redis_rate/v10"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/pgrl/pgrl/migration"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// The limit both sides enforce: one unit a second of refill and a burst of
+// 1e9, so that every check is admitted and no key's state ever expires
+// during a run (redis_rate's key TTL is the time until the bucket is full
+// again, which only grows here).
+const (
+	benchName  = "vsredis"
+	benchRate  = 1
+	benchBurst = 1_000_000_000
+)
+
+// redisLimit is benchRate/benchBurst in redis_rate's terms.
+var redisLimit = redis_rate.Limit{Rate: benchRate, Period: time.Second, Burst: benchBurst}
+
+// sliceTarget is the length the paths' alternating slices aim at.
+const sliceTarget = 250 * time.Millisecond
+
+// populateCallers is how many goroutines touch every key before the cases.
+const populateCallers = 64
+
+// Path names, as in the report.
+const (
+	pathPgrl        = "pgrl"
+	pathRedis       = "redis_rate"
+	pathUncoalesced = "pgrl_uncoalesced"
+)
+
+// checkFunc runs one check of key number k.
+type checkFunc func(ctx context.Context, k int) error
+
+// countingDB passes pgrl's statements to the pool and counts them: the
+// library sends a lone check with QueryRow and a coalesced batch with Query.
+type countingDB struct {
+	pool   *pgxpool.Pool
+	single atomic.Int64
+	many   atomic.Int64
+}
+
+func (d *countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return d.pool.Exec(ctx, sql, args...)
+}
+
+func (d *countingDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	d.many.Add(1)
+	return d.pool.Query(ctx, sql, args...)
+}
+
+func (d *countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	d.single.Add(1)
+	return d.pool.QueryRow(ctx, sql, args...)
+}
+
+// path is one way of deciding checks, with what it measured.
+type path struct {
+	name  string
+	check checkFunc
+	db    *countingDB // pgrl paths only
+
+	latencies []int64 // nanoseconds
+	elapsed   time.Duration
+	cpu       time.Duration // client CPU (user + system) while it ran
+	busy      cpuSample     // machine CPU while it ran
+	single    int64
+	many      int64
+}
+
+func (p *path) opsPerSec() float64 {
+	if p.elapsed <= 0 {
+		return 0
+	}
+	return float64(len(p.latencies)) / p.elapsed.Seconds()
+}
+
+// percentileUs returns the q-quantile (0..1) of the sorted latencies in
+// microseconds.
+func (p *path) percentileUs(q float64) float64 {
+	if len(p.latencies) == 0 {
+		return 0
+	}
+	i := min(int(q*float64(len(p.latencies))), len(p.latencies)-1)
+	return float64(p.latencies[i]) / 1e3
+}
+
+// runner drives callers goroutines, each with its own key sequence.
+type runner struct {
+	callers int
+	nkeys   int
+	rngs    []*rand.Rand
+	buf     [][]int64
+}
+
+func newRunner(callers, nkeys int) *runner {
+	r := &runner{callers: callers, nkeys: nkeys, rngs: make([]*rand.Rand, callers), buf: make([][]int64, callers)}
+	for i := range callers {
+		r.rngs[i] = rand.New(rand.NewPCG(uint64(i)+1, uint64(nkeys)))
+	}
+	return r
+}
+
+// slice runs p's check from every caller for d, and records the latencies
+// and costs when measure is set.
+func (r *runner) slice(ctx context.Context, d time.Duration, p *path, measure bool) error {
+	var wg sync.WaitGroup
+	errs := make([]error, r.callers)
+	var single0, many0 int64
+	if p.db != nil {
+		single0, many0 = p.db.single.Load(), p.db.many.Load()
+	}
+	cpu0 := processCPU()
+	busy0 := readCPU()
+	start := time.Now()
+	deadline := start.Add(d)
+	for w := range r.callers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng, lat := r.rngs[w], r.buf[w][:0]
+			for {
+				t0 := time.Now()
+				if !t0.Before(deadline) {
+					break
+				}
+				k := 0
+				if r.nkeys > 1 {
+					k = rng.IntN(r.nkeys)
+				}
+				if err := p.check(ctx, k); err != nil {
+					errs[w] = err
+					break
+				}
+				lat = append(lat, time.Since(t0).Nanoseconds())
+			}
+			r.buf[w] = lat
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	cpu := processCPU() - cpu0
+	busy := readCPU().sub(busy0)
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("%s: %w", p.name, err)
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if !measure {
+		return nil
+	}
+	p.elapsed += elapsed
+	p.cpu += cpu
+	p.busy = p.busy.add(busy)
+	if p.db != nil {
+		p.single += p.db.single.Load() - single0
+		p.many += p.db.many.Load() - many0
+	}
+	for _, lat := range r.buf {
+		p.latencies = append(p.latencies, lat...)
+	}
+	return nil
+}
+
+// keyName is the key both limiters see for key number k.
+func keyName(k int) string { return "key-" + strconv.Itoa(k) }
+
+// pgrlConfig is the limit pgrl enforces: a token bucket like redis_rate's
+// GCRA, refilling benchRate a second up to benchBurst.
+func pgrlConfig(o options, disableCoalescing bool) ratelimit.Config {
+	return ratelimit.Config{
+		Name:              benchName,
+		Algorithm:         ratelimit.TokenBucket,
+		Limit:             benchRate,
+		Window:            time.Second,
+		Burst:             benchBurst,
+		OnFailure:         ratelimit.FailError, // an error must stop the run, not be answered from memory
+		DisableCoalescing: disableCoalescing,
+		MaxBatch:          o.maxBatch,
+		MaxInFlight:       o.maxInFlight,
+	}
+}
+
+func pgrlCheck(l *ratelimit.Limiter, keys []string) checkFunc {
+	return func(ctx context.Context, k int) error {
+		d, err := l.Allow(ctx, keys[k])
+		if err != nil {
+			return err
+		}
+		if !d.Allowed || d.Store != ratelimit.StorePostgres {
+			return fmt.Errorf("check of %q: allowed=%v store=%v: the benchmark measures admitted checks decided by PostgreSQL", keys[k], d.Allowed, d.Store)
+		}
+		return nil
+	}
+}
+
+func redisCheck(l *redis_rate.Limiter, keys []string) checkFunc {
+	return func(ctx context.Context, k int) error {
+		res, err := l.Allow(ctx, keys[k], redisLimit)
+		if err != nil {
+			return err
+		}
+		if res.Allowed != 1 {
+			return fmt.Errorf("check of %q denied: the benchmark measures admitted checks", keys[k])
+		}
+		return nil
+	}
+}
+
+// openPool opens a pool of n connections on the schema and establishes all
+// of them.
+func openPool(ctx context.Context, connString, schema string, n int) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("invalid connection string: %w", err)
+	}
+	cfg.MaxConns = int32(n)
+	cfg.MinConns = int32(n)
+	cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
+	cfg.ConnConfig.RuntimeParams["application_name"] = "vsredis"
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	held := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for range n {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			pool.Close()
+			return nil, err
+		}
+		held = append(held, c)
+	}
+	return pool, nil
+}
+
+// openRedis returns a client with a pool of n connections, all established.
+func openRedis(ctx context.Context, o options, n int) (*redis.Client, error) {
+	rdb := redis.NewClient(&redis.Options{
+		Addr:         o.redisAddr,
+		DB:           o.redisDB,
+		PoolSize:     n,
+		MinIdleConns: n,
+	})
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = rdb.Ping(ctx).Err()
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		_ = rdb.Close()
+		return nil, fmt.Errorf("redis at %s: %w", o.redisAddr, err)
+	}
+	return rdb, nil
+}
+
+// pgConnsFor is the pgx pool size of a case.
+func pgConnsFor(o options, callers int) int {
+	if o.pgConns > 0 {
+		return o.pgConns
+	}
+	return min(callers, 16)
+}
+
+// redisConnsFor is the go-redis pool size of a case: go-redis's default
+// (10 per GOMAXPROCS), and never fewer than the callers.
+func redisConnsFor(callers int) int {
+	return max(callers, 10*runtime.GOMAXPROCS(0))
+}
+
+// runCase measures every path at one number of callers over nkeys keys.
+func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) (Case, error) {
+	pool, err := openPool(ctx, o.databaseURL, o.schema, pgConnsFor(o, callers))
+	if err != nil {
+		return Case{}, err
+	}
+	defer pool.Close()
+	rdb, err := openRedis(ctx, o, redisConnsFor(callers))
+	if err != nil {
+		return Case{}, err
+	}
+	defer rdb.Close()
+
+	db := &countingDB{pool: pool}
+	lib, err := ratelimit.New(db, pgrlConfig(o, false))
+	if err != nil {
+		return Case{}, err
+	}
+	paths := []*path{
+		{name: pathPgrl, check: pgrlCheck(lib, keys), db: db},
+		{name: pathRedis, check: redisCheck(redis_rate.NewLimiter(rdb), keys)},
+	}
+	if o.compareCoalescing {
+		udb := &countingDB{pool: pool}
+		ulib, err := ratelimit.New(udb, pgrlConfig(o, true))
+		if err != nil {
+			return Case{}, err
+		}
+		paths = append(paths, &path{name: pathUncoalesced, check: pgrlCheck(ulib, keys), db: udb})
+	}
+
+	r := newRunner(callers, nkeys)
+	if o.warmup > 0 {
+		for _, p := range paths {
+			if err := r.slice(ctx, o.warmup/time.Duration(len(paths)), p, false); err != nil {
+				return Case{}, err
+			}
+		}
+	}
+	n := max(int(o.duration/sliceTarget), 1)
+	sliceLen := o.duration / time.Duration(n)
+	for i := range n {
+		// Rotate which path goes first, so that none always runs right
+		// after another.
+		for j := range paths {
+			p := paths[(i+j)%len(paths)]
+			if err := r.slice(ctx, sliceLen, p, true); err != nil {
+				return Case{}, err
+			}
+		}
+	}
+	for _, p := range paths {
+		slices.Sort(p.latencies)
+	}
+	pg, rd := paths[0], paths[1]
+	c := Case{
+		Callers:             callers,
+		Keys:                nkeys,
+		PgConns:             pgConnsFor(o, callers),
+		RedisConns:          redisConnsFor(callers),
+		PgrlOpsPerSec:       round(pg.opsPerSec(), 1),
+		RedisRateOpsPerSec:  round(rd.opsPerSec(), 1),
+		Ratio:               ratio(pg.opsPerSec(), rd.opsPerSec()),
+		PgrlP50Us:           round(pg.percentileUs(0.50), 1),
+		PgrlP99Us:           round(pg.percentileUs(0.99), 1),
+		RedisRateP50Us:      round(rd.percentileUs(0.50), 1),
+		RedisRateP99Us:      round(rd.percentileUs(0.99), 1),
+		PgrlChecks:          len(pg.latencies),
+		RedisRateChecks:     len(rd.latencies),
+		PgrlStatements:      pg.single + pg.many,
+		PgrlBatchStatements: pg.many,
+		PgrlAvgBatch:        batchAvg(pg),
+		PgrlClientCPUUsOp:   cpuPerOp(pg),
+		RedisClientCPUUsOp:  cpuPerOp(rd),
+		PgrlMachineBusy:     round(pg.busy.busyShare(), 3),
+		RedisMachineBusy:    round(rd.busy.busyShare(), 3),
+	}
+	if o.compareCoalescing {
+		u := paths[2]
+		c.Uncoalesced = &Uncoalesced{
+			OpsPerSec:     round(u.opsPerSec(), 1),
+			P50Us:         round(u.percentileUs(0.50), 1),
+			P99Us:         round(u.percentileUs(0.99), 1),
+			Checks:        len(u.latencies),
+			ClientCPUUsOp: cpuPerOp(u),
+			MachineBusy:   round(u.busy.busyShare(), 3),
+			GainOps:       ratio(pg.opsPerSec(), u.opsPerSec()),
+			P50Ratio:      ratio(pg.percentileUs(0.50), u.percentileUs(0.50)),
+		}
+	}
+	return c, nil
+}
+
+// batchAvg is the average number of checks per statement that pgrl sent.
+func batchAvg(p *path) float64 {
+	if st := p.single + p.many; st > 0 {
+		return round(float64(len(p.latencies))/float64(st), 2)
+	}
+	return 0
+}
+
+func cpuPerOp(p *path) float64 {
+	if len(p.latencies) == 0 {
+		return 0
+	}
+	return round(float64(p.cpu.Microseconds())/float64(len(p.latencies)), 2)
+}
+
+// populate touches every key once on both sides, so that the measured
+// checks update existing state.
+func populate(ctx context.Context, o options, keys []string) error {
+	pool, err := openPool(ctx, o.databaseURL, o.schema, 4)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rdb, err := openRedis(ctx, o, populateCallers)
+	if err != nil {
+		return err
+	}
+	defer rdb.Close()
+	lib, err := ratelimit.New(pool, pgrlConfig(o, false))
+	if err != nil {
+		return err
+	}
+	checks := []checkFunc{pgrlCheck(lib, keys), redisCheck(redis_rate.NewLimiter(rdb), keys)}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, populateCallers)
+	for w := range populateCallers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				k := int(next.Add(1) - 1)
+				if k >= len(keys) {
+					return
+				}
+				for _, check := range checks {
+					if err := check(ctx, k); err != nil {
+						errs[w] = err
+						return
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// benchmark prepares both stores and runs every case.
+func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
+	m, err := migration.New(o.databaseURL, migration.Config{Schema: o.schema})
+	if err != nil {
+		return Report{}, err
+	}
+	res, err := m.Up(ctx)
+	_ = m.Close()
+	if err != nil {
+		return Report{}, fmt.Errorf("migrate schema %s: %w", o.schema, err)
+	}
+	if res.Changed() {
+		fmt.Fprintf(log, "vsredis: migrated schema %s to version %d\n", o.schema, res.To)
+	}
+
+	rep := Report{
+		Machine: Machine{
+			GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, NumCPU: runtime.NumCPU(),
+			CPUModel: cpuModel(), GoVersion: runtime.Version(),
+		},
+		Schema:           o.schema,
+		Algorithm:        string(ratelimit.TokenBucket),
+		Limit:            fmt.Sprintf("%d/s, burst %d", benchRate, benchBurst),
+		DurationSeconds:  o.duration.Seconds(),
+		WarmupSeconds:    o.warmup.Seconds(),
+		MaxBatch:         o.maxBatch,
+		MaxInFlight:      o.maxInFlight,
+		PgConnsFlag:      o.pgConns,
+		CompareCoalesced: o.compareCoalescing,
+		Targets:          defaultTargets,
+	}
+	pool, err := openPool(ctx, o.databaseURL, o.schema, 1)
+	if err != nil {
+		return rep, err
+	}
+	err = pool.QueryRow(ctx, "SELECT current_setting('server_version')").Scan(&rep.Machine.PostgresVersion)
+	pool.Close()
+	if err != nil {
+		return rep, err
+	}
+	rdb, err := openRedis(ctx, o, 1)
+	if err != nil {
+		return rep, err
+	}
+	info, err := rdb.Info(ctx, "server").Result()
+	_ = rdb.Close()
+	if err != nil {
+		return rep, fmt.Errorf("redis INFO: %w", err)
+	}
+	rep.Machine.RedisVersion = infoField(info, "redis_version")
+
+	keys := make([]string, slices.Max(o.keys))
+	for i := range keys {
+		keys[i] = keyName(i)
+	}
+	fmt.Fprintf(log, "vsredis: touching %d keys in PostgreSQL and Redis\n", len(keys))
+	if err := populate(ctx, o, keys); err != nil {
+		return rep, fmt.Errorf("populate: %w", err)
+	}
+	for _, callers := range o.callers {
+		for _, nkeys := range o.keys {
+			fmt.Fprintf(log, "vsredis: %d callers, %d keys, %v per path\n", callers, nkeys, o.duration)
+			c, err := runCase(ctx, o, keys, callers, nkeys)
+			if err != nil {
+				return rep, fmt.Errorf("%d callers, %d keys: %w", callers, nkeys, err)
+			}
+			rep.Cases = append(rep.Cases, c)
+		}
+	}
+	rep.TargetsMet, rep.TargetMisses = rep.Targets.check(rep.Cases)
+	return rep, nil
+}
+
+// infoField returns one field of a Redis INFO reply.
+func infoField(info, field string) string {
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), field+":"); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// cpuModel returns the processor's model name from /proc/cpuinfo, or "".
+func cpuModel() string {
+	f, err := os.Open("/proc/cpuinfo")
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	s := bufio.NewScanner(f)
+	for s.Scan() {
+		if k, v, ok := strings.Cut(s.Text(), ":"); ok && strings.TrimSpace(k) == "model name" {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
+// processCPU returns the user and system CPU time this process has used.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// cpuSample is the machine's CPU time from /proc/stat, in clock ticks.
+type cpuSample struct{ busy, total int64 }
+
+func readCPU() cpuSample {
+	b, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return cpuSample{}
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	fields := strings.Fields(line)
+	if len(fields) < 5 || fields[0] != "cpu" {
+		return cpuSample{}
+	}
+	var s cpuSample
+	for i, f := range fields[1:] {
+		v, _ := strconv.ParseInt(f, 10, 64)
+		if i >= 8 { // guest time is already counted in user time
+			break
+		}
+		s.total += v
+		if i != 3 && i != 4 { // idle, iowait
+			s.busy += v
+		}
+	}
+	return s
+}
+
+func (s cpuSample) sub(o cpuSample) cpuSample { return cpuSample{s.busy - o.busy, s.total - o.total} }
+func (s cpuSample) add(o cpuSample) cpuSample { return cpuSample{s.busy + o.busy, s.total + o.total} }
+
+// busyShare is the share of the machine's CPU time that was busy.
+func (s cpuSample) busyShare() float64 {
+	if s.total <= 0 {
+		return 0
+	}
+	return float64(s.busy) / float64(s.total)
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return round(a/b, 3)
+}
+
+func round(x float64, digits int) float64 {
+	p := 1.0
+	for range digits {
+		p *= 10
+	}
+	if x >= 0 {
+		return float64(int64(x*p+0.5)) / p
+	}
+	return -float64(int64(-x*p+0.5)) / p
+}

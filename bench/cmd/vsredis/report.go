@@ -1,0 +1,147 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+)
+
+// Report is the result of one run; --output json prints it.
+type Report struct {
+	Machine          Machine  `json:"machine"`
+	Schema           string   `json:"schema"`
+	Algorithm        string   `json:"algorithm"`
+	Limit            string   `json:"limit"`
+	DurationSeconds  float64  `json:"duration_seconds"`
+	WarmupSeconds    float64  `json:"warmup_seconds"`
+	MaxBatch         int      `json:"max_batch"`     // 0: the library's default
+	MaxInFlight      int      `json:"max_in_flight"` // 0: the library's default
+	PgConnsFlag      int      `json:"pg_conns_flag"` // 0: min(callers, 16)
+	CompareCoalesced bool     `json:"compare_coalescing"`
+	Cases            []Case   `json:"cases"`
+	Targets          Targets  `json:"targets"`
+	TargetsMet       bool     `json:"targets_met"`
+	TargetMisses     []string `json:"target_misses,omitempty"`
+}
+
+// Machine describes where the run happened.
+type Machine struct {
+	GOOS            string `json:"goos"`
+	GOARCH          string `json:"goarch"`
+	NumCPU          int    `json:"num_cpu"`
+	CPUModel        string `json:"cpu_model,omitempty"`
+	GoVersion       string `json:"go_version"`
+	PostgresVersion string `json:"postgres_version"`
+	RedisVersion    string `json:"redis_version"`
+}
+
+// Case is one number of callers over one key space.
+type Case struct {
+	Callers    int `json:"callers"`
+	Keys       int `json:"keys"`
+	PgConns    int `json:"pg_conns"`
+	RedisConns int `json:"redis_conns"`
+
+	PgrlOpsPerSec      float64 `json:"pgrl_ops_per_sec"`
+	RedisRateOpsPerSec float64 `json:"redis_rate_ops_per_sec"`
+	// Ratio is pgrl's ops/s over redis_rate's.
+	Ratio          float64 `json:"ratio"`
+	PgrlP50Us      float64 `json:"pgrl_p50_us"`
+	PgrlP99Us      float64 `json:"pgrl_p99_us"`
+	RedisRateP50Us float64 `json:"redis_rate_p50_us"`
+	RedisRateP99Us float64 `json:"redis_rate_p99_us"`
+
+	PgrlChecks      int `json:"pgrl_checks"`
+	RedisRateChecks int `json:"redis_rate_checks"`
+	// PgrlStatements counts the statements pgrl sent, of which
+	// PgrlBatchStatements were coalesced batches; PgrlAvgBatch is checks
+	// per statement.
+	PgrlStatements      int64   `json:"pgrl_statements"`
+	PgrlBatchStatements int64   `json:"pgrl_batch_statements"`
+	PgrlAvgBatch        float64 `json:"pgrl_avg_batch"`
+	// Client CPU time (user + system) per check, and the machine's busy
+	// share while each path ran.
+	PgrlClientCPUUsOp  float64 `json:"pgrl_client_cpu_us_per_op"`
+	RedisClientCPUUsOp float64 `json:"redis_rate_client_cpu_us_per_op"`
+	PgrlMachineBusy    float64 `json:"pgrl_machine_busy"`
+	RedisMachineBusy   float64 `json:"redis_rate_machine_busy"`
+
+	// Uncoalesced is pgrl with DisableCoalescing, with --compare-coalescing.
+	Uncoalesced *Uncoalesced `json:"pgrl_uncoalesced,omitempty"`
+}
+
+// Uncoalesced is the measurement of pgrl with coalescing disabled, in the
+// same case and interleaved with the other paths.
+type Uncoalesced struct {
+	OpsPerSec     float64 `json:"ops_per_sec"`
+	P50Us         float64 `json:"p50_us"`
+	P99Us         float64 `json:"p99_us"`
+	Checks        int     `json:"checks"`
+	ClientCPUUsOp float64 `json:"client_cpu_us_per_op"`
+	MachineBusy   float64 `json:"machine_busy"`
+	// GainOps is coalesced ops/s over uncoalesced ops/s; P50Ratio is
+	// coalesced p50 over uncoalesced p50.
+	GainOps  float64 `json:"coalescing_gain_ops"`
+	P50Ratio float64 `json:"coalesced_p50_ratio"`
+}
+
+// Targets are the throughput ratios the comparison aims at, over key spaces
+// of at least MinKeys keys.
+type Targets struct {
+	MinKeys int `json:"min_keys"`
+	// MinRatio maps a number of callers to the least pgrl/redis_rate ratio.
+	MinRatio map[int]float64 `json:"min_ratio"`
+}
+
+var defaultTargets = Targets{MinKeys: 100_000, MinRatio: map[int]float64{8: 0.5, 32: 1.0, 64: 1.0}}
+
+// check lists the cases that miss a target.
+func (t Targets) check(cases []Case) (bool, []string) {
+	var misses []string
+	for _, c := range cases {
+		want, ok := t.MinRatio[c.Callers]
+		if !ok || c.Keys < t.MinKeys {
+			continue
+		}
+		if c.Ratio < want {
+			misses = append(misses, fmt.Sprintf("%d callers, %d keys: ratio %.3f < %.2f", c.Callers, c.Keys, c.Ratio, want))
+		}
+	}
+	return len(misses) == 0, misses
+}
+
+func printJSON(w io.Writer, rep Report) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(rep)
+}
+
+func printText(w io.Writer, rep Report) error {
+	m := rep.Machine
+	fmt.Fprintf(w, "%s/%s, %d CPUs (%s), %s, PostgreSQL %s, Redis %s\n", m.GOOS, m.GOARCH, m.NumCPU, m.CPUModel, m.GoVersion, m.PostgresVersion, m.RedisVersion)
+	fmt.Fprintf(w, "%s, %s, %gs per path per case\n\n", rep.Algorithm, rep.Limit, rep.DurationSeconds)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "callers\tkeys\tpgrl ops/s\tredis_rate ops/s\tratio\tpgrl p50 µs\tpgrl p99 µs\tredis p50 µs\tredis p99 µs\tavg batch\tuncoal. ops/s\tuncoal. p50 µs\t")
+	for _, c := range rep.Cases {
+		uo, up := "-", "-"
+		if u := c.Uncoalesced; u != nil {
+			uo, up = fmt.Sprintf("%.0f", u.OpsPerSec), fmt.Sprintf("%.1f", u.P50Us)
+		}
+		fmt.Fprintf(tw, "%d\t%d\t%.0f\t%.0f\t%.3f\t%.1f\t%.1f\t%.1f\t%.1f\t%.2f\t%s\t%s\t\n",
+			c.Callers, c.Keys, c.PgrlOpsPerSec, c.RedisRateOpsPerSec, c.Ratio, c.PgrlP50Us, c.PgrlP99Us,
+			c.RedisRateP50Us, c.RedisRateP99Us, c.PgrlAvgBatch, uo, up)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if rep.TargetsMet {
+		_, err := fmt.Fprintln(w, "\ntargets met")
+		return err
+	}
+	fmt.Fprintln(w, "\ntargets missed:")
+	for _, m := range rep.TargetMisses {
+		fmt.Fprintf(w, "  %s\n", m)
+	}
+	return nil
+}

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+)
+
+// Exit statuses.
+const (
+	exitOK    = 0
+	exitError = 1
+	exitUsage = 2
+)
+
+// options are the parsed command line.
+type options struct {
+	databaseURL       string
+	schema            string
+	redisAddr         string
+	redisDB           int
+	callers           []int
+	keys              []int
+	duration          time.Duration
+	warmup            time.Duration
+	pgConns           int
+	maxBatch          int
+	maxInFlight       int
+	compareCoalescing bool
+	output            string
+	cpuProfile        string
+}
+
+func parseFlags(args []string, stderr io.Writer) (options, error) {
+	var o options
+	fs := flag.NewFlagSet("vsredis", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL connection URL; defaults to $DATABASE_URL, else $"+dbtest.EnvURL+", else "+dbtest.DefaultURL)
+	fs.StringVar(&o.schema, "schema", "pgrl_redisbench", "schema for pgrl's tables; created and migrated")
+	fs.StringVar(&o.redisAddr, "redis-addr", "127.0.0.1:6379", "Redis address (host:port)")
+	fs.IntVar(&o.redisDB, "redis-db", 0, "Redis database number")
+	callers := fs.String("callers", "1,8,32,64", "comma-separated numbers of concurrent callers")
+	keys := fs.String("keys", "100000,1", "comma-separated numbers of distinct keys the callers draw from (1: one hot key)")
+	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per path per case")
+	fs.DurationVar(&o.warmup, "warmup", time.Second, "unmeasured time per case before measuring, split between the paths")
+	fs.IntVar(&o.pgConns, "pg-conns", 0, "pgx pool size (MaxConns); 0 means min(callers, 16)")
+	fs.IntVar(&o.maxBatch, "max-batch", 0, "ratelimit.Config.MaxBatch; 0 keeps the library's default")
+	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "ratelimit.Config.MaxInFlight; 0 keeps the library's default")
+	fs.BoolVar(&o.compareCoalescing, "compare-coalescing", false, "also measure pgrl with DisableCoalescing in every case")
+	fs.StringVar(&o.output, "output", "text", "output format: text or json")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file, for go tool pprof")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: vsredis [flags]\n\nCompares pgrl's limiter on PostgreSQL with go-redis/redis_rate on Redis:\nops/s, p50 and p99 per number of callers and key space.\n\nFlags:\n")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 {
+		return o, fmt.Errorf("unexpected argument %q", fs.Arg(0))
+	}
+	var err error
+	if o.callers, err = positiveInts("--callers", *callers); err != nil {
+		return o, err
+	}
+	if o.keys, err = positiveInts("--keys", *keys); err != nil {
+		return o, err
+	}
+	switch {
+	case o.duration <= 0:
+		return o, fmt.Errorf("--duration %v: must be positive", o.duration)
+	case o.warmup < 0:
+		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
+	case o.schema == "":
+		return o, errors.New("--schema: must not be empty")
+	case o.pgConns < 0, o.maxBatch < 0, o.maxInFlight < 0:
+		return o, errors.New("--pg-conns, --max-batch and --max-in-flight must not be negative")
+	case o.output != "text" && o.output != "json":
+		return o, fmt.Errorf("--output %q: use text or json", o.output)
+	}
+	if o.databaseURL == "" {
+		o.databaseURL = os.Getenv("DATABASE_URL")
+	}
+	if o.databaseURL == "" {
+		o.databaseURL = dbtest.URL()
+	}
+	return o, nil
+}
+
+func positiveInts(name, s string) ([]int, error) {
+	var out []int
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s: %q is not a positive integer", name, p)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: give at least one number", name)
+	}
+	return out, nil
+}
+
+// run is the whole program; it returns the exit status.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	o, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return exitOK
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "vsredis: %v\n", err)
+		return exitUsage
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			fmt.Fprintf(stderr, "vsredis: %v\n", err)
+			return exitError
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintf(stderr, "vsredis: %v\n", err)
+			return exitError
+		}
+		defer pprof.StopCPUProfile()
+	}
+	rep, err := benchmark(ctx, o, stderr)
+	if err != nil {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("interrupted: %w", ctx.Err())
+		}
+		fmt.Fprintf(stderr, "vsredis: %v\n", err)
+		return exitError
+	}
+	if o.output == "json" {
+		err = printJSON(stdout, rep)
+	} else {
+		err = printText(stdout, rep)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "vsredis: %v\n", err)
+		return exitError
+	}
+	return exitOK
+}
