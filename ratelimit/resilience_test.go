@@ -76,15 +76,16 @@ func TestShadowModeInMultiLimit(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	logs := &logBuffer{}
-	shadow := newLimiter(t, pool, ratelimit.Config{Name: "new-limit", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour,
+	shadow := newLimiter(t, pool, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour,
 		Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 	real := newLimiter(t, pool, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour})
-	// One limit of each algorithm: see TestMultiSingleAlgorithmConsumes in
-	// package tests for decisions that lack one.
-	other := newLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour})
+	// One voting limit of each algorithm: see TestMultiSingleAlgorithmConsumes
+	// in package tests for decisions that lack one.
+	perIP := newLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour})
+	global := newLimiter(t, pool, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
 	for i := range 3 {
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: shadow, Key: "k"},
-			ratelimit.Check{Limiter: real, Key: "k"}, ratelimit.Check{Limiter: other, Key: "k"})
+			ratelimit.Check{Limiter: real, Key: "k"}, ratelimit.Check{Limiter: perIP, Key: "k"}, ratelimit.Check{Limiter: global, Key: "k"})
 		require.NoError(t, err)
 		require.True(t, m.Allowed, "decision %d", i)
 		require.Equal(t, i > 0, m.Decisions[0].ShadowDenied, "decision %d", i)
