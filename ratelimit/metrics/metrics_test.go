@@ -1,0 +1,225 @@
+package metrics_test
+
+import (
+	"bufio"
+	"context"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/ratelimit"
+	"github.com/pgrl/pgrl/ratelimit/metrics"
+)
+
+var base = time.Date(2031, 3, 4, 5, 6, 10, 0, time.UTC)
+
+// scrape fetches the metrics endpoint over HTTP and returns each sample
+// ("name{labels}" → value) and each family's TYPE.
+func scrape(t *testing.T, url string) (samples map[string]string, types map[string]string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Contains(t, resp.Header.Get("Content-Type"), "text/plain")
+	samples, types = map[string]string{}, map[string]string{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if f := strings.Fields(line); len(f) == 4 && f[0] == "#" && f[1] == "TYPE" {
+			types[f[2]] = f[3]
+			continue
+		}
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		require.Positive(t, i, line)
+		samples[line[:i]] = line[i+1:]
+	}
+	require.NoError(t, sc.Err())
+	return samples, types
+}
+
+// documentedSeries reads the series names from docs/METRICS.md's table.
+func documentedSeries(t *testing.T) []string {
+	t.Helper()
+	b, err := os.ReadFile("../../docs/METRICS.md")
+	require.NoError(t, err)
+	var names []string
+	for _, m := range regexp.MustCompile("(?m)^\\| `(pgrl_[a-z_]+)`").FindAllStringSubmatch(string(b), -1) {
+		names = append(names, m[1])
+	}
+	require.NotEmpty(t, names, "no series table in docs/METRICS.md")
+	return names
+}
+
+func deadPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	p, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
+	require.NoError(t, err)
+	t.Cleanup(p.Close)
+	return p
+}
+
+func TestScrapeFindsEveryDocumentedSeries(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	dead := deadPool(t)
+	ctx := context.Background()
+	quiet := slog.New(slog.DiscardHandler)
+
+	reg := prometheus.NewRegistry()
+	col, err := metrics.New(reg)
+	require.NoError(t, err)
+	col.Init("api", "idle")
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+
+	// Before any check: the initialised per-limiter series are there, at 0.
+	samples, _ := scrape(t, srv.URL)
+	require.Equal(t, "0", samples[`pgrl_breaker_open{limiter="idle"}`])
+	require.Equal(t, "0", samples[`pgrl_deny_cache_hits_total{limiter="idle"}`])
+
+	now := func() time.Time { return base }
+	lim := func(db ratelimit.DB, cfg ratelimit.Config) *ratelimit.Limiter {
+		cfg.Observer, cfg.Logger, cfg.Window = col, quiet, time.Minute
+		l, err := ratelimit.New(db, cfg)
+		require.NoError(t, err)
+		return l
+	}
+	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2, Now: now})
+	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1, Now: now})
+	broken := lim(dead, ratelimit.Config{Name: "broken", Limit: 5, OnFailure: ratelimit.FailError, BreakerThreshold: 1, BreakerCooldown: time.Hour})
+	fallback := lim(dead, ratelimit.Config{Name: "fallback", Limit: 5})
+	open := lim(dead, ratelimit.Config{Name: "open", Limit: 5, OnFailure: ratelimit.FailOpen})
+
+	// api: 2 allowed, 1 denied by PostgreSQL, then 2 denied by the deny cache.
+	for i, want := range []ratelimit.Store{ratelimit.StorePostgres, ratelimit.StorePostgres, ratelimit.StorePostgres, ratelimit.StoreDenyCache, ratelimit.StoreDenyCache} {
+		d, err := api.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, want, d.Store, "check %d", i)
+		require.Equal(t, i < 2, d.Allowed, "check %d", i)
+	}
+	for range 2 {
+		_, err := shadow.Allow(ctx, "k")
+		require.NoError(t, err)
+	}
+	for range 2 {
+		_, err := broken.Allow(ctx, "k")
+		require.Error(t, err)
+	}
+	require.True(t, broken.BreakerOpen())
+	d, err := fallback.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.StoreMemory, d.Store)
+	d, err = open.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.StorePolicy, d.Store)
+
+	samples, types := scrape(t, srv.URL)
+	want := map[string]string{
+		`pgrl_decisions_total{limiter="api",outcome="allowed",store="postgres"}`:          "2",
+		`pgrl_decisions_total{limiter="api",outcome="denied",store="postgres"}`:           "1",
+		`pgrl_decisions_total{limiter="api",outcome="denied",store="deny_cache"}`:         "2",
+		`pgrl_decisions_total{limiter="shadow",outcome="allowed",store="postgres"}`:       "1",
+		`pgrl_decisions_total{limiter="shadow",outcome="shadow_denied",store="postgres"}`: "1",
+		`pgrl_decisions_total{limiter="broken",outcome="error",store="none"}`:             "2",
+		`pgrl_decisions_total{limiter="fallback",outcome="allowed",store="memory"}`:       "1",
+		`pgrl_decisions_total{limiter="open",outcome="allowed",store="policy"}`:           "1",
+		`pgrl_check_duration_seconds_count{limiter="api",store="postgres"}`:               "3",
+		`pgrl_check_duration_seconds_count{limiter="api",store="deny_cache"}`:             "2",
+		`pgrl_check_duration_seconds_count{limiter="broken",store="none"}`:                "2",
+		`pgrl_check_duration_seconds_bucket{limiter="api",store="postgres",le="+Inf"}`:    "3",
+		`pgrl_breaker_open{limiter="broken"}`:                                             "1",
+		`pgrl_breaker_open{limiter="api"}`:                                                "0",
+		`pgrl_deny_cache_hits_total{limiter="api"}`:                                       "2",
+		`pgrl_deny_cache_hits_total{limiter="idle"}`:                                      "0",
+	}
+	for k, v := range want {
+		require.Equal(t, v, samples[k], k)
+	}
+	// Exactly these decision series exist: no outcome or store is counted
+	// twice or under another name.
+	var got []string
+	for k := range samples {
+		if strings.HasPrefix(k, "pgrl_decisions_total{") {
+			got = append(got, k)
+		}
+	}
+	sort.Strings(got)
+	var wantDecisions []string
+	for k := range want {
+		if strings.HasPrefix(k, "pgrl_decisions_total{") {
+			wantDecisions = append(wantDecisions, k)
+		}
+	}
+	sort.Strings(wantDecisions)
+	require.Equal(t, wantDecisions, got)
+
+	// Every documented series is served with its documented type, and
+	// every pgrl series served is documented.
+	docTypes := map[string]string{
+		metrics.DecisionsTotal: "counter", metrics.CheckDuration: "histogram",
+		metrics.BreakerOpen: "gauge", metrics.DenyCacheHitsTotal: "counter",
+	}
+	documented := documentedSeries(t)
+	require.ElementsMatch(t, []string{metrics.DecisionsTotal, metrics.CheckDuration, metrics.BreakerOpen, metrics.DenyCacheHitsTotal}, documented)
+	for _, name := range documented {
+		require.Equal(t, docTypes[name], types[name], "TYPE of %s", name)
+	}
+	for name := range types {
+		if strings.HasPrefix(name, "pgrl_") {
+			require.Contains(t, documented, name)
+		}
+	}
+
+	// The breaker closes when the database answers again; here, a limiter
+	// whose breaker was opened by hand through the Observer interface.
+	col.ObserveBreaker("broken", false)
+	samples, _ = scrape(t, srv.URL)
+	require.Equal(t, "0", samples[`pgrl_breaker_open{limiter="broken"}`])
+}
+
+func TestNewTwiceOnOneRegistryFails(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	_, err := metrics.New(reg)
+	require.NoError(t, err)
+	_, err = metrics.New(reg)
+	var already prometheus.AlreadyRegisteredError
+	require.ErrorAs(t, err, &already)
+}
+
+func TestObserveDecisionOutcomes(t *testing.T) {
+	t.Parallel()
+	reg := prometheus.NewRegistry()
+	col, err := metrics.New(reg)
+	require.NoError(t, err)
+	col.ObserveDecision("x", ratelimit.Decision{Allowed: true, Store: ratelimit.StoreMemory}, 3*time.Millisecond, nil)
+	col.ObserveDecision("x", ratelimit.Decision{Allowed: false, Store: ratelimit.StorePolicy}, time.Millisecond, nil)
+	col.ObserveDecision("x", ratelimit.Decision{}, time.Millisecond, io.ErrUnexpectedEOF)
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+	samples, _ := scrape(t, srv.URL)
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="x",outcome="allowed",store="memory"}`])
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="x",outcome="denied",store="policy"}`])
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="x",outcome="error",store="none"}`])
+	require.Equal(t, "0.003", samples[`pgrl_check_duration_seconds_sum{limiter="x",store="memory"}`])
+	// 3 ms falls in the 5 ms bucket, not the 2.5 ms one.
+	require.Equal(t, "0", samples[`pgrl_check_duration_seconds_bucket{limiter="x",store="memory",le="0.0025"}`])
+	require.Equal(t, "1", samples[`pgrl_check_duration_seconds_bucket{limiter="x",store="memory",le="0.005"}`])
+}
