@@ -33,7 +33,7 @@ const (
 )
 
 // sliceTarget is the length the paths' alternating slices aim at.
-const sliceTarget = 250 * time.Millisecond
+const sliceTarget = 100 * time.Millisecond
 
 // populateBatch is how many statements one round trip carries when every
 // key is touched before the measurement.
@@ -50,7 +50,7 @@ type workload struct {
 	cfg       ratelimit.Config
 }
 
-func newWorkload(a ratelimit.Algorithm, nkeys int) workload {
+func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 	w := workload{
 		algorithm: a,
 		keys:      make([]string, nkeys),
@@ -61,6 +61,10 @@ func newWorkload(a ratelimit.Algorithm, nkeys int) workload {
 			Limit:     benchLimit,
 			Window:    benchWindow,
 			Burst:     benchLimit,
+			// Coalesced checks travel in a multi-key statement: the
+			// raw path cannot send the same one. See --coalescing.
+			DisableCoalescing: !o.coalescing,
+			MaxInFlight:       o.maxInFlight,
 		},
 	}
 	for i := range nkeys {
@@ -381,6 +385,8 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		DurationSeconds: o.duration.Seconds(),
 		WarmupSeconds:   o.warmup.Seconds(),
 		Limit:           benchLimit,
+		Coalescing:      o.coalescing,
+		MaxInFlight:     o.maxInFlight,
 		Window:          benchWindow.String(),
 		Targets:         defaultTargets,
 	}
@@ -396,7 +402,7 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 
 	maxKeys := slices.Max(o.keys)
 	for _, a := range o.algorithms {
-		w := newWorkload(a, maxKeys)
+		w := newWorkload(a, maxKeys, o)
 		pool, err := openPool(ctx, connString, o.schema, 1)
 		if err != nil {
 			return rep, err

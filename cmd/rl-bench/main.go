@@ -8,14 +8,22 @@
 //
 //   - raw: the generated statement (package gen) sent through pgx directly,
 //     with the key already hashed: the floor for one check;
-//   - library: ratelimit.Limiter.AllowN, which sends byte for byte the same
-//     statement with the same parameters and builds a Decision.
+//   - library: ratelimit.Limiter.AllowN, which sends a check that goes out
+//     alone as byte for byte the same statement with the same parameters,
+//     and builds a Decision.
 //
-// The two paths alternate in short slices within each case, so that noise
-// from other work on the machine falls on both alike. Each gets --duration in
-// total. The report gives ops/s, p50 and p99 latency of both, their ratios,
+// The two paths alternate in slices of about 100 ms within each case, so
+// that noise from other work on the machine falls on both alike. Each gets
+// --duration in total. The report gives ops/s, p50 and p99 latency of both, their ratios,
 // and afterwards the share of HOT updates of each counter table from
 // pg_stat_user_tables.
+//
+// The library runs with its default configuration, so that the figures are
+// what an application gets. By default a Limiter coalesces checks that
+// arrive while Config.MaxInFlight round trips are running into one
+// multi-key statement; the raw path sends every check alone. --coalescing=false
+// and --max-in-flight change the library's configuration to show what the
+// coalescing costs or saves on your workload.
 //
 // Limits are set so high (1e9 an hour) that every check is admitted, and
 // every key is touched once before the measurement, so the measured checks

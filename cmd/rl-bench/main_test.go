@@ -130,6 +130,7 @@ func TestBenchUsageErrors(t *testing.T) {
 		{"--warmup", "-1s"},
 		{"--output", "csv"},
 		{"--schema", ""},
+		{"--max-in-flight", "-1"},
 		{"stray"},
 	} {
 		code, _, stderr := runBench(t, args...)

@@ -22,6 +22,13 @@ type Report struct {
 	// enough that every check is admitted.
 	Limit  int64  `json:"limit"`
 	Window string `json:"window"`
+	// Coalescing reports whether the library path ran with the limiter's
+	// coalescing of concurrent checks on (its default). When it is, checks
+	// that arrive while round trips are running are sent together in one
+	// multi-key statement, which the raw path does not imitate.
+	Coalescing bool `json:"coalescing"`
+	// MaxInFlight is the library's Config.MaxInFlight; 0 is its default.
+	MaxInFlight int `json:"max_in_flight"`
 	// Cases holds one entry per algorithm, number of callers and key spread.
 	Cases []Case `json:"cases"`
 	// HotUpdateRatio maps each counter table updated during the run to the
@@ -106,8 +113,12 @@ func sortedKeys[V any](m map[string]V) []string {
 
 // printText writes the report as a table.
 func printText(w io.Writer, r Report) error {
-	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved\n\n",
-		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds)
+	coalescing := "on"
+	if !r.Coalescing {
+		coalescing = "off"
+	}
+	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n\n",
+		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "algorithm\tcallers\tkeys\traw ops/s\tlib ops/s\tratio\traw p50 µs\tlib p50 µs\tratio\traw p99 µs\tlib p99 µs\tratio\t")
 	for _, c := range r.Cases {

@@ -6,6 +6,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -24,6 +26,9 @@ type options struct {
 	duration    time.Duration
 	warmup      time.Duration
 	output      string
+	cpuProfile  string
+	coalescing  bool
+	maxInFlight int
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -38,6 +43,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per path (raw and library) per case")
 	fs.DurationVar(&o.warmup, "warmup", time.Second, "unmeasured time per case before measuring, split between the paths")
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
+	fs.BoolVar(&o.coalescing, "coalescing", true, "leave the library's coalescing of concurrent checks on, as it is by default; false sets Config.DisableCoalescing")
+	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "the library's Config.MaxInFlight (round trips before checks are coalesced); 0 keeps its default")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the client (both paths) to this file, for go tool pprof")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: rl-bench [flags]\n\nMeasures pgrl's checks against the raw SQL statement they send, per algorithm,\nnumber of callers and key spread, and reports the HOT-update ratio of each table.\n\nFlags:\n")
 		fs.PrintDefaults()
@@ -69,6 +77,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--duration %v: must be positive", o.duration)
 	case o.warmup < 0:
 		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
+	case o.maxInFlight < 0:
+		return o, fmt.Errorf("--max-in-flight %d: must not be negative", o.maxInFlight)
 	case o.schema == "":
 		return o, errors.New("--schema: must not be empty")
 	case o.output != "text" && o.output != "json":
@@ -111,6 +121,19 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err != nil {
 		fmt.Fprintf(stderr, "rl-bench: %v\n", err)
 		return cli.ExitUsage
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			fmt.Fprintf(stderr, "rl-bench: %v\n", err)
+			return cli.ExitError
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			fmt.Fprintf(stderr, "rl-bench: %v\n", err)
+			return cli.ExitError
+		}
+		defer pprof.StopCPUProfile()
 	}
 	conn, source := cli.ConnString(o.databaseURL)
 	fmt.Fprintf(stderr, "rl-bench: connection from %s, schema %s\n", source, o.schema)
