@@ -1,0 +1,229 @@
+// Command app is a small net/http service with the rate limits of a typical
+// website (login, contact form, confirmation emails, admin writes, uploads,
+// public API, analytics beacon), kept in PostgreSQL with pgrl so that every
+// instance shares them. It is written to be copied: see limits.go for the
+// policy table and docs/HTTP.md for how to run it.
+//
+//	go run ./examples/app --addr 127.0.0.1:8080
+//
+// Flags:
+//
+//	--addr             address to listen on (default 127.0.0.1:8080)
+//	--database-url     PostgreSQL URL; else $DATABASE_URL; else the local test
+//	                   database with search_path=pgrl_app
+//	--trusted-proxies  comma-separated CIDRs of the proxies in front of the app,
+//	                   whose X-Forwarded-For is believed (default: none)
+//	--ipv6-prefix      group IPv6 clients by this prefix length (default 64)
+//	--legacy-headers   also send X-RateLimit-Limit/Remaining/Reset
+//
+// At start-up it creates the schema named first on the URL's search_path and
+// applies pgrl's migrations to it (several instances may start at once). It
+// stops cleanly on SIGINT or SIGTERM, finishing requests in flight.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/pgrl/pgrl/clientip"
+	"github.com/pgrl/pgrl/httplimit"
+	"github.com/pgrl/pgrl/migration"
+	"github.com/pgrl/pgrl/ratelimit"
+	"github.com/pgrl/pgrl/ratelimit/metrics"
+)
+
+// DefaultDatabaseURL is the database used when neither --database-url nor
+// DATABASE_URL is set: the local test server, in schema pgrl_app.
+const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable&search_path=pgrl_app"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stderr))
+}
+
+type options struct {
+	addr           string
+	databaseURL    string
+	trustedProxies string
+	ipv6Prefix     int
+	legacyHeaders  bool
+}
+
+// run runs the service until ctx ends. It returns the exit code: 0 after a
+// clean shutdown, 1 on a runtime error, 2 on a usage error.
+func run(ctx context.Context, args []string, stderr io.Writer) int {
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+	var o options
+	fs := flag.NewFlagSet("app", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.addr, "addr", "127.0.0.1:8080", "address to listen on")
+	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL URL (default $DATABASE_URL, else "+DefaultDatabaseURL+")")
+	fs.StringVar(&o.trustedProxies, "trusted-proxies", "", "comma-separated CIDRs of trusted reverse proxies")
+	fs.IntVar(&o.ipv6Prefix, "ipv6-prefix", 64, "group IPv6 clients by this prefix length (0: no grouping)")
+	fs.BoolVar(&o.legacyHeaders, "legacy-headers", false, "also send X-RateLimit-Limit, -Remaining and -Reset")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "app: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	if o.databaseURL == "" {
+		o.databaseURL = os.Getenv("DATABASE_URL")
+	}
+	if o.databaseURL == "" {
+		o.databaseURL = DefaultDatabaseURL
+	}
+	proxies, err := clientip.ParsePrefixes(o.trustedProxies)
+	if err != nil {
+		fmt.Fprintf(stderr, "app: --trusted-proxies: %v\n", err)
+		return 2
+	}
+	ips, err := clientip.New(clientip.Config{IPv6Prefix: o.ipv6Prefix})
+	if err != nil {
+		fmt.Fprintf(stderr, "app: --ipv6-prefix: %v\n", err)
+		return 2
+	}
+	ips.TrustedProxies = proxies
+	if err := serve(ctx, o, ips, log); err != nil {
+		log.Error("app stopped", "err", err)
+		return 1
+	}
+	return 0
+}
+
+func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Logger) error {
+	if err := migrate(ctx, o.databaseURL, log); err != nil {
+		return err
+	}
+	pool, err := openPool(ctx, o.databaseURL)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	col, err := metrics.New(reg)
+	if err != nil {
+		return err
+	}
+	headers := httplimit.HeadersDraft
+	if o.legacyHeaders {
+		headers = httplimit.HeadersDraftAndLegacy
+	}
+	lims, err := newLimits(pool, ips, col, httplimit.Config{Headers: headers, Logger: log})
+	if err != nil {
+		return err
+	}
+	col.Init(lims.Names...)
+
+	ln, err := net.Listen("tcp", o.addr)
+	if err != nil {
+		return err
+	}
+	srv := &http.Server{
+		Handler:           routes(lims, reg, log),
+		ReadHeaderTimeout: 5 * time.Second,
+		ReadTimeout:       30 * time.Second,
+		WriteTimeout:      30 * time.Second,
+		IdleTimeout:       time.Minute,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	log.Info("listening", "addr", ln.Addr().String(), "trusted_proxies", len(ips.TrustedProxies))
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	log.Info("shutting down")
+	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := srv.Shutdown(sctx); err != nil {
+		return fmt.Errorf("shutdown: %w", err)
+	}
+	log.Info("stopped")
+	return nil
+}
+
+// migrate applies pgrl's migrations to the schema named first on the URL's
+// search_path, creating it if need be. Instances starting together take
+// turns on an advisory lock; all but the first find nothing to do.
+func migrate(ctx context.Context, url string, log *slog.Logger) error {
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		return fmt.Errorf("database URL: %w", err)
+	}
+	m, err := migration.New(url, migration.Config{Schema: firstSchema(cfg.RuntimeParams["search_path"]), Logger: log})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = m.Close() }()
+	res, err := m.Up(ctx)
+	if err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	log.Info("pgrl schema ready", "schema", res.Schema, "version", res.To, "applied", len(res.Applied))
+	return nil
+}
+
+// firstSchema returns the first schema of a search_path setting, or "" (the
+// connection's current schema) when there is none.
+func firstSchema(searchPath string) string {
+	first, _, _ := strings.Cut(searchPath, ",")
+	first = strings.TrimSpace(first)
+	if len(first) >= 2 && first[0] == '"' && first[len(first)-1] == '"' {
+		first = strings.ReplaceAll(first[1:len(first)-1], `""`, `"`)
+	}
+	if first == "$user" {
+		return ""
+	}
+	return first
+}
+
+// openPool connects to PostgreSQL with a server-side statement timeout a
+// little shorter than the limiters' client timeout, so that a slow check is
+// abandoned by the server and the connection survives.
+func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, fmt.Errorf("database URL: %w", err)
+	}
+	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
+		cfg.ConnConfig.RuntimeParams["application_name"] = "pgrl-example-app"
+	}
+	cfg.ConnConfig.RuntimeParams[ratelimit.StatementTimeoutParam] = "200ms"
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	pool, err := pgxpool.NewWithConfig(pctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("database unreachable: %w", err)
+	}
+	return pool, nil
+}
