@@ -15,7 +15,9 @@
 //	go run ./examples/multiinstance --algorithm token_bucket --output json
 //
 // The database is --database-url, else $DATABASE_URL, else the test database
-// with search_path=pgrl_demo. The program creates the search_path's schema
+// ($PGRL_TEST_DATABASE_URL, else postgres://postgres@127.0.0.1:5432/pgrl_test)
+// with search_path=pgrl_demo; scripts/demo.sh starts that one when it is not
+// running. The program creates the search_path's schema
 // and applies pgrl's migrations to it before it starts. Every run counts
 // against a fresh key, so repeated runs start from zero.
 //
@@ -47,9 +49,32 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-// defaultURL is the database the demo uses when neither --database-url nor
-// DATABASE_URL is set: the test database, in a schema of its own.
-const defaultURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable&search_path=pgrl_demo"
+// envTestURL names the test database (see internal/dbtest), which the demo
+// uses, in a schema of its own, when neither --database-url nor DATABASE_URL
+// is set.
+const envTestURL = "PGRL_TEST_DATABASE_URL"
+
+// defaultTestURL is the test database when envTestURL is unset.
+const defaultTestURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable"
+
+// demoSchema is the schema the demo's tables live in on the test database.
+const demoSchema = "pgrl_demo"
+
+// defaultURL is the test database with search_path set to demoSchema.
+func defaultURL() string {
+	u := os.Getenv(envTestURL)
+	if u == "" {
+		u = defaultTestURL
+	}
+	if strings.Contains(u, "search_path=") {
+		return u
+	}
+	sep := "?"
+	if strings.Contains(u, "?") {
+		sep = "&"
+	}
+	return u + sep + "search_path=" + demoSchema
+}
 
 // limiterName names the demo's limiter; its counters are scoped by it.
 const limiterName = "multiinstance-demo"
@@ -93,7 +118,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.calls, "calls", 50, "concurrent checks each process fires at the key")
 	fs.Int64Var(&o.limit, "limit", 20, "requests admitted per minute (the token bucket's capacity, with negligible refill)")
 	algorithm := fs.String("algorithm", string(ratelimit.FixedWindow), "pgrl algorithm: fixed_window, token_bucket or sliding_window")
-	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL connection URL; defaults to $DATABASE_URL, else the test database with search_path=pgrl_demo")
+	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL connection URL; defaults to $DATABASE_URL, else $PGRL_TEST_DATABASE_URL (or the local test database) with search_path=pgrl_demo")
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	fs.StringVar(&o.key, "key", "", "the key every call checks; defaults to a fresh random key per run")
 	fs.BoolVar(&o.penalty, "penalty", false, "count every attempt, denied ones included (penalty mode)")
@@ -158,7 +183,7 @@ func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.
 		o.databaseURL = os.Getenv(cli.EnvDatabaseURL)
 	}
 	if o.databaseURL == "" {
-		o.databaseURL = defaultURL
+		o.databaseURL = defaultURL()
 	}
 	if o.child != "" {
 		if err := runChild(ctx, o, stdin, stdout); err != nil {
@@ -446,8 +471,15 @@ func runChild(ctx context.Context, o options, stdin io.Reader, stdout io.Writer)
 }
 
 func printTable(w io.Writer, r Result) error {
-	fmt.Fprintf(w, "%d processes × %d concurrent calls on one key, limit %d (%s, window %s)\n\n",
-		r.Processes, r.CallsPerProcess, r.Limit, r.Algorithm, r.Window)
+	how := fmt.Sprintf("%s, window %s", r.Algorithm, r.Window)
+	if r.Algorithm == ratelimit.TokenBucket {
+		how = fmt.Sprintf("%s: capacity %d, refilled %d per %s", r.Algorithm, r.Limit, r.Limit, r.Window)
+	}
+	if r.Penalty {
+		how += ", penalty mode"
+	}
+	fmt.Fprintf(w, "%d processes × %d concurrent calls on one key, limit %d (%s)\n\n",
+		r.Processes, r.CallsPerProcess, r.Limit, how)
 	tw := tabwriter.NewWriter(w, 0, 0, 3, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "process\tin-memory limiter\tpgrl (PostgreSQL)\t")
 	cell := func(per []int, i int) string {

@@ -120,3 +120,32 @@ func sum(xs []int) int {
 	}
 	return s
 }
+
+func TestDefaultURL(t *testing.T) {
+	t.Setenv(envTestURL, "")
+	if got, want := defaultURL(), defaultTestURL+"&search_path=pgrl_demo"; got != want {
+		t.Errorf("defaultURL() = %q, want %q", got, want)
+	}
+	t.Setenv(envTestURL, "postgres://u@db.example/x")
+	if got, want := defaultURL(), "postgres://u@db.example/x?search_path=pgrl_demo"; got != want {
+		t.Errorf("defaultURL() = %q, want %q", got, want)
+	}
+	t.Setenv(envTestURL, "postgres://u@db.example/x?search_path=mine")
+	if got, want := defaultURL(), "postgres://u@db.example/x?search_path=mine"; got != want {
+		t.Errorf("defaultURL() = %q, want %q", got, want)
+	}
+}
+
+func TestTargetSchema(t *testing.T) {
+	for url, want := range map[string]string{
+		"postgres://h/d?search_path=pgrl_demo":              "pgrl_demo",
+		"postgres://h/d?search_path=a,public":               "a",
+		"postgres://h/d":                                    "",
+		"postgres://h/d?search_path=%22My%20Schema%22,public": "My Schema",
+	} {
+		got, err := targetSchema(url)
+		if err != nil || got != want {
+			t.Errorf("targetSchema(%q) = %q, %v; want %q", url, got, err, want)
+		}
+	}
+}
