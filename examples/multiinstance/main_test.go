@@ -138,9 +138,9 @@ func TestDefaultURL(t *testing.T) {
 
 func TestTargetSchema(t *testing.T) {
 	for url, want := range map[string]string{
-		"postgres://h/d?search_path=pgrl_demo":              "pgrl_demo",
-		"postgres://h/d?search_path=a,public":               "a",
-		"postgres://h/d":                                    "",
+		"postgres://h/d?search_path=pgrl_demo":                "pgrl_demo",
+		"postgres://h/d?search_path=a,public":                 "a",
+		"postgres://h/d":                                      "",
 		"postgres://h/d?search_path=%22My%20Schema%22,public": "My Schema",
 	} {
 		got, err := targetSchema(url)
