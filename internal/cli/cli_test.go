@@ -1,0 +1,60 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+)
+
+func TestConnStringOrder(t *testing.T) {
+	t.Setenv(EnvDatabaseURL, "postgres://env/db")
+	c, src := ConnString("postgres://flag/db")
+	require.Equal(t, "postgres://flag/db", c)
+	require.Equal(t, "--database-url", src)
+	c, src = ConnString("")
+	require.Equal(t, "postgres://env/db", c)
+	require.Equal(t, EnvDatabaseURL, src)
+	t.Setenv(EnvDatabaseURL, "")
+	c, _ = ConnString("")
+	require.Empty(t, c)
+}
+
+func TestParseConfigRedactsPassword(t *testing.T) {
+	_, err := ParseConfig("postgres://u:hunter2@host:notaport/db", "t")
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "hunter2")
+	cfg, err := ParseConfig("postgres://u@host/db", "myapp")
+	require.NoError(t, err)
+	require.Equal(t, "myapp", cfg.RuntimeParams["application_name"])
+}
+
+func TestExplain(t *testing.T) {
+	require.Contains(t, Explain(&pgconn.PgError{Code: "55P03", Message: "canceling statement due to lock timeout"}), "--lock-timeout")
+	require.Contains(t, Explain(&pgconn.PgError{Code: "42P01", Message: `relation "pgrl_fixed_window" does not exist`}), "rl-migrate up")
+
+	// A refused connection: one line, each attempt once.
+	cfg, err := pgx.ParseConfig("postgres://u:hunter2@127.0.0.1:1/db?connect_timeout=5")
+	require.NoError(t, err)
+	_, err = pgx.ConnectConfig(context.Background(), cfg)
+	require.Error(t, err)
+	msg := Explain(err)
+	require.NotContains(t, msg, "\n")
+	require.NotContains(t, msg, "hunter2")
+	require.True(t, strings.HasPrefix(msg, "cannot reach the database: "), msg)
+	require.Equal(t, 1, strings.Count(msg, "connection refused"), msg)
+
+	require.Equal(t, "plain", Explain(errors.New("plain")))
+	require.Empty(t, Explain(nil))
+}
+
+func TestPrintJSON(t *testing.T) {
+	var b bytes.Buffer
+	require.NoError(t, PrintJSON(&b, map[string]string{"error": "a <b>"}))
+	require.Equal(t, "{\"error\":\"a <b>\"}\n", b.String())
+}
