@@ -88,6 +88,7 @@ type path struct {
 	elapsed   time.Duration
 	cpu       time.Duration // client CPU (user + system) while it ran
 	busy      cpuSample     // machine CPU while it ran
+	server    time.Duration // CPU of the store's server processes while it ran
 	single    int64
 	many      int64
 }
@@ -111,6 +112,10 @@ func (p *path) percentileUs(q float64) float64 {
 
 // runner drives callers goroutines, each with its own key sequence.
 type runner struct {
+	// serverCPU reads the CPU time used so far by the server processes
+	// that p talks to: the pool's PostgreSQL backends, or redis-server.
+	serverCPU func(ctx context.Context, p *path) time.Duration
+
 	callers int
 	nkeys   int
 	rngs    []*rand.Rand
@@ -128,6 +133,7 @@ func newRunner(callers, nkeys int) *runner {
 // slice runs p's check from every caller for d, and records the latencies
 // and costs when measure is set.
 func (r *runner) slice(ctx context.Context, d time.Duration, p *path, measure bool) error {
+	server0 := r.serverCPU(ctx, p)
 	var wg sync.WaitGroup
 	errs := make([]error, r.callers)
 	var single0, many0 int64
@@ -165,6 +171,7 @@ func (r *runner) slice(ctx context.Context, d time.Duration, p *path, measure bo
 	elapsed := time.Since(start)
 	cpu := processCPU() - cpu0
 	busy := readCPU().sub(busy0)
+	server := r.serverCPU(ctx, p) - server0
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("%s: %w", p.name, err)
 	}
@@ -177,6 +184,7 @@ func (r *runner) slice(ctx context.Context, d time.Duration, p *path, measure bo
 	p.elapsed += elapsed
 	p.cpu += cpu
 	p.busy = p.busy.add(busy)
+	p.server += server
 	if p.db != nil {
 		p.single += p.db.single.Load() - single0
 		p.many += p.db.many.Load() - many0
@@ -334,7 +342,33 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		paths = append(paths, &path{name: pathUncoalesced, check: pgrlCheck(ulib, keys), db: udb})
 	}
 
+	for _, v := range o.variants {
+		vo := o
+		if v.maxInFlight > 0 {
+			vo.maxInFlight = v.maxInFlight
+		}
+		if v.maxBatch > 0 {
+			vo.maxBatch = v.maxBatch
+		}
+		vdb := &countingDB{pool: pool}
+		vlib, err := ratelimit.New(vdb, pgrlConfig(vo, false))
+		if err != nil {
+			return Case{}, err
+		}
+		paths = append(paths, &path{name: v.name, check: pgrlCheck(vlib, keys), db: vdb})
+	}
+
 	r := newRunner(callers, nkeys)
+	backends, err := backendPIDs(ctx, pool)
+	if err != nil {
+		return Case{}, err
+	}
+	r.serverCPU = func(ctx context.Context, p *path) time.Duration {
+		if p.db != nil {
+			return procCPU(backends)
+		}
+		return redisCPU(ctx, rdb)
+	}
 	if o.warmup > 0 {
 		for _, p := range paths {
 			if err := r.slice(ctx, o.warmup/time.Duration(len(paths)), p, false); err != nil {
@@ -377,8 +411,26 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		PgrlAvgBatch:        batchAvg(pg),
 		PgrlClientCPUUsOp:   cpuPerOp(pg),
 		RedisClientCPUUsOp:  cpuPerOp(rd),
+		PgrlServerCPUUsOp:   serverPerOp(pg),
+		RedisServerCPUUsOp:  serverPerOp(rd),
 		PgrlMachineBusy:     round(pg.busy.busyShare(), 3),
 		RedisMachineBusy:    round(rd.busy.busyShare(), 3),
+	}
+	for _, p := range paths[2:] {
+		if p.name == pathUncoalesced {
+			continue
+		}
+		c.Variants = append(c.Variants, Variant{
+			Name:           p.name,
+			OpsPerSec:      round(p.opsPerSec(), 1),
+			RatioVsRedis:   ratio(p.opsPerSec(), rd.opsPerSec()),
+			P50Us:          round(p.percentileUs(0.50), 1),
+			P99Us:          round(p.percentileUs(0.99), 1),
+			AvgBatch:       batchAvg(p),
+			ClientCPUUsOp:  cpuPerOp(p),
+			ServerCPUUsOp:  serverPerOp(p),
+			BatchStatement: p.many,
+		})
 	}
 	if o.compareCoalescing {
 		u := paths[2]
@@ -388,6 +440,7 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 			P99Us:         round(u.percentileUs(0.99), 1),
 			Checks:        len(u.latencies),
 			ClientCPUUsOp: cpuPerOp(u),
+			ServerCPUUsOp: serverPerOp(u),
 			MachineBusy:   round(u.busy.busyShare(), 3),
 			GainOps:       ratio(pg.opsPerSec(), u.opsPerSec()),
 			P50Ratio:      ratio(pg.percentileUs(0.50), u.percentileUs(0.50)),
@@ -409,6 +462,65 @@ func cpuPerOp(p *path) float64 {
 		return 0
 	}
 	return round(float64(p.cpu.Microseconds())/float64(len(p.latencies)), 2)
+}
+
+func serverPerOp(p *path) float64 {
+	if len(p.latencies) == 0 {
+		return 0
+	}
+	return round(float64(p.server.Microseconds())/float64(len(p.latencies)), 2)
+}
+
+// backendPIDs returns the process ids of the pool's server backends: every
+// connection is established (openPool), and the benchmark's pools are the
+// only ones named vsredis, one at a time.
+func backendPIDs(ctx context.Context, pool *pgxpool.Pool) ([]int, error) {
+	rows, err := pool.Query(ctx, "SELECT pid FROM pg_stat_activity WHERE application_name = 'vsredis'")
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[int])
+}
+
+// clockTick is the unit of /proc/PID/stat's CPU times (USER_HZ).
+const clockTick = 10 * time.Millisecond
+
+// procCPU sums the user and system CPU time of the processes, from
+// /proc/PID/stat; a process that cannot be read counts zero. The server
+// must run on this machine for it to mean anything.
+func procCPU(pids []int) time.Duration {
+	var total time.Duration
+	for _, pid := range pids {
+		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+		if err != nil {
+			continue
+		}
+		// Fields after the command name, which is in parentheses and may
+		// hold spaces: state is field 3, utime 14, stime 15.
+		_, rest, ok := strings.Cut(string(b), ") ")
+		f := strings.Fields(rest)
+		if !ok || len(f) < 13 {
+			continue
+		}
+		ut, _ := strconv.ParseInt(f[11], 10, 64)
+		st, _ := strconv.ParseInt(f[12], 10, 64)
+		total += time.Duration(ut+st) * clockTick
+	}
+	return total
+}
+
+// redisCPU returns redis-server's CPU time (user + system) from INFO cpu.
+func redisCPU(ctx context.Context, rdb *redis.Client) time.Duration {
+	info, err := rdb.Info(ctx, "cpu").Result()
+	if err != nil {
+		return 0
+	}
+	var total float64
+	for _, f := range []string{"used_cpu_user", "used_cpu_sys"} {
+		v, _ := strconv.ParseFloat(infoField(info, f), 64)
+		total += v
+	}
+	return time.Duration(total * float64(time.Second))
 }
 
 // populate touches every key once on both sides, so that the measured
@@ -483,6 +595,7 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 		MaxInFlight:      o.maxInFlight,
 		PgConnsFlag:      o.pgConns,
 		CompareCoalesced: o.compareCoalescing,
+		Variants:         variantNames(o.variants),
 		Targets:          defaultTargets,
 	}
 	pool, err := openPool(ctx, o.databaseURL, o.schema, 1)
@@ -616,4 +729,12 @@ func round(x float64, digits int) float64 {
 		return float64(int64(x*p+0.5)) / p
 	}
 	return -float64(int64(-x*p+0.5)) / p
+}
+
+func variantNames(vs []variant) []string {
+	var out []string
+	for _, v := range vs {
+		out = append(out, v.name)
+	}
+	return out
 }

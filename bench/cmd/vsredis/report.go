@@ -19,6 +19,7 @@ type Report struct {
 	MaxInFlight      int      `json:"max_in_flight"` // 0: the library's default
 	PgConnsFlag      int      `json:"pg_conns_flag"` // 0: min(callers, 16)
 	CompareCoalesced bool     `json:"compare_coalescing"`
+	Variants         []string `json:"variants,omitempty"`
 	Cases            []Case   `json:"cases"`
 	Targets          Targets  `json:"targets"`
 	TargetsMet       bool     `json:"targets_met"`
@@ -64,11 +65,32 @@ type Case struct {
 	// share while each path ran.
 	PgrlClientCPUUsOp  float64 `json:"pgrl_client_cpu_us_per_op"`
 	RedisClientCPUUsOp float64 `json:"redis_rate_client_cpu_us_per_op"`
+	// Server CPU time per check: the pool's PostgreSQL backends, from
+	// /proc, and redis-server, from INFO cpu (both on this machine).
+	PgrlServerCPUUsOp  float64 `json:"pgrl_server_cpu_us_per_op"`
+	RedisServerCPUUsOp float64 `json:"redis_rate_server_cpu_us_per_op"`
 	PgrlMachineBusy    float64 `json:"pgrl_machine_busy"`
 	RedisMachineBusy   float64 `json:"redis_rate_machine_busy"`
 
 	// Uncoalesced is pgrl with DisableCoalescing, with --compare-coalescing.
 	Uncoalesced *Uncoalesced `json:"pgrl_uncoalesced,omitempty"`
+
+	// Variants are the --variant paths: pgrl with other settings.
+	Variants []Variant `json:"pgrl_variants,omitempty"`
+}
+
+// Variant is the measurement of pgrl with other coalescing settings, in the
+// same case and interleaved with the other paths.
+type Variant struct {
+	Name           string  `json:"name"`
+	OpsPerSec      float64 `json:"ops_per_sec"`
+	RatioVsRedis   float64 `json:"ratio"`
+	P50Us          float64 `json:"p50_us"`
+	P99Us          float64 `json:"p99_us"`
+	AvgBatch       float64 `json:"avg_batch"`
+	BatchStatement int64   `json:"batch_statements"`
+	ClientCPUUsOp  float64 `json:"client_cpu_us_per_op"`
+	ServerCPUUsOp  float64 `json:"server_cpu_us_per_op"`
 }
 
 // Uncoalesced is the measurement of pgrl with coalescing disabled, in the
@@ -79,6 +101,7 @@ type Uncoalesced struct {
 	P99Us         float64 `json:"p99_us"`
 	Checks        int     `json:"checks"`
 	ClientCPUUsOp float64 `json:"client_cpu_us_per_op"`
+	ServerCPUUsOp float64 `json:"server_cpu_us_per_op"`
 	MachineBusy   float64 `json:"machine_busy"`
 	// GainOps is coalesced ops/s over uncoalesced ops/s; P50Ratio is
 	// coalesced p50 over uncoalesced p50.

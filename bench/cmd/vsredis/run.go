@@ -36,6 +36,7 @@ type options struct {
 	maxBatch          int
 	maxInFlight       int
 	compareCoalescing bool
+	variants          []variant
 	output            string
 	cpuProfile        string
 }
@@ -56,6 +57,13 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.maxBatch, "max-batch", 0, "ratelimit.Config.MaxBatch; 0 keeps the library's default")
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "ratelimit.Config.MaxInFlight; 0 keeps the library's default")
 	fs.BoolVar(&o.compareCoalescing, "compare-coalescing", false, "also measure pgrl with DisableCoalescing in every case")
+	fs.Func("variant", "also measure pgrl with other settings, as in-flight=N,batch=N (repeatable): each variant adds a path to every case", func(s string) error {
+		v, err := parseVariant(s)
+		if err == nil {
+			o.variants = append(o.variants, v)
+		}
+		return err
+	})
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file, for go tool pprof")
 	fs.Usage = func() {
@@ -155,4 +163,32 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitError
 	}
 	return exitOK
+}
+
+// variant is pgrl with other coalescing settings, measured as an extra path.
+type variant struct {
+	name        string
+	maxInFlight int
+	maxBatch    int
+}
+
+// parseVariant reads "in-flight=N,batch=N" (either or both).
+func parseVariant(s string) (variant, error) {
+	v := variant{name: "pgrl_" + strings.NewReplacer("=", "", ",", "_", "-", "").Replace(s)}
+	for _, kv := range strings.Split(s, ",") {
+		k, val, ok := strings.Cut(strings.TrimSpace(kv), "=")
+		n, err := strconv.Atoi(val)
+		if !ok || err != nil || n < 1 {
+			return v, fmt.Errorf("%q: want in-flight=N,batch=N with positive N", s)
+		}
+		switch k {
+		case "in-flight":
+			v.maxInFlight = n
+		case "batch":
+			v.maxBatch = n
+		default:
+			return v, fmt.Errorf("%q: unknown setting %q; use in-flight or batch", s, k)
+		}
+	}
+	return v, nil
 }
