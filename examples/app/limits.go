@@ -158,7 +158,7 @@ func emailKey(r *http.Request) (string, bool) {
 func normalizeEmail(s string) string { return strings.ToLower(strings.TrimSpace(s)) }
 
 // adminUser keys admin writes by the authenticated admin. This example
-// takes the bearer token as the identity; use your session or token check.
+// takes the bearer token as the identity; use your own authentication.
 func adminUser(r *http.Request) (string, bool) {
 	tok, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
 	return tok, ok && tok != ""
