@@ -13,9 +13,9 @@ import (
 const multiRequireAllowed = `-- name: MultiRequireAllowed :one
 SELECT pgrl_abort_unless(
            coalesce(bool_and(a.allowed), true)
-           AND count(*) = cardinality($1::bytea[])
-                        + cardinality($2::bytea[])
-                        + cardinality($3::bytea[]),
+           AND count(*) = coalesce(cardinality($1::bytea[]), 0)
+                        + coalesce(cardinality($2::bytea[]), 0)
+                        + coalesce(cardinality($3::bytea[]), 0),
            'pgrl: a limit denied the request; nothing was consumed')::boolean AS ok
   FROM (
       SELECT f.allowed

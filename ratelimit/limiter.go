@@ -59,6 +59,7 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	l.breaker = &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
+	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
 	if cfg.Algorithm == TokenBucket {
 		// Keep the bucket's shape: scale the burst with the limit.
 		fb.Burst = max(1, cfg.Burst*cfg.FallbackLimit/cfg.Limit)

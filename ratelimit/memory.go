@@ -150,6 +150,16 @@ func (m *MemoryLimiter) Allow(ctx context.Context, key string) (Decision, error)
 // never waits on I/O, and a fallback must answer even when the context of a
 // failed database check has expired.
 func (m *MemoryLimiter) AllowN(_ context.Context, key string, n int64) (Decision, error) {
+	if m.cfg.Observer == nil {
+		return m.allowN(key, n)
+	}
+	start := time.Now()
+	d, err := m.allowN(key, n)
+	m.cfg.Observer.ObserveDecision(m.cfg.Name, d, time.Since(start), err)
+	return d, err
+}
+
+func (m *MemoryLimiter) allowN(key string, n int64) (Decision, error) {
 	if err := m.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}

@@ -83,6 +83,23 @@ type batcher interface {
 // limiters in shadow mode are left out of that vote. When the database
 // fails, each check is answered by its own limiter's failure policy.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
+	start := time.Now()
+	m, err := allowAll(ctx, mode, checks)
+	took := time.Since(start)
+	for i, c := range checks {
+		if c.Limiter == nil || c.Limiter.cfg.Observer == nil {
+			continue
+		}
+		var d Decision
+		if i < len(m.Decisions) {
+			d = m.Decisions[i]
+		}
+		c.Limiter.cfg.Observer.ObserveDecision(c.Limiter.cfg.Name, d, took, err)
+	}
+	return m, err
+}
+
+func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecision, error) {
 	if len(checks) == 0 {
 		return MultiDecision{}, ErrEmptyMulti
 	}
@@ -183,8 +200,12 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 	}
 	var vote *deferred
 	if mode == AllOrNothing {
-		var p gen.MultiRequireAllowedParams
-		p.At = first.at()
+		// Empty arrays, not nil ones: pgx sends nil as NULL.
+		p := gen.MultiRequireAllowedParams{
+			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
+			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{},
+			At: first.at(),
+		}
 		for _, it := range order {
 			l := it.c.Limiter
 			if l.cfg.Shadow {
@@ -246,7 +267,7 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 						}
 					}
 				}
-				return AllowAll(ctx, mode, checks...)
+				return allowAll(ctx, mode, checks)
 			}
 			return MultiDecision{}, err
 		}
@@ -255,6 +276,15 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 	}
 	first.breaker.success()
 
+	voteLost := false
+	for k, it := range order {
+		voteLost = voteLost || (!decs[k].Allowed && !it.c.Limiter.cfg.Shadow)
+	}
+	if denied && !voteLost {
+		// The vote aborted the batch although every counted check allowed:
+		// nothing was consumed, so the decision cannot be "allowed".
+		return MultiDecision{}, errors.New("ratelimit: multi-limit batch rolled back although every limit allowed; nothing was consumed")
+	}
 	out.Allowed = true
 	for k, it := range order {
 		d := decs[k]

@@ -93,3 +93,25 @@ func TestAllowAllBadInputs(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(2), d.Remaining)
 }
+
+// TestAllowAllSameAlgorithm covers decisions whose limits all use one
+// algorithm (the other tables get no keys).
+func TestAllowAllSameAlgorithm(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		a := newLimiter(t, pool, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1})
+		b := newLimiter(t, pool, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1})
+		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k"}, ratelimit.Check{Limiter: b, Key: "k"})
+		require.NoError(t, err)
+		require.True(t, m.Allowed, alg)
+		m, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k"}, ratelimit.Check{Limiter: b, Key: "k"})
+		require.NoError(t, err)
+		require.False(t, m.Allowed, alg)
+		require.Equal(t, 0, m.DeniedBy)
+		d, err := b.Peek(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, int64(1), d.Remaining, "%s: the first decision counted, the denied one did not", alg)
+	}
+}

@@ -8,9 +8,9 @@
 -- instant for every statement.
 SELECT pgrl_abort_unless(
            coalesce(bool_and(a.allowed), true)
-           AND count(*) = cardinality(sqlc.arg(fixed_window_keys)::bytea[])
-                        + cardinality(sqlc.arg(token_bucket_keys)::bytea[])
-                        + cardinality(sqlc.arg(sliding_window_keys)::bytea[]),
+           AND count(*) = coalesce(cardinality(sqlc.arg(fixed_window_keys)::bytea[]), 0)
+                        + coalesce(cardinality(sqlc.arg(token_bucket_keys)::bytea[]), 0)
+                        + coalesce(cardinality(sqlc.arg(sliding_window_keys)::bytea[]), 0),
            'pgrl: a limit denied the request; nothing was consumed')::boolean AS ok
   FROM (
       SELECT f.allowed
