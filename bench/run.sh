@@ -64,47 +64,25 @@ ensure_redis() {
 	exit 1
 }
 
-pg_up() { psql "$db_url" -qAtc 'SELECT 1' >/dev/null 2>&1; }
+pg_up() { psql "$db_url" -XqAtc 'SELECT 1' >/dev/null 2>&1; }
 
-ensure_postgres() {
-	# The repository's shared script, when there is one, knows how to start
-	# and prepare the test database.
+setup_postgres() {
+	# The repository's shared script starts a local server (installing
+	# PostgreSQL when needed) and creates the database.
 	if [ -f "$root/scripts/lib.sh" ]; then
 		# shellcheck disable=SC1091
 		. "$root/scripts/lib.sh"
-		for f in ensure_postgres pg_ensure start_postgres ensure_db; do
-			if declare -F "$f" >/dev/null; then
-				"$f"
-				break
-			fi
-		done
-	fi
-	if ! command -v psql >/dev/null; then
-		log "psql not found; install PostgreSQL (apt-get install postgresql) or point DATABASE_URL at a server"
-		exit 1
-	fi
-	if pg_up; then
+		PGRL_TEST_DATABASE_URL="$db_url" pgrl_ensure_postgres
 		return
 	fi
-	# A local Debian cluster that is merely stopped, or lacks the database.
-	if command -v pg_ctlcluster >/dev/null; then
-		for c in $(pg_lsclusters -h 2>/dev/null | awk '$4 != "online" {print $1 "/" $2}'); do
-			log "starting PostgreSQL cluster $c"
-			as_root pg_ctlcluster "${c%/*}" "${c#*/}" start || true
-		done
-	fi
-	if ! pg_up; then
-		db="$(sed -E 's|.*/([^/?]+)(\?.*)?$|\1|' <<<"$db_url")"
-		as_root su postgres -c "createdb '$db'" 2>/dev/null || true
-	fi
-	if ! pg_up; then
+	if ! command -v psql >/dev/null || ! pg_up; then
 		log "PostgreSQL not reachable at $db_url; start one or set DATABASE_URL"
 		exit 1
 	fi
 }
 
 ensure_redis
-ensure_postgres
+setup_postgres
 
 cd "$here"
 bin="$(mktemp -d)"

@@ -112,7 +112,7 @@ func draw(rep report) string {
 	}
 	top := niceCeil(maxOps)
 	groupW := series*barWidth + groupGap
-	width := leftAxis + len(rep.Cases)*groupW + rightPad
+	width := max(leftAxis+len(rep.Cases)*groupW+rightPad, 720)
 	height := plotTop + plotH + bottomPad
 	y := func(v float64) float64 { return plotTop + plotH - v/top*plotH }
 
