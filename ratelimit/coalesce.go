@@ -37,6 +37,11 @@ type coalescer struct {
 	pending  []*pendingCheck
 }
 
+// maxQueueWait is the longest a check waits to be coalesced before it goes
+// out alone. Healthy round trips end well within it, so it only matters when
+// the round trips in flight are stuck.
+const maxQueueWait = 5 * time.Millisecond
+
 // pendingCheck is one check waiting for, or riding, a round trip.
 type pendingCheck struct {
 	ctx  context.Context
@@ -68,12 +73,39 @@ func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, er
 	c.pending = append(c.pending, r)
 	c.mu.Unlock()
 
+	// A queued check waits at most maxQueueWait for a batch: if the round
+	// trips ahead of it are stuck (a row lock held by a transaction, a
+	// stalled connection), it goes out alone rather than queue behind them.
+	wait := time.NewTimer(maxQueueWait)
+	defer wait.Stop()
 	select {
 	case <-r.done:
 		return r.d, r.err
 	case batch := <-r.lead:
 		c.lead(batch)
 		return r.d, r.err
+	case <-wait.C:
+		c.mu.Lock()
+		withdrawn := c.withdraw(r)
+		if withdrawn {
+			c.inFlight++
+			c.busy[key] = true
+		}
+		c.mu.Unlock()
+		if withdrawn {
+			c.lead([]*pendingCheck{r})
+			return r.d, r.err
+		}
+		select { // already taken into a batch
+		case <-r.done:
+			return r.d, r.err
+		case batch := <-r.lead:
+			c.lead(batch)
+			return r.d, r.err
+		case <-ctx.Done():
+			go c.leadIfHanded(r)
+			return Decision{}, ctx.Err()
+		}
 	case <-ctx.Done():
 		c.mu.Lock()
 		withdrawn := c.withdraw(r)
@@ -81,15 +113,19 @@ func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, er
 		if !withdrawn {
 			// Already in a batch: the statement may count it. If this
 			// check was to lead the batch, lead it in the background.
-			go func() {
-				select {
-				case batch := <-r.lead:
-					c.lead(batch)
-				case <-r.done:
-				}
-			}()
+			go c.leadIfHanded(r)
 		}
 		return Decision{}, ctx.Err()
+	}
+}
+
+// leadIfHanded leads the batch handed to r, if one is, for a check whose
+// caller has gone.
+func (c *coalescer) leadIfHanded(r *pendingCheck) {
+	select {
+	case batch := <-r.lead:
+		c.lead(batch)
+	case <-r.done:
 	}
 }
 
@@ -158,11 +194,13 @@ func (c *coalescer) nextBatch() []*pendingCheck {
 func (c *coalescer) send(batch []*pendingCheck) {
 	l := c.l
 	// The statement serves several callers: no single caller's
-	// cancellation may abort it, but the limiter's timeout bounds it.
+	// cancellation may abort it, but the leader's deadline bounds it (the
+	// leader answers its own caller only when the statement returns; the
+	// others wait on their own contexts).
 	ctx := context.WithoutCancel(batch[0].ctx)
-	if l.cfg.Timeout > 0 {
+	if dl, ok := batch[0].ctx.Deadline(); ok {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
+		ctx, cancel = context.WithDeadline(ctx, dl)
 		defer cancel()
 	}
 	sent := l.localNow()

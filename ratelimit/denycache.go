@@ -100,8 +100,9 @@ func (c *denyCache) get(key string, cost int64, now time.Time) (Decision, bool) 
 // the instant the answer arrived would stretch the denial by the round
 // trip). Allowed decisions, decisions without a positive RetryAfter and
 // decisions not made by PostgreSQL are ignored. A running entry for a
-// smaller cost is kept, since it answers more checks; otherwise the newer
-// denial replaces the older.
+// smaller cost is kept, since it answers more checks; one for the same cost
+// keeps the later of the two deadlines; otherwise the newer denial replaces
+// the older.
 func (c *denyCache) put(key string, cost int64, d Decision, sent time.Time) {
 	if d.Allowed || d.RetryAfter <= 0 || cost <= 0 || d.Store != StorePostgres {
 		return
@@ -124,8 +125,15 @@ func (c *denyCache) put(key string, cost int64, d Decision, sent time.Time) {
 		sh.remove(tail)
 	}
 	if node := sh.get(k); node != nil {
-		if node.val.cost < cost && sent.Before(node.val.until) {
-			return
+		if old := node.val; sent.Before(old.until) {
+			if old.cost < cost {
+				return
+			}
+			if old.cost == cost && old.until.After(e.until) {
+				// A denial that waited longer in a queue can come back with
+				// an earlier deadline than one already known: keep the later.
+				e.until, e.resetAt = old.until, old.resetAt
+			}
 		}
 		node.val = e
 		sh.touch(node)

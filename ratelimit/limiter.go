@@ -154,15 +154,10 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 	if !l.breaker.allow(sent) {
 		return l.fallback(ctx, key, n, errBreakerOpen)
 	}
-	cctx, cancel := ctx, context.CancelFunc(func() {})
-	if l.cfg.Timeout > 0 {
-		cctx, cancel = context.WithTimeout(ctx, l.cfg.Timeout)
-	}
-	d, err := l.allowDB(cctx, key, n)
-	cancel()
+	d, err := l.allowWithin(ctx, key, n)
 	if err != nil {
-		if ctx.Err() != nil {
-			return Decision{}, fmt.Errorf("ratelimit: %w", ctx.Err())
+		if callerDone(ctx) {
+			return Decision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
 		if isConfigError(err) {
 			l.breaker.success() // the database answered
@@ -181,6 +176,29 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 		}
 	}
 	return l.shadow(key, d), nil
+}
+
+// allowWithin asks PostgreSQL, answering by Config.Timeout at the latest:
+// the check runs on its own goroutine and the caller stops waiting at the
+// deadline, whatever the driver is still doing with the connection.
+func (l *Limiter) allowWithin(ctx context.Context, key string, n int64) (Decision, error) {
+	if l.cfg.Timeout <= 0 {
+		return l.allowDB(ctx, key, n)
+	}
+	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	ch := make(chan takeResult, 1)
+	go func() {
+		d, err := l.allowDB(cctx, key, n)
+		ch <- takeResult{d, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.d, r.err
+	case <-cctx.Done():
+		// The statement may still reach the database and count.
+		return Decision{}, cctx.Err()
+	}
 }
 
 // allowDB asks PostgreSQL, healing a missing partition once.

@@ -253,8 +253,8 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		sendErr = firstErr
 	}
 	if sendErr != nil {
-		if ctx.Err() != nil {
-			return MultiDecision{}, fmt.Errorf("ratelimit: %w", ctx.Err())
+		if callerDone(ctx) {
+			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
 		err := mapErr(sendErr)
 		if isConfigError(err) || isMissingPartition(sendErr) {

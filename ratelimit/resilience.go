@@ -135,6 +135,26 @@ func isLockTimeout(err error) bool {
 // errBreakerOpen is the reason given while the breaker skips the database.
 var errBreakerOpen = errors.New("breaker open after repeated database failures")
 
+// callerDone reports whether the caller's own context has ended, or its
+// deadline has passed (its timer may not have fired yet when the driver,
+// racing it, already gave up): the caller then gets an error, not a
+// failure-policy answer.
+func callerDone(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	dl, ok := ctx.Deadline()
+	return ok && !time.Now().Before(dl)
+}
+
+// callerErr is the error of a context that callerDone reported done.
+func callerErr(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	return context.DeadlineExceeded
+}
+
 // isConfigError reports errors that a failure policy must not hide: they
 // mean the setup is wrong, not that the database is briefly unavailable.
 func isConfigError(err error) bool {

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"os"
 	"runtime"
 	"runtime/debug"
 	"slices"
@@ -376,13 +375,9 @@ func TestFaultRowLockManyCallers(t *testing.T) {
 	})
 	ctx := context.Background()
 	const name = "lock-many"
-	cfg := ratelimit.Config{Name: name, Limit: 100000, Window: time.Hour, Timeout: 400 * time.Millisecond, DisableCoalescing: true}
-	if os.Getenv("PGRL_KNOWN_BUGS") != "" {
-		// Known bug: with coalescing, checks of the locked key queue
-		// behind the waiting statement until their own deadline; that
-		// deadline counts as a database failure and opens the breaker.
-		cfg.DisableCoalescing = false
-	}
+	// Coalescing on (the default): checks of other keys must not queue
+	// behind the statements waiting on the locked row.
+	cfg := ratelimit.Config{Name: name, Limit: 100000, Window: time.Hour, Timeout: 400 * time.Millisecond}
 	l, err := ratelimit.New(pool, cfg)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "hot")
@@ -622,17 +617,11 @@ func TestFaultProxyCutRefuseStall(t *testing.T) {
 }
 
 // TestFaultStallCoalescedWithinDeadline is TestFaultProxyCutRefuseStall's
-// stall with coalescing on (the default). It fails: a check queued behind
-// a round trip that times out is then handed the lead of the next batch,
-// which coalescer.send bounds with a fresh Config.Timeout (from
-// context.WithoutCancel of the leader's context), so the check answers
-// after its time in the queue plus a whole Timeout: about 2 × Timeout.
-// Skipped unless PGRL_KNOWN_BUGS=1 until coalesce.go bounds the batch by
-// the leader's own deadline.
+// stall with coalescing on (the default). A check queued behind a round
+// trip that times out, and then handed the lead of the next batch, must
+// still answer within its own deadline (a regression test: the batch was
+// once bounded by a fresh Timeout, about 2 × Timeout in all).
 func TestFaultStallCoalescedWithinDeadline(t *testing.T) {
-	if os.Getenv("PGRL_KNOWN_BUGS") == "" {
-		t.Skip("known bug: a coalesced check that becomes leader after waiting sends with a fresh Timeout (about 2 × Timeout in all); set PGRL_KNOWN_BUGS=1 to run")
-	}
 	p, url := proxiedSchema(t)
 	const timeout = 100 * time.Millisecond
 	st, _, _ := proxyFault(t, p, url, "stall", ratelimit.Config{Name: "proxy-coalesced", Limit: 1_000_000, Window: time.Hour,

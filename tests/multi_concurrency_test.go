@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"sync"
 	"testing"
 	"time"
@@ -67,7 +66,6 @@ func multiCounters(t *testing.T, pool *pgxpool.Pool, ls []*ratelimit.Limiter, ta
 // replay of the admitted decisions, in completion order, on a fresh schema
 // admits every one and ends with identical counters.
 func TestMultiConcurrentOverlappingNoDeadlock(t *testing.T) {
-	skipIfSingleAlgorithmBug(t)
 	duration := 30 * time.Second
 	if testing.Short() {
 		duration = 5 * time.Second
@@ -192,34 +190,14 @@ func multiSingleAlgorithmConsumes(t *testing.T) bool {
 	return d.Remaining == 1
 }
 
-// skipIfSingleAlgorithmBug skips a test that needs all-or-nothing decisions
-// over one algorithm to consume, while TestMultiSingleAlgorithmConsumes
-// fails (unless PGRL_KNOWN_BUGS is set, when it runs and fails).
-func skipIfSingleAlgorithmBug(t *testing.T) {
-	if os.Getenv("PGRL_KNOWN_BUGS") == "" && !multiSingleAlgorithmConsumes(t) {
-		t.Skip("known bug (see TestMultiSingleAlgorithmConsumes): an all-or-nothing decision that lacks one of the three algorithms admits but consumes nothing; set PGRL_KNOWN_BUGS=1 to run")
-	}
-}
-
 // TestMultiSingleAlgorithmConsumes: an all-or-nothing decision whose checks
 // use only some of the three algorithms must consume what it admits.
-//
-// Known bug: AllowAll leaves the MultiRequireAllowed parameters of the
-// absent algorithms nil; pgx sends them as NULL arrays, cardinality(NULL)
-// is NULL, so the vote's condition is NULL, pgrl_abort_unless raises and
-// the transaction rolls back, while AllowAll, taking the abort for a
-// denial, reports every check's allowed decision and Allowed true. The fix
-// is to send empty arrays (in ratelimit/multi.go, set the four slices of
-// gen.MultiRequireAllowedParams to empty, non-nil slices before filling
-// them, or coalesce the cardinalities to 0 in sql/queries/multi.sql), and
-// to report a vote that aborts although every check allowed as an error.
-// Skipped unless PGRL_KNOWN_BUGS is set while the bug is present.
+// (Regression test: nil key arrays of the absent algorithms once reached
+// the vote as NULL, which rolled every such decision back while reporting
+// it allowed.)
 func TestMultiSingleAlgorithmConsumes(t *testing.T) {
 	t.Parallel()
 	ok := multiSingleAlgorithmConsumes(t)
-	if !ok && os.Getenv("PGRL_KNOWN_BUGS") == "" {
-		t.Skip("known bug: an all-or-nothing decision over fewer than the three algorithms admits but consumes nothing; set PGRL_KNOWN_BUGS=1 to run")
-	}
 	require.True(t, ok, "an admitted all-or-nothing decision over one algorithm consumes its cost")
 }
 
