@@ -33,13 +33,15 @@ type coalescer struct {
 
 	mu       sync.Mutex
 	inFlight int
-	busy     map[string]bool // keys of the checks in the round trips running
+	busy     map[string]int // checks in flight, per key
+	progress time.Time      // when a round trip last started or ended
 	pending  []*pendingCheck
 }
 
-// maxQueueWait is the longest a check waits to be coalesced before it goes
-// out alone. Healthy round trips end well within it, so it only matters when
-// the round trips in flight are stuck.
+// maxQueueWait is how long the queue may go without a round trip starting
+// or ending before a queued check gives up waiting and goes out alone.
+// Healthy round trips end well within it, so it only matters when every
+// round trip in flight is stuck.
 const maxQueueWait = 5 * time.Millisecond
 
 // pendingCheck is one check waiting for, or riding, a round trip.
@@ -55,16 +57,17 @@ type pendingCheck struct {
 }
 
 func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
-	return &coalescer{l: l, maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]bool{}}
+	return &coalescer{l: l, maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]int{}}
 }
 
 // take decides one check, alone or in a batch.
 func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, error) {
 	r := &pendingCheck{ctx: ctx, key: key, cost: n, lead: make(chan []*pendingCheck, 1), done: make(chan struct{})}
 	c.mu.Lock()
-	if c.inFlight < c.maxInFlight && !c.busy[key] {
+	if c.inFlight < c.maxInFlight && c.busy[key] == 0 {
 		c.inFlight++
-		c.busy[key] = true
+		c.busy[key]++
+		c.progress = time.Now()
 		c.mu.Unlock()
 		c.lead([]*pendingCheck{r})
 		return r.d, r.err
@@ -73,49 +76,49 @@ func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, er
 	c.pending = append(c.pending, r)
 	c.mu.Unlock()
 
-	// A queued check waits at most maxQueueWait for a batch: if the round
-	// trips ahead of it are stuck (a row lock held by a transaction, a
-	// stalled connection), it goes out alone rather than queue behind them.
+	// The queue moves whenever a round trip ends. If none has ended (or
+	// started) for maxQueueWait, the round trips ahead are stuck (a row
+	// lock held by a transaction, a stalled connection): go out alone
+	// rather than queue behind them.
 	wait := time.NewTimer(maxQueueWait)
 	defer wait.Stop()
-	select {
-	case <-r.done:
-		return r.d, r.err
-	case batch := <-r.lead:
-		c.lead(batch)
-		return r.d, r.err
-	case <-wait.C:
-		c.mu.Lock()
-		withdrawn := c.withdraw(r)
-		if withdrawn {
-			c.inFlight++
-			c.busy[key] = true
-		}
-		c.mu.Unlock()
-		if withdrawn {
-			c.lead([]*pendingCheck{r})
-			return r.d, r.err
-		}
-		select { // already taken into a batch
+	for {
+		select {
 		case <-r.done:
 			return r.d, r.err
 		case batch := <-r.lead:
 			c.lead(batch)
 			return r.d, r.err
 		case <-ctx.Done():
-			go c.leadIfHanded(r)
+			c.mu.Lock()
+			withdrawn := c.withdraw(r)
+			c.mu.Unlock()
+			if !withdrawn {
+				// Already in a batch: the statement may count it. If this
+				// check was to lead the batch, lead it in the background.
+				go c.leadIfHanded(r)
+			}
 			return Decision{}, ctx.Err()
+		case <-wait.C:
 		}
-	case <-ctx.Done():
 		c.mu.Lock()
-		withdrawn := c.withdraw(r)
-		c.mu.Unlock()
-		if !withdrawn {
-			// Already in a batch: the statement may count it. If this
-			// check was to lead the batch, lead it in the background.
-			go c.leadIfHanded(r)
+		if idle := time.Since(c.progress); idle < maxQueueWait {
+			c.mu.Unlock()
+			wait.Reset(maxQueueWait - idle)
+			continue
 		}
-		return Decision{}, ctx.Err()
+		withdrawn := c.withdraw(r)
+		if withdrawn {
+			c.inFlight++
+			c.busy[key]++
+			c.progress = time.Now()
+		}
+		c.mu.Unlock()
+		if withdrawn {
+			c.lead([]*pendingCheck{r})
+			return r.d, r.err
+		}
+		// Already taken into a batch: wait for it as above.
 	}
 }
 
@@ -145,30 +148,44 @@ func (c *coalescer) withdraw(r *pendingCheck) bool {
 func (c *coalescer) lead(batch []*pendingCheck) {
 	c.send(batch)
 	c.mu.Lock()
+	c.progress = time.Now()
 	for _, r := range batch {
-		delete(c.busy, r.key)
+		if c.busy[r.key]--; c.busy[r.key] <= 0 {
+			delete(c.busy, r.key)
+		}
 	}
-	next := c.nextBatch()
+	next, solos := c.nextBatch()
+	c.inFlight += len(solos)
 	if len(next) == 0 {
 		c.inFlight--
-		c.mu.Unlock()
-		return
 	}
 	c.mu.Unlock()
-	next[0].lead <- next
+	for _, s := range solos {
+		s.lead <- []*pendingCheck{s}
+	}
+	if len(next) > 0 {
+		next[0].lead <- next
+	}
 }
 
-// nextBatch takes up to maxBatch queued checks, one per key and none of a
-// key whose check is in flight, in arrival order. A queued check that the
-// deny cache can now answer (its key was denied by the round trip that just
-// ended) is answered at once and never sent. The caller holds c.mu.
-func (c *coalescer) nextBatch() []*pendingCheck {
+// nextBatch takes the queued checks, in arrival order: up to maxBatch of
+// distinct keys for the next statement, and the further checks of a key
+// already taken, or of a hot key, as solos, each to go out alone at once:
+// one statement cannot update a row twice, but several statements on one
+// row queue on its lock inside PostgreSQL, which orders them as well as any
+// client could and without a round trip between them. The first queued
+// check of a key in flight stays queued for the batch after. A queued check that
+// the deny cache can now answer (its key was denied by the round trip that
+// just ended) is answered at once and never sent, so a hot key that is
+// denied costs one statement per deny period. The caller holds c.mu.
+func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 	if len(c.pending) == 0 {
-		return nil
+		return nil, nil
 	}
-	var batch []*pendingCheck
 	deny := c.l.deny
 	now := c.l.localNow()
+	taken := map[string]bool{}
+	kept := map[string]bool{}
 	rest := c.pending[:0]
 	for _, p := range c.pending {
 		if deny != nil {
@@ -178,16 +195,33 @@ func (c *coalescer) nextBatch() []*pendingCheck {
 				continue
 			}
 		}
-		if len(batch) < c.maxBatch && !c.busy[p.key] {
-			c.busy[p.key] = true
+		switch {
+		case taken[p.key]:
+			// A second check of a key in this batch: it queues on the
+			// row lock right behind it.
+			solos = append(solos, p)
+		case c.busy[p.key] > 0 && !kept[p.key]:
+			// Its key is in flight: the first such check waits for the
+			// next batch, where it costs no statement of its own.
+			kept[p.key] = true
+			rest = append(rest, p)
+			continue
+		case c.busy[p.key] > 0:
+			// A hot key: further checks go out alone and queue on the
+			// row lock, as they would uncoalesced.
+			solos = append(solos, p)
+		case len(batch) < c.maxBatch:
+			taken[p.key] = true
 			batch = append(batch, p)
+		default:
+			rest = append(rest, p)
 			continue
 		}
-		rest = append(rest, p)
+		c.busy[p.key]++
 	}
 	clear(c.pending[len(rest):])
 	c.pending = rest
-	return batch
+	return batch, solos
 }
 
 // send runs one round trip for batch and delivers every result.
