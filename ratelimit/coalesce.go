@@ -34,6 +34,7 @@ type coalescer struct {
 	mu       sync.Mutex
 	inFlight int
 	busy     map[string]int // checks in flight, per key
+	queued   map[string]int // checks in pending, per key
 	progress time.Time      // when a round trip last started or ended
 	pending  []*pendingCheck
 }
@@ -57,14 +58,17 @@ type pendingCheck struct {
 }
 
 func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
-	return &coalescer{l: l, maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]int{}}
+	return &coalescer{l: l, maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]int{}, queued: map[string]int{}}
 }
 
 // take decides one check, alone or in a batch.
 func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, error) {
 	r := &pendingCheck{ctx: ctx, key: key, cost: n, lead: make(chan []*pendingCheck, 1), done: make(chan struct{})}
 	c.mu.Lock()
-	if c.inFlight < c.maxInFlight && c.busy[key] == 0 {
+	// Go out at once when a round trip is free, or when the key is hot (in
+	// flight, with a check already queued): the statement then waits on
+	// the row lock inside PostgreSQL, as it would uncoalesced.
+	if (c.inFlight < c.maxInFlight && c.busy[key] == 0) || (c.busy[key] > 0 && c.queued[key] > 0) {
 		c.inFlight++
 		c.busy[key]++
 		c.progress = time.Now()
@@ -74,6 +78,7 @@ func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, er
 	}
 	r.skey = c.l.key(key)
 	c.pending = append(c.pending, r)
+	c.queued[key]++
 	c.mu.Unlock()
 
 	// The queue moves whenever a round trip ends. If none has ended (or
@@ -138,10 +143,18 @@ func (c *coalescer) withdraw(r *pendingCheck) bool {
 	for i, p := range c.pending {
 		if p == r {
 			c.pending = append(c.pending[:i], c.pending[i+1:]...)
+			c.unqueue(r.key)
 			return true
 		}
 	}
 	return false
+}
+
+// unqueue counts one check of key out of the queue. The caller holds c.mu.
+func (c *coalescer) unqueue(key string) {
+	if c.queued[key]--; c.queued[key] <= 0 {
+		delete(c.queued, key)
+	}
 }
 
 // lead sends batch, then hands the next batch to its first check.
@@ -188,6 +201,7 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 	kept := map[string]bool{}
 	rest := c.pending[:0]
 	for _, p := range c.pending {
+		c.unqueue(p.key)
 		if deny != nil {
 			if d, ok := deny.get(p.key, p.cost, now); ok {
 				p.d = d
@@ -205,6 +219,7 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 			// next batch, where it costs no statement of its own.
 			kept[p.key] = true
 			rest = append(rest, p)
+			c.queued[p.key]++
 			continue
 		case c.busy[p.key] > 0:
 			// A hot key: further checks go out alone and queue on the
@@ -215,6 +230,7 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 			batch = append(batch, p)
 		default:
 			rest = append(rest, p)
+			c.queued[p.key]++
 			continue
 		}
 		c.busy[p.key]++
