@@ -1,0 +1,62 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func TestParseVariant(t *testing.T) {
+	v, err := parseVariant("in-flight=1,batch=32")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v.maxInFlight != 1 || v.maxBatch != 32 || v.name != "pgrl_inflight1_batch32" {
+		t.Fatalf("got %+v", v)
+	}
+	for _, bad := range []string{"", "in-flight", "in-flight=0", "batch=x", "conns=4"} {
+		if _, err := parseVariant(bad); err == nil {
+			t.Errorf("parseVariant(%q): no error", bad)
+		}
+	}
+}
+
+func TestUsageErrors(t *testing.T) {
+	for _, args := range [][]string{
+		{"--callers", "0"},
+		{"--keys", "x"},
+		{"--duration", "0s"},
+		{"--output", "xml"},
+		{"--variant", "speed=3"},
+		{"extra"},
+	} {
+		var stderr bytes.Buffer
+		if code := run(context.Background(), args, &bytes.Buffer{}, &stderr); code != exitUsage {
+			t.Errorf("%v: exit %d, want %d (%s)", args, code, exitUsage, stderr.String())
+		}
+	}
+}
+
+func TestTargets(t *testing.T) {
+	cases := []Case{
+		{Callers: 8, Keys: 100_000, Ratio: 0.49},
+		{Callers: 32, Keys: 100_000, Ratio: 1.0},
+		{Callers: 64, Keys: 1, Ratio: 0.3}, // hot key: no target
+		{Callers: 1, Keys: 100_000, Ratio: 0.3},
+	}
+	ok, misses := defaultTargets.check(cases)
+	if ok || len(misses) != 1 || !strings.HasPrefix(misses[0], "8 callers") {
+		t.Fatalf("check: %v %v", ok, misses)
+	}
+}
+
+func TestInfoField(t *testing.T) {
+	info := "# Server\r\nredis_version:7.0.15\r\nused_cpu_sys:1.5\r\n"
+	if got := infoField(info, "redis_version"); got != "7.0.15" {
+		t.Fatalf("got %q", got)
+	}
+	if got := infoField(info, "missing"); got != "" {
+		t.Fatalf("got %q", got)
+	}
+}
