@@ -19,7 +19,7 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-// The experiment of seed 001, repeated: multiprocessProcesses OS processes
+// The multi-instance experiment: multiprocessProcesses OS processes
 // each fire multiprocessCalls concurrent checks at one key whose limit is
 // multiprocessLimit; exactly the limit must get through, in every trial.
 const (
