@@ -350,8 +350,16 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		if v.maxBatch > 0 {
 			vo.maxBatch = v.maxBatch
 		}
-		vdb := &countingDB{pool: pool}
-		vlib, err := ratelimit.New(vdb, pgrlConfig(vo, false))
+		vpool := pool
+		if v.conns > 0 {
+			vpool, err = openPool(ctx, o.databaseURL, o.schema, v.conns)
+			if err != nil {
+				return Case{}, err
+			}
+			defer vpool.Close()
+		}
+		vdb := &countingDB{pool: vpool}
+		vlib, err := ratelimit.New(vdb, pgrlConfig(vo, v.off))
 		if err != nil {
 			return Case{}, err
 		}
@@ -471,9 +479,10 @@ func serverPerOp(p *path) float64 {
 	return round(float64(p.server.Microseconds())/float64(len(p.latencies)), 2)
 }
 
-// backendPIDs returns the process ids of the pool's server backends: every
-// connection is established (openPool), and the benchmark's pools are the
-// only ones named vsredis, one at a time.
+// backendPIDs returns the process ids of the server backends of the case's
+// pools: every connection is established (openPool), and the benchmark's
+// pools are the only ones named vsredis. Idle backends use no CPU, so the
+// CPU of all of them during a slice is that of the path that ran.
 func backendPIDs(ctx context.Context, pool *pgxpool.Pool) ([]int, error) {
 	rows, err := pool.Query(ctx, "SELECT pid FROM pg_stat_activity WHERE application_name = 'vsredis'")
 	if err != nil {

@@ -57,7 +57,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.maxBatch, "max-batch", 0, "ratelimit.Config.MaxBatch; 0 keeps the library's default")
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "ratelimit.Config.MaxInFlight; 0 keeps the library's default")
 	fs.BoolVar(&o.compareCoalescing, "compare-coalescing", false, "also measure pgrl with DisableCoalescing in every case")
-	fs.Func("variant", "also measure pgrl with other settings, as in-flight=N,batch=N (repeatable): each variant adds a path to every case", func(s string) error {
+	fs.Func("variant", "also measure pgrl with other settings, as in-flight=N,batch=N,conns=N,coalescing=off (repeatable): each variant adds a path to every case; conns gives it a pool of its own", func(s string) error {
 		v, err := parseVariant(s)
 		if err == nil {
 			o.variants = append(o.variants, v)
@@ -170,24 +170,33 @@ type variant struct {
 	name        string
 	maxInFlight int
 	maxBatch    int
+	conns       int  // its own pool of this size; 0 shares the case's pool
+	off         bool // DisableCoalescing
 }
 
-// parseVariant reads "in-flight=N,batch=N" (either or both).
+// parseVariant reads "in-flight=N,batch=N,conns=N,coalescing=off" (any of
+// them).
 func parseVariant(s string) (variant, error) {
 	v := variant{name: "pgrl_" + strings.NewReplacer("=", "", ",", "_", "-", "").Replace(s)}
 	for _, kv := range strings.Split(s, ",") {
 		k, val, ok := strings.Cut(strings.TrimSpace(kv), "=")
+		if k == "coalescing" && (val == "off" || val == "on") {
+			v.off = val == "off"
+			continue
+		}
 		n, err := strconv.Atoi(val)
 		if !ok || err != nil || n < 1 {
-			return v, fmt.Errorf("%q: want in-flight=N,batch=N with positive N", s)
+			return v, fmt.Errorf("%q: want in-flight=N,batch=N,conns=N with positive N, or coalescing=off", s)
 		}
 		switch k {
 		case "in-flight":
 			v.maxInFlight = n
 		case "batch":
 			v.maxBatch = n
+		case "conns":
+			v.conns = n
 		default:
-			return v, fmt.Errorf("%q: unknown setting %q; use in-flight or batch", s, k)
+			return v, fmt.Errorf("%q: unknown setting %q; use in-flight, batch, conns or coalescing", s, k)
 		}
 	}
 	return v, nil

@@ -15,7 +15,11 @@ func TestParseVariant(t *testing.T) {
 	if v.maxInFlight != 1 || v.maxBatch != 32 || v.name != "pgrl_inflight1_batch32" {
 		t.Fatalf("got %+v", v)
 	}
-	for _, bad := range []string{"", "in-flight", "in-flight=0", "batch=x", "conns=4"} {
+	v, err = parseVariant("conns=8,coalescing=off")
+	if err != nil || v.conns != 8 || !v.off || v.name != "pgrl_conns8_coalescingoff" {
+		t.Fatalf("got %+v, %v", v, err)
+	}
+	for _, bad := range []string{"", "in-flight", "in-flight=0", "batch=x", "speed=4", "coalescing=maybe"} {
 		if _, err := parseVariant(bad); err == nil {
 			t.Errorf("parseVariant(%q): no error", bad)
 		}
