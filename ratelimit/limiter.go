@@ -72,14 +72,7 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	}
 	if !cfg.DisableCoalescing {
 		if _, isTx := db.(pgx.Tx); !isTx {
-			inFlight := cfg.MaxInFlight
-			if inFlight == 0 {
-				inFlight = 2
-				if pool, ok := db.(*pgxpool.Pool); ok {
-					inFlight = max(int(pool.Config().MaxConns), 1)
-				}
-			}
-			l.coalescer = newCoalescer(l, cfg.MaxBatch, inFlight)
+			l.coalescer = newCoalescer(l, cfg.MaxBatch, cfg.MaxInFlight)
 		}
 	}
 	if cfg.Spread > 1 {
