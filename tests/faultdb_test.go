@@ -68,23 +68,35 @@ type cluster struct {
 
 // skipUnlessClusterPossible skips the test when a throwaway cluster cannot
 // be made here (not root, no postgres user, no PostgreSQL binaries). CI runs
-// as root with PostgreSQL installed, so there the fault tests do run.
+// as root with PostgreSQL installed, so there the fault tests do run; under
+// CI (CI set in the environment) a missing prerequisite fails the test
+// instead, so that a skip is never counted as a pass.
 func skipUnlessClusterPossible(t testing.TB) string {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		t.Skip("fault tests start a throwaway PostgreSQL cluster as the postgres user through runuser, which needs root; run them as root (CI does)")
+		skipOutsideCI(t, "fault tests start a throwaway PostgreSQL cluster as the postgres user through runuser, which needs root; run them as root (CI does)")
 	}
 	if _, err := user.Lookup("postgres"); err != nil {
-		t.Skip("fault tests need the postgres system user (install PostgreSQL's server package)")
+		skipOutsideCI(t, "fault tests need the postgres system user (install PostgreSQL's server package)")
 	}
 	bin := pgBinDir()
 	if bin == "" {
-		t.Skip("fault tests need initdb and pg_ctl under /usr/lib/postgresql/<version>/bin (install PostgreSQL's server package)")
+		skipOutsideCI(t, "fault tests need initdb and pg_ctl under /usr/lib/postgresql/<version>/bin (install PostgreSQL's server package)")
 	}
 	if _, err := exec.LookPath("runuser"); err != nil {
-		t.Skip("fault tests need runuser (util-linux)")
+		skipOutsideCI(t, "fault tests need runuser (util-linux)")
 	}
 	return bin
+}
+
+// skipOutsideCI skips the test with reason, except under CI, where every
+// prerequisite is installed by .ci/run and a missing one is a failure.
+func skipOutsideCI(t testing.TB, reason string) {
+	t.Helper()
+	if os.Getenv("CI") != "" {
+		t.Fatal("CI: " + reason)
+	}
+	t.Skip(reason)
 }
 
 // asPostgres runs a command as the postgres user and fails the test when it

@@ -47,7 +47,7 @@ func startBouncer(t *testing.T) *bouncer {
 		if _, serr := os.Stat("/usr/sbin/pgbouncer"); serr == nil {
 			bin = "/usr/sbin/pgbouncer"
 		} else {
-			t.Skip("pgbouncer is not installed (apt-get install pgbouncer; the CI script installs it)")
+			skipOutsideCI(t, "pgbouncer is not installed (apt-get install pgbouncer; the CI script installs it)")
 		}
 	}
 	asRoot := os.Geteuid() == 0

@@ -463,6 +463,9 @@ func scramCluster(t *testing.T) string {
 		}
 	}
 	if len(bins) == 0 {
+		if os.Getenv("CI") != "" {
+			t.Fatal("CI: no PostgreSQL server binaries (initdb) installed to start a password-protected cluster")
+		}
 		t.Skip("no PostgreSQL server binaries (initdb) installed to start a password-protected cluster")
 	}
 	binDir := filepath.Dir(bins[len(bins)-1])
