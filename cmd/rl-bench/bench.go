@@ -65,6 +65,7 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 			// raw path cannot send the same one. See --coalescing.
 			DisableCoalescing: !o.coalescing,
 			MaxInFlight:       o.maxInFlight,
+			Spread:            o.spread,
 		},
 	}
 	for i := range nkeys {

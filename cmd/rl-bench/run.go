@@ -29,6 +29,7 @@ type options struct {
 	cpuProfile  string
 	coalescing  bool
 	maxInFlight int
+	spread      int
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -45,6 +46,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	fs.BoolVar(&o.coalescing, "coalescing", true, "leave the library's coalescing of concurrent checks on, as it is by default; false sets Config.DisableCoalescing")
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "the library's Config.MaxInFlight (round trips before checks are coalesced); 0 keeps its default")
+	fs.IntVar(&o.spread, "spread", 0, "the library's Config.Spread: split each key over this many rows (for a hot key); the raw path still updates one row, so the comparison shows what spreading buys")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the client (both paths) to this file, for go tool pprof")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: rl-bench [flags]\n\nMeasures pgrl's checks against the raw SQL statement they send, per algorithm,\nnumber of callers and key spread, and reports the HOT-update ratio of each table.\n\nFlags:\n")
@@ -77,6 +79,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--duration %v: must be positive", o.duration)
 	case o.warmup < 0:
 		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
+	case o.spread < 0:
+		return o, fmt.Errorf("--spread %d: must not be negative", o.spread)
 	case o.maxInFlight < 0:
 		return o, fmt.Errorf("--max-in-flight %d: must not be negative", o.maxInFlight)
 	case o.schema == "":
