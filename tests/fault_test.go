@@ -596,16 +596,15 @@ func proxyFault(t *testing.T, p *tcpProxy, url, mode string, cfg ratelimit.Confi
 // (a network partition: nothing comes back, no error either). The client
 // deadline alone bounds the stalled checks (statement_timeout cannot: the
 // server never sees the statement). The outage is logged once, and
-// PostgreSQL answers again within 2 s of the proxy's recovery.
-//
-// Coalescing is off here: TestFaultStallCoalescedWithinDeadline shows why.
+// PostgreSQL answers again within 2 s of the proxy's recovery. The limiter
+// runs with its defaults (coalescing on).
 func TestFaultProxyCutRefuseStall(t *testing.T) {
 	p, url := proxiedSchema(t)
 	for _, mode := range []string{"cut_and_refuse", "stall"} {
 		t.Run(mode, func(t *testing.T) {
 			const timeout = 100 * time.Millisecond
 			st, recovery, logs := proxyFault(t, p, url, mode, ratelimit.Config{Name: "proxy-" + mode, Limit: 1_000_000, Window: time.Hour,
-				Timeout: timeout, BreakerCooldown: 200 * time.Millisecond, DisableCoalescing: true})
+				Timeout: timeout, BreakerCooldown: 200 * time.Millisecond})
 			require.Empty(t, st.errs)
 			require.Empty(t, st.wrong)
 			require.LessOrEqual(t, st.maxLatency, timeout+faultSlack, "every check answers within its deadline + 10 ms")
