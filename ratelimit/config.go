@@ -140,7 +140,9 @@ type Config struct {
 	// server-side statement_timeout a little shorter (see
 	// StatementTimeoutParam), so that PostgreSQL abandons a slow statement
 	// itself and the connection survives. Zero means the caller's context
-	// alone bounds the check. Defaults to 0.
+	// alone bounds the check. Use it with a pool: pgx closes a connection
+	// whose statement was abandoned, so a limiter on a single *pgx.Conn
+	// would lose its connection at the first timeout. Defaults to 0.
 	Timeout time.Duration
 
 	// DenyCacheSize caps the keys the local deny cache remembers. When
@@ -183,7 +185,8 @@ type Config struct {
 	// trips are already running wait and go out together, one statement
 	// for up to MaxBatch of them, decided exactly as if one after another;
 	// a check that finds the way clear goes out at once, alone, so a lone
-	// caller's latency does not change. Defaults to false (coalescing on).
+	// caller's latency does not change. Only a limiter on a *pgxpool.Pool
+	// coalesces. Defaults to false (coalescing on).
 	DisableCoalescing bool
 
 	// MaxBatch caps the checks that one coalesced statement decides.

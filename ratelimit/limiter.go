@@ -71,7 +71,9 @@ func New(db DB, cfg Config) (*Limiter, error) {
 		l.deny = newDenyCache(cfg.DenyCacheSize)
 	}
 	if !cfg.DisableCoalescing {
-		if _, isTx := db.(pgx.Tx); !isTx {
+		// Only a pool can run several round trips at once; a *pgx.Conn or
+		// a pgx.Tx serves one statement at a time.
+		if _, isPool := db.(*pgxpool.Pool); isPool {
 			l.coalescer = newCoalescer(l, cfg.MaxBatch, cfg.MaxInFlight)
 		}
 	}
