@@ -24,11 +24,9 @@ type DB = gen.DBTX
 // in one round trip; the row lock on the key's counter is the only lock. A
 // Limiter is safe for concurrent use.
 type Limiter struct {
-	cfg          Config
+	shape
 	db           DB
 	q            *gen.Queries
-	windowUs     int64
-	refillPerUs  float64
 	breaker      *breaker
 	memory       *MemoryLimiter // answers under FailToMemory
 	deny         *denyCache     // nil when disabled
@@ -49,13 +47,7 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Limiter{
-		cfg:      cfg,
-		db:       db,
-		q:        gen.New(),
-		windowUs: cfg.Window.Microseconds(),
-	}
-	l.refillPerUs = float64(cfg.Limit) / float64(l.windowUs)
+	l := &Limiter{shape: newShape(cfg), db: db, q: gen.New()}
 	l.breaker = &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
@@ -456,96 +448,6 @@ func maxTime(a, b time.Time) time.Time {
 		return a
 	}
 	return b
-}
-
-// fixedDecision builds a fixed-window decision from the window's state.
-func (l *Limiter) fixedDecision(allowed bool, count int64, expiresAt, now time.Time) Decision {
-	d := Decision{
-		Allowed:   allowed,
-		Limit:     l.cfg.Limit,
-		Remaining: max(l.cfg.Limit-count, 0),
-		ResetAt:   expiresAt,
-		Now:       now,
-		Store:     StorePostgres,
-	}
-	if !allowed {
-		// The next window admits any valid cost.
-		d.RetryAfter = max(expiresAt.Sub(now), 0)
-	}
-	return d
-}
-
-// tokenDecision builds a token-bucket decision from the balance after the
-// check, taken at instant at.
-func (l *Limiter) tokenDecision(allowed bool, tokens float64, at, fullAt time.Time, cost int64) Decision {
-	d := Decision{
-		Allowed:   allowed,
-		Limit:     l.cfg.Burst,
-		Remaining: int64(math.Floor(max(tokens, 0))),
-		ResetAt:   fullAt,
-		Now:       at,
-		Store:     StorePostgres,
-	}
-	if !allowed {
-		d.RetryAfter = max(usToDuration((float64(cost)-tokens)/l.refillPerUs), 0)
-	}
-	return d
-}
-
-// elapsedUs is how far now is into the window starting at start, clamped to
-// [0, window].
-func (l *Limiter) elapsedUs(start, now time.Time) int64 {
-	return min(max(now.Sub(start).Microseconds(), 0), l.windowUs)
-}
-
-// slidingEstimate is prev*(window-elapsed)/window + cur.
-func slidingEstimate(prev, cur, elapsedUs, windowUs int64) float64 {
-	return float64(prev)*float64(windowUs-elapsedUs)/float64(windowUs) + float64(cur)
-}
-
-// slidingDecision builds a sliding-window decision from the row's state
-// after the check.
-func (l *Limiter) slidingDecision(allowed bool, start time.Time, cur, prev int64, now time.Time, cost int64) Decision {
-	w := l.windowUs
-	e := l.elapsedUs(start, now)
-	est := slidingEstimate(prev, cur, e, w)
-	d := Decision{
-		Allowed:   allowed,
-		Limit:     l.cfg.Limit,
-		Remaining: int64(math.Floor(max(float64(l.cfg.Limit)-est, 0) + 1e-9)),
-		ResetAt:   start.Add(2 * l.cfg.Window),
-		Now:       now,
-		Store:     StorePostgres,
-	}
-	if cur == 0 {
-		d.ResetAt = start.Add(l.cfg.Window)
-	}
-	if !allowed {
-		d.RetryAfter = max(l.slidingRetryAfter(start, cur, prev, e, cost), 0)
-	}
-	return d
-}
-
-// slidingRetryAfter finds how long until estimate + cost <= limit, with no
-// further units counted: the previous window's weight shrinks through the
-// current window, then the current count becomes the previous one.
-func (l *Limiter) slidingRetryAfter(start time.Time, cur, prev, e, cost int64) time.Duration {
-	w := float64(l.windowUs)
-	room := float64(l.cfg.Limit - cur - cost)
-	if room >= 0 && prev > 0 {
-		// Within this window: prev*(w-x)/w <= room  <=>  x >= w - room*w/prev.
-		x := math.Ceil(w - room*w/float64(prev))
-		if x <= w {
-			return usToDuration(x - float64(e))
-		}
-	}
-	// In the next window the current count weighs as the previous one:
-	// cur*(w-x)/w + cost <= limit  <=>  x >= w - (limit-cost)*w/cur.
-	x := 0.0
-	if cur > 0 {
-		x = max(math.Ceil(w-float64(l.cfg.Limit-cost)*w/float64(cur)), 0)
-	}
-	return usToDuration(w - float64(e) + x)
 }
 
 func usToDuration(us float64) time.Duration {

@@ -82,14 +82,11 @@ func ownedKey(key, k string) string {
 //
 // A MemoryLimiter is safe for concurrent use.
 type MemoryLimiter struct {
-	cfg         Config
-	calc        *Limiter // decision arithmetic shared with the Postgres limiter; no database
-	windowUs    int64
-	refillPerUs float64
-	capacity    float64
-	start       time.Time // wall and monotonic reading at creation
-	startUs     int64     // start in microseconds since the Unix epoch
-	keys        shardedLRU[memState]
+	shape    // decision arithmetic shared with the Postgres limiter
+	capacity float64
+	start    time.Time // wall and monotonic reading at creation
+	startUs  int64     // start in microseconds since the Unix epoch
+	keys     shardedLRU[memState]
 }
 
 // memState is one key's counter. The fields mean, per algorithm:
@@ -118,16 +115,12 @@ func NewMemory(cfg Config, opts MemoryOptions) (*MemoryLimiter, error) {
 	if opts.Shards <= 0 {
 		opts.Shards = DefaultMemoryShards
 	}
-	w := cfg.Window.Microseconds()
 	m := &MemoryLimiter{
-		cfg:         cfg,
-		windowUs:    w,
-		refillPerUs: float64(cfg.Limit) / float64(w),
-		capacity:    float64(cfg.Burst),
-		start:       time.Now(),
+		shape:    newShape(cfg),
+		capacity: float64(cfg.Burst),
+		start:    time.Now(),
 	}
 	m.startUs = m.start.UnixMicro()
-	m.calc = &Limiter{cfg: cfg, windowUs: w, refillPerUs: m.refillPerUs}
 	m.keys.init(opts.MaxKeys, opts.Shards)
 	return m, nil
 }
@@ -381,11 +374,11 @@ func (m *MemoryLimiter) decide(allowed bool, st memState, now, cost int64) Decis
 		// full_at = at + (capacity - tokens)/refill, rounded as PostgreSQL
 		// rounds interval * float8: to the nearest microsecond, ties to even.
 		fullAt := st.at + int64(math.RoundToEven((m.capacity-st.tokens)/m.refillPerUs))
-		d = m.calc.tokenDecision(allowed, st.tokens, usTime(st.at), usTime(fullAt), cost)
+		d = m.tokenDecision(allowed, st.tokens, usTime(st.at), usTime(fullAt), cost)
 	case SlidingWindow:
-		d = m.calc.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), cost)
+		d = m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), cost)
 	default:
-		d = m.calc.fixedDecision(allowed, st.count, usTime(st.at), usTime(now))
+		d = m.fixedDecision(allowed, st.count, usTime(st.at), usTime(now))
 	}
 	d.Store = StoreMemory
 	return d
@@ -398,13 +391,13 @@ func (m *MemoryLimiter) peekDecision(st memState, now int64) Decision {
 	switch m.cfg.Algorithm {
 	case TokenBucket:
 		fullAt := usTime(now).Add(usToDuration((m.capacity - st.tokens) / m.refillPerUs))
-		d = m.calc.tokenDecision(st.tokens >= 1, st.tokens, usTime(now), fullAt, 1)
+		d = m.tokenDecision(st.tokens >= 1, st.tokens, usTime(now), fullAt, 1)
 	case SlidingWindow:
 		e := min(max(now-st.at, 0), m.windowUs)
 		allowed := slidingEstimate(st.prev, st.count, e, m.windowUs)+1 <= float64(m.cfg.Limit)
-		d = m.calc.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), 1)
+		d = m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), 1)
 	default:
-		d = m.calc.fixedDecision(st.count+1 <= m.cfg.Limit, st.count, usTime(st.at), usTime(now))
+		d = m.fixedDecision(st.count+1 <= m.cfg.Limit, st.count, usTime(st.at), usTime(now))
 	}
 	d.Store = StoreMemory
 	return d
