@@ -8,12 +8,13 @@ import (
 // digestSize is the size of a hashed key in the counter tables.
 const digestSize = 16
 
-// storedKey returns the bytes stored in the key column for a limiter's name
-// and a caller's key. Any bytes are a valid key: empty, NUL, invalid UTF-8,
+// StoredKey returns the bytes a limiter named name stores in the key column
+// for a caller's key, under mode: what to pass to package gen's queries to
+// reach the same counter as the library (rl-bench's raw path does this). Any bytes are a valid key: empty, NUL, invalid UTF-8,
 // megabytes long. Hashed keys are the first 16 bytes of
 // SHA-256(len(name) || name || key), so names and keys cannot run into each
 // other.
-func storedKey(mode KeyMode, name, key string) []byte {
+func StoredKey(mode KeyMode, name, key string) []byte {
 	if mode == ReadableKeys {
 		b := make([]byte, 0, len(name)+1+len(key))
 		b = append(b, name...)

@@ -299,7 +299,7 @@ func (l *Limiter) at() *time.Time {
 	return &t
 }
 
-func (l *Limiter) key(key string) []byte { return storedKey(l.cfg.KeyMode, l.cfg.Name, key) }
+func (l *Limiter) key(key string) []byte { return StoredKey(l.cfg.KeyMode, l.cfg.Name, key) }
 
 func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decision, error) {
 	if l.shards != nil {

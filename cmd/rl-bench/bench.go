@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -70,22 +68,9 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 	}
 	for i := range nkeys {
 		w.keys[i] = "key-" + strconv.Itoa(i)
-		w.hashed[i] = hashedKey(benchName, w.keys[i])
+		w.hashed[i] = ratelimit.StoredKey(ratelimit.HashedKeys, benchName, w.keys[i])
 	}
 	return w
-}
-
-// hashedKey is the key column's value for a limiter name and key under
-// ratelimit.HashedKeys (the default): the first 16 bytes of
-// SHA-256(uvarint(len(name)) || name || key). The library computes it on
-// every check; the raw path has it computed ahead.
-func hashedKey(name, key string) []byte {
-	h := sha256.New()
-	var n [binary.MaxVarintLen64]byte
-	h.Write(n[:binary.PutUvarint(n[:], uint64(len(name)))])
-	h.Write([]byte(name))
-	h.Write([]byte(key))
-	return h.Sum(nil)[:16]
 }
 
 // raw returns the raw path: the generated statement, with the parameters the

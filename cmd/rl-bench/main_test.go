@@ -146,13 +146,3 @@ func TestBenchUnreachableDatabase(t *testing.T) {
 		t.Errorf("exit %d, stderr %q; want exit 1 with an explanation", code, stderr)
 	}
 }
-
-func TestHashedKeyMatchesLibrary(t *testing.T) {
-	// A property the raw path depends on, checked against the database in
-	// TestBenchJSONReport; here, that it is a stable 16-byte digest scoped
-	// by the name.
-	a, b := hashedKey("n", "k"), hashedKey("n", "k")
-	if len(a) != 16 || !bytes.Equal(a, b) || bytes.Equal(a, hashedKey("m", "k")) || bytes.Equal(hashedKey("ab", "c"), hashedKey("a", "bc")) {
-		t.Errorf("hashedKey is not a stable name-scoped 16-byte digest")
-	}
-}
