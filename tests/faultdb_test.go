@@ -5,13 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"net"
 	"os"
 	"os/exec"
 	"os/user"
 	"path/filepath"
-	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,8 +20,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/ratelimit"
-	"github.com/pgrl/pgrl/sql/schema"
 )
 
 // This file holds the fault-injection helpers: a throwaway PostgreSQL
@@ -214,26 +212,7 @@ func migrateURL(t testing.TB, url string) {
 		t.Fatalf("connect %s: %v", url, err)
 	}
 	defer conn.Close(ctx)
-	names, err := fs.Glob(schema.FS, "*.up.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sort.Strings(names)
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback(ctx) }()
-	for _, n := range names {
-		body, err := fs.ReadFile(schema.FS, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tx.Exec(ctx, string(body)); err != nil {
-			t.Fatalf("apply %s: %v", n, err)
-		}
-	}
-	if err := tx.Commit(ctx); err != nil {
+	if err := dbtest.Apply(ctx, conn, ""); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -101,37 +101,46 @@ func NewSchema(t testing.TB) string {
 // It does not record versions: tests of the migration tool use that tool.
 func Migrate(t testing.TB, schemaName string) {
 	t.Helper()
-	names, err := fs.Glob(schema.FS, "*.up.sql")
-	if err != nil {
-		t.Fatal(err)
-	}
-	sort.Strings(names)
 	ctx := context.Background()
 	conn, err := Admin(t).Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer conn.Release()
-	tx, err := conn.Begin(ctx)
-	if err != nil {
+	if err := Apply(ctx, conn.Conn(), schemaName); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// Apply runs every embedded up migration, in order, in one transaction on
+// conn: inside schemaName, or in the connection's default schema when
+// schemaName is empty. It records no version.
+func Apply(ctx context.Context, conn *pgx.Conn, schemaName string) error {
+	names, err := fs.Glob(schema.FS, "*.up.sql")
+	if err != nil {
+		return err
+	}
+	sort.Strings(names)
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		return err
+	}
 	defer func() { _ = tx.Rollback(ctx) }()
-	if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
-		t.Fatal(err)
+	if schemaName != "" {
+		if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+			return err
+		}
 	}
 	for _, n := range names {
 		body, err := fs.ReadFile(schema.FS, n)
 		if err != nil {
-			t.Fatal(err)
+			return err
 		}
 		if _, err := tx.Exec(ctx, string(body)); err != nil {
-			t.Fatalf("apply %s: %v", n, err)
+			return fmt.Errorf("apply %s: %w", n, err)
 		}
 	}
-	if err := tx.Commit(ctx); err != nil {
-		t.Fatal(err)
-	}
+	return tx.Commit(ctx)
 }
 
 // Option adjusts the pool configuration that Pool builds.
