@@ -33,8 +33,8 @@ type coalescer struct {
 
 	mu       sync.Mutex
 	inFlight int
-	busy     map[string]int // checks in flight, per key
-	queued   map[string]int // checks in pending, per key
+	busy     map[string]int // checks in flight, per stored key
+	queued   map[string]int // checks in pending, per stored key
 	progress time.Time      // when a round trip last started or ended
 	pending  []*pendingCheck
 }
@@ -48,8 +48,9 @@ const maxQueueWait = 5 * time.Millisecond
 // pendingCheck is one check waiting for, or riding, a round trip.
 type pendingCheck struct {
 	ctx  context.Context
-	key  string
-	skey []byte
+	key  string // the caller's key, for the deny cache
+	skey []byte // the stored key, sent to the database
+	id   string // string(skey): the check's key in the coalescer's maps
 	cost int64
 	lead chan []*pendingCheck // receives a batch this check must send
 	done chan struct{}        // closed when d and err are set
@@ -63,22 +64,24 @@ func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
 
 // take decides one check, alone or in a batch.
 func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, error) {
-	r := &pendingCheck{ctx: ctx, key: key, cost: n, lead: make(chan []*pendingCheck, 1), done: make(chan struct{})}
+	skey := c.l.key(key)
+	r := &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: n,
+		lead: make(chan []*pendingCheck, 1), done: make(chan struct{})}
+	id := r.id
 	c.mu.Lock()
 	// Go out at once when a round trip is free, or when the key is hot (in
 	// flight, with a check already queued): the statement then waits on
 	// the row lock inside PostgreSQL, as it would uncoalesced.
-	if (c.inFlight < c.maxInFlight && c.busy[key] == 0) || (c.busy[key] > 0 && c.queued[key] > 0) {
+	if (c.inFlight < c.maxInFlight && c.busy[id] == 0) || (c.busy[id] > 0 && c.queued[id] > 0) {
 		c.inFlight++
-		c.busy[key]++
+		c.busy[id]++
 		c.progress = time.Now()
 		c.mu.Unlock()
 		c.lead([]*pendingCheck{r})
 		return r.d, r.err
 	}
-	r.skey = c.l.key(key)
 	c.pending = append(c.pending, r)
-	c.queued[key]++
+	c.queued[id]++
 	c.mu.Unlock()
 
 	// The queue moves whenever a round trip ends. If none has ended (or
@@ -115,7 +118,7 @@ func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, er
 		withdrawn := c.withdraw(r)
 		if withdrawn {
 			c.inFlight++
-			c.busy[key]++
+			c.busy[id]++
 			c.progress = time.Now()
 		}
 		c.mu.Unlock()
@@ -143,17 +146,17 @@ func (c *coalescer) withdraw(r *pendingCheck) bool {
 	for i, p := range c.pending {
 		if p == r {
 			c.pending = append(c.pending[:i], c.pending[i+1:]...)
-			c.unqueue(r.key)
+			c.unqueue(r.id)
 			return true
 		}
 	}
 	return false
 }
 
-// unqueue counts one check of key out of the queue. The caller holds c.mu.
-func (c *coalescer) unqueue(key string) {
-	if c.queued[key]--; c.queued[key] <= 0 {
-		delete(c.queued, key)
+// unqueue counts one check of the key id out of the queue. The caller holds c.mu.
+func (c *coalescer) unqueue(id string) {
+	if c.queued[id]--; c.queued[id] <= 0 {
+		delete(c.queued, id)
 	}
 }
 
@@ -163,8 +166,8 @@ func (c *coalescer) lead(batch []*pendingCheck) {
 	c.mu.Lock()
 	c.progress = time.Now()
 	for _, r := range batch {
-		if c.busy[r.key]--; c.busy[r.key] <= 0 {
-			delete(c.busy, r.key)
+		if c.busy[r.id]--; c.busy[r.id] <= 0 {
+			delete(c.busy, r.id)
 		}
 	}
 	next, solos := c.nextBatch()
@@ -201,7 +204,7 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 	kept := map[string]bool{}
 	rest := c.pending[:0]
 	for _, p := range c.pending {
-		c.unqueue(p.key)
+		c.unqueue(p.id)
 		if deny != nil {
 			if d, ok := deny.get(p.key, p.cost, now); ok {
 				p.d = d
@@ -210,30 +213,30 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 			}
 		}
 		switch {
-		case taken[p.key]:
+		case taken[p.id]:
 			// A second check of a key in this batch: it queues on the
 			// row lock right behind it.
 			solos = append(solos, p)
-		case c.busy[p.key] > 0 && !kept[p.key]:
+		case c.busy[p.id] > 0 && !kept[p.id]:
 			// Its key is in flight: the first such check waits for the
 			// next batch, where it costs no statement of its own.
-			kept[p.key] = true
+			kept[p.id] = true
 			rest = append(rest, p)
-			c.queued[p.key]++
+			c.queued[p.id]++
 			continue
-		case c.busy[p.key] > 0:
+		case c.busy[p.id] > 0:
 			// A hot key: further checks go out alone and queue on the
 			// row lock, as they would uncoalesced.
 			solos = append(solos, p)
 		case len(batch) < c.maxBatch:
-			taken[p.key] = true
+			taken[p.id] = true
 			batch = append(batch, p)
 		default:
 			rest = append(rest, p)
-			c.queued[p.key]++
+			c.queued[p.id]++
 			continue
 		}
-		c.busy[p.key]++
+		c.busy[p.id]++
 	}
 	clear(c.pending[len(rest):])
 	c.pending = rest
@@ -256,7 +259,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	sent := l.localNow()
 	if len(batch) == 1 {
 		r := batch[0]
-		r.d, r.err = l.take(ctx, l.db, r.key, r.cost)
+		r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.cost)
 		c.remember(r, sent)
 		close(r.done)
 		return
@@ -268,7 +271,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		// The statement failed as a whole: decide each check on its own so
 		// that every error reaches the check it belongs to.
 		for _, r := range batch {
-			r.d, r.err = l.take(ctx, l.db, r.key, r.cost)
+			r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.cost)
 		}
 		err = nil
 	}
@@ -296,11 +299,8 @@ func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
 	keys := make([][]byte, len(batch))
 	byKey := make(map[string]*pendingCheck, len(batch))
 	for i, r := range batch {
-		if r.skey == nil {
-			r.skey = l.key(r.key)
-		}
 		keys[i] = r.skey
-		byKey[string(r.skey)] = r
+		byKey[r.id] = r
 	}
 	missing := func(k []byte) (*pendingCheck, error) {
 		r := byKey[string(k)]

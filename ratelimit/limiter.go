@@ -64,8 +64,9 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	}
 	if !cfg.DisableCoalescing {
 		// Only a pool can run several round trips at once; a *pgx.Conn or
-		// a pgx.Tx serves one statement at a time.
-		if _, isPool := db.(*pgxpool.Pool); isPool {
+		// a pgx.Tx serves one statement at a time. A spread limit's rows
+		// coalesce on their own.
+		if _, isPool := db.(*pgxpool.Pool); isPool && cfg.Spread <= 1 {
 			l.coalescer = newCoalescer(l, cfg.MaxBatch, cfg.MaxInFlight)
 		}
 	}
@@ -306,7 +307,11 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decisio
 		d, err := l.pickShard(n).take(ctx, db, key, n)
 		return l.spreadDecision(d), err
 	}
-	k := l.key(key)
+	return l.takeKey(ctx, db, l.key(key), n)
+}
+
+// takeKey is take for a key already in its stored form.
+func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decision, error) {
 	switch l.cfg.Algorithm {
 	case TokenBucket:
 		r, err := l.q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
