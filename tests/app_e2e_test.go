@@ -9,9 +9,7 @@ import (
 	"net/http"
 	"net/url"
 	"os/exec"
-	"path/filepath"
 	"regexp"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,21 +37,6 @@ func (p *appProcess) log() string {
 }
 
 var appListening = regexp.MustCompile(`msg=listening addr=(\S+)`)
-
-// appBuild compiles examples/app once for the test.
-func appBuild(t *testing.T) string {
-	t.Helper()
-	goCmd, err := exec.LookPath("go")
-	if err != nil {
-		goCmd = filepath.Join(runtime.GOROOT(), "bin", "go")
-	}
-	bin := filepath.Join(t.TempDir(), "app")
-	out, err := exec.Command(goCmd, "build", "-o", bin, "github.com/pgrl/pgrl/examples/app").CombinedOutput()
-	if err != nil {
-		t.Fatalf("build examples/app: %v\n%s", err, out)
-	}
-	return bin
-}
 
 // appStart starts the app on a free port and waits until it listens. The
 // process is killed if the test ends without stopping it. It may run on any
@@ -167,7 +150,7 @@ func appDo(t *testing.T, client *http.Client, req *http.Request) appResponse {
 // the processes, get five 200s and then a 429 whose headers agree with each
 // other and with the login policy. Both processes then stop cleanly.
 func TestAppLoginLimitSharedByTwoProcesses(t *testing.T) {
-	bin := appBuild(t)
+	bin := buildCommand(t, "github.com/pgrl/pgrl/examples/app")
 	dbURL := dbtest.URLWithSchema(dbtest.NewSchema(t))
 
 	// Start both at once: they race to migrate the empty schema.

@@ -10,8 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"os/exec"
-	"path/filepath"
-	"runtime"
 	"testing"
 	"time"
 
@@ -40,23 +38,6 @@ type multiprocessDemoResult struct {
 	Key                string `json:"key"`
 	PostgresAdmitted   *int   `json:"postgres_admitted"`
 	PostgresPerProcess []int  `json:"postgres_per_process"`
-}
-
-// multiprocessBuildDemo compiles examples/multiinstance once for the test and
-// returns the binary's path. The demo spawns copies of itself, one per
-// process, and releases them together through a start barrier.
-func multiprocessBuildDemo(t *testing.T) string {
-	t.Helper()
-	goCmd, err := exec.LookPath("go")
-	if err != nil {
-		goCmd = filepath.Join(runtime.GOROOT(), "bin", "go")
-	}
-	bin := filepath.Join(t.TempDir(), "multiinstance")
-	out, err := exec.Command(goCmd, "build", "-o", bin, "github.com/pgrl/pgrl/examples/multiinstance").CombinedOutput()
-	if err != nil {
-		t.Fatalf("build examples/multiinstance: %v\n%s", err, out)
-	}
-	return bin
 }
 
 // multiprocessRun runs one trial: the demo's PostgreSQL round only, on key.
@@ -116,7 +97,7 @@ func multiprocessHashedKey(name, key string) []byte {
 // key with a limit of 20 admit exactly 20 in total, in each of 20 trials, for
 // every algorithm (the token bucket with capacity 20 and negligible refill).
 func TestMultiprocessExactlyTheLimit(t *testing.T) {
-	bin := multiprocessBuildDemo(t)
+	bin := buildCommand(t, "github.com/pgrl/pgrl/examples/multiinstance")
 	// An empty schema: the first trial migrates it, as the demo does.
 	url := dbtest.URLWithSchema(dbtest.NewSchema(t))
 	for _, a := range ratelimit.Algorithms {
@@ -136,7 +117,7 @@ func TestMultiprocessExactlyTheLimit(t *testing.T) {
 // experiment still admits exactly 20, and the fixed-window counter row reads
 // exactly 200 afterwards: not one of the concurrent increments was lost.
 func TestMultiprocessPenaltyCountsEveryAttempt(t *testing.T) {
-	bin := multiprocessBuildDemo(t)
+	bin := buildCommand(t, "github.com/pgrl/pgrl/examples/multiinstance")
 	schema := dbtest.NewSchema(t)
 	url := dbtest.URLWithSchema(schema)
 	pool := dbtest.PoolOn(t, schema)
