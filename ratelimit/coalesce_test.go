@@ -6,9 +6,12 @@ import (
 	"math/rand/v2"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -171,4 +174,54 @@ func TestCoalescingCancellation(t *testing.T) {
 	d, err = l.Allow(ctx, "other")
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
+}
+
+// tracedDB stands for a DB of an application's own that wraps a pool (to
+// trace or count statements): the limiter must still coalesce on it.
+type tracedDB struct {
+	*pgxpool.Pool
+	statements atomic.Int64
+}
+
+func (d *tracedDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	d.statements.Add(1)
+	return d.Pool.Query(ctx, sql, args...)
+}
+
+func (d *tracedDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	d.statements.Add(1)
+	return d.Pool.QueryRow(ctx, sql, args...)
+}
+
+// TestCoalescingOnWrappedPool checks that a pool behind a wrapper of the
+// application's still coalesces, and that a single connection does not.
+func TestCoalescingOnWrappedPool(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
+	ctx := context.Background()
+	db := &tracedDB{Pool: pool}
+	l := newLimiter(t, db, ratelimit.Config{Name: "wrapped", Limit: 1_000_000, Window: time.Hour})
+	var wg sync.WaitGroup
+	for g := range 32 {
+		wg.Go(func() {
+			for i := range 50 {
+				if _, err := l.Allow(ctx, fmt.Sprintf("k%d-%d", g, i)); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	batched := ratelimit.BatchedChecks(l)
+	t.Logf("%d statements for %d checks, %d of them coalesced", db.statements.Load(), 32*50, batched)
+	require.Positive(t, batched, "32 concurrent callers on a wrapped pool must coalesce")
+	require.Less(t, db.statements.Load(), int64(32*50))
+
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	single := newLimiter(t, conn.Conn(), ratelimit.Config{Name: "wrapped", Limit: 1_000_000, Window: time.Hour})
+	require.False(t, ratelimit.Coalesces(single), "a limiter on a *pgx.Conn must not coalesce")
+	require.True(t, ratelimit.Coalesces(l))
 }

@@ -185,8 +185,10 @@ type Config struct {
 	// trips are already running wait and go out together, one statement
 	// for up to MaxBatch of them, decided exactly as if one after another;
 	// a check that finds the way clear goes out at once, alone, so a lone
-	// caller's latency does not change. Only a limiter on a *pgxpool.Pool
-	// coalesces. Defaults to false (coalescing on).
+	// caller's latency does not change. A limiter on a *pgx.Conn or a
+	// pgx.Tx never coalesces; one on a pool, or on a DB of your own that
+	// wraps a pool, does. Set DisableCoalescing for a DB of your own that
+	// wraps a single connection. Defaults to false (coalescing on).
 	DisableCoalescing bool
 
 	// MaxBatch caps the checks that one coalesced statement decides.

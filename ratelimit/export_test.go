@@ -8,3 +8,6 @@ func BatchedChecks(l *Limiter) uint64 {
 	}
 	return l.coalescer.batched.Load()
 }
+
+// Coalesces reports whether l coalesces concurrent checks.
+func Coalesces(l *Limiter) bool { return l.coalescer != nil }

@@ -63,10 +63,11 @@ func New(db DB, cfg Config) (*Limiter, error) {
 		l.deny = newDenyCache(cfg.DenyCacheSize)
 	}
 	if !cfg.DisableCoalescing {
-		// Only a pool can run several round trips at once; a *pgx.Conn or
-		// a pgx.Tx serves one statement at a time. A spread limit's rows
-		// coalesce on their own.
-		if _, isPool := db.(*pgxpool.Pool); isPool && cfg.Spread <= 1 {
+		// A *pgx.Conn or a pgx.Tx serves one statement at a time; anything
+		// else (a pool, or a wrapper around one that traces or counts
+		// statements) can run several round trips at once. A spread
+		// limit's rows coalesce on their own.
+		if !singleConn(db) && cfg.Spread <= 1 {
 			l.coalescer = newCoalescer(l, cfg.MaxBatch, cfg.MaxInFlight)
 		}
 	}
@@ -102,6 +103,16 @@ func isNil(db DB) bool {
 		return v == nil
 	case *pgx.Conn:
 		return v == nil
+	}
+	return false
+}
+
+// singleConn reports whether db is one connection, which cannot run two
+// statements at once.
+func singleConn(db DB) bool {
+	switch db.(type) {
+	case *pgx.Conn, pgx.Tx:
+		return true
 	}
 	return false
 }
