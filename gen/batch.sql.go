@@ -16,32 +16,29 @@ WITH p AS (
            timestamptz 'epoch' + ((now_us - now_us % window_us) + window_us) * interval '1 microsecond' AS expires_at,
            max_count, penalty
       FROM (SELECT ts, (extract(epoch FROM ts) * 1000000)::bigint AS now_us, window_us, max_count, penalty
-              FROM (SELECT coalesce($3::timestamptz, now()) AS ts,
-                           $4::bigint AS window_us,
-                           $5::bigint AS max_count,
-                           $6::boolean AS penalty) AS c) AS n
+              FROM (SELECT coalesce($5::timestamptz, now()) AS ts,
+                           $6::bigint AS window_us,
+                           $3::bigint AS max_count,
+                           $4::boolean AS penalty) AS c) AS n
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT ($1::bytea[])[i], p.expires_at, ($2::bigint[])[i], ($2::bigint[])[i] <= p.max_count
   FROM p, generate_subscripts($1::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET (count, allowed) = (
-       SELECT CASE WHEN t.count + excluded.count <= p.max_count OR p.penalty
-                   THEN t.count + excluded.count ELSE t.count END,
-              t.count + excluded.count <= p.max_count
-         FROM p
-   )
+   SET count = CASE WHEN t.count + excluded.count <= $3::bigint OR $4::boolean
+                    THEN t.count + excluded.count ELSE t.count END,
+       allowed = t.count + excluded.count <= $3::bigint
 RETURNING key, count, expires_at, allowed, (SELECT ts FROM p)::timestamptz AS now
 `
 
 type FixedWindowTakeManyParams struct {
 	Keys     [][]byte
 	Costs    []int64
-	At       *time.Time
-	WindowUs int64
 	MaxCount int64
 	Penalty  bool
+	At       *time.Time
+	WindowUs int64
 }
 
 type FixedWindowTakeManyRow struct {
@@ -64,10 +61,10 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 	rows, err := db.Query(ctx, fixedWindowTakeMany,
 		arg.Keys,
 		arg.Costs,
-		arg.At,
-		arg.WindowUs,
 		arg.MaxCount,
 		arg.Penalty,
+		arg.At,
+		arg.WindowUs,
 	)
 	if err != nil {
 		return nil, err
@@ -198,10 +195,9 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 
 const tokenBucketTakeMany = `-- name: TokenBucketTakeMany :many
 WITH p AS (
-    SELECT coalesce($3::timestamptz, now()) AS ts,
-           $4::float8 AS capacity,
-           $5::float8 AS refill_per_us,
-           $6::boolean AS penalty
+    SELECT coalesce($6::timestamptz, now()) AS ts,
+           $3::float8 AS capacity,
+           $4::float8 AS refill_per_us
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
 SELECT ($1::bytea[])[i],
@@ -212,51 +208,45 @@ SELECT ($1::bytea[])[i],
   FROM p, generate_subscripts($1::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET (tokens, updated_at, full_at, allowed) = (
-       SELECT s.tokens,
-              s.at,
-              s.at + ((s.capacity - s.tokens) / s.refill_per_us) * interval '1 microsecond',
-              s.allowed
-         FROM (
-             SELECT CASE WHEN a.avail >= a.cost THEN a.avail - a.cost
-                         WHEN a.penalty THEN greatest(a.avail - a.cost, 0 - a.capacity)
-                         ELSE a.avail END AS tokens,
-                    a.avail >= a.cost AS allowed,
-                    a.at, a.capacity, a.refill_per_us
-               FROM (
-                   SELECT least(p.capacity,
-                                t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
-                                           * p.refill_per_us) AS avail,
-                          greatest(t.updated_at, p.ts) AS at,
-                          p.capacity - excluded.tokens AS cost,
-                          p.capacity, p.refill_per_us, p.penalty
-                     FROM p
-               ) AS a
-         ) AS s
-   )
+   SET tokens = CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
+                     THEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens)
+                     WHEN $5::boolean
+                     THEN greatest(least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens), 0 - $3::float8)
+                     ELSE least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) END,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(t.updated_at, excluded.updated_at)
+                 + (($3::float8 - CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
+                         THEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens)
+                         WHEN $5::boolean
+                         THEN greatest(least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens), 0 - $3::float8)
+                         ELSE least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) END) / $4::float8) * interval '1 microsecond',
+       allowed = least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
 RETURNING key, tokens, updated_at, full_at, allowed
 `
 
 type TokenBucketTakeManyParams struct {
 	Keys        [][]byte
 	Costs       []float64
-	At          *time.Time
 	Capacity    float64
 	RefillPerUs float64
 	Penalty     bool
+	At          *time.Time
 }
 
 // TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
-// rules of FixedWindowTakeMany; the cost comes back as capacity minus the
-// proposed balance (exact for integer costs).
+// rules of FixedWindowTakeMany. The update arm reads the check's instant
+// from the proposed row's updated_at and its cost as capacity minus the
+// proposed balance (exact for integer costs). It spells the refilled
+// balance out where it needs it, rather than in a subquery, because a
+// subquery there runs once per row and costs more than the arithmetic.
 func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]PgrlTokenBucket, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeMany,
 		arg.Keys,
 		arg.Costs,
-		arg.At,
 		arg.Capacity,
 		arg.RefillPerUs,
 		arg.Penalty,
+		arg.At,
 	)
 	if err != nil {
 		return nil, err

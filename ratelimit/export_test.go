@@ -1,5 +1,7 @@
 package ratelimit
 
+import "context"
+
 // BatchedChecks reports how many of l's checks were decided in coalesced
 // statements of two or more checks.
 func BatchedChecks(l *Limiter) uint64 {
@@ -11,3 +13,21 @@ func BatchedChecks(l *Limiter) uint64 {
 
 // Coalesces reports whether l coalesces concurrent checks.
 func Coalesces(l *Limiter) bool { return l.coalescer != nil }
+
+// TakeMany decides checks of distinct keys in one batched statement, as the
+// coalescer does, and returns their decisions in order.
+func TakeMany(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]Decision, error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		skey := l.key(key)
+		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: costs[i]}
+	}
+	if err := newCoalescer(l, len(keys), 1).takeMany(ctx, batch); err != nil {
+		return nil, err
+	}
+	ds := make([]Decision, len(batch))
+	for i, r := range batch {
+		ds[i] = r.d
+	}
+	return ds, nil
+}

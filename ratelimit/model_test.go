@@ -222,6 +222,72 @@ func replay(t *testing.T, db ratelimit.DB, alg ratelimit.Algorithm, penalty bool
 	}
 }
 
+// TestBatchMatchesModel drives the batched statements that coalesced checks
+// share (one statement for several distinct keys) through random sequences
+// with the clock pinned, refill and window changes included, and compares
+// every decision with the reference model.
+func TestBatchMatchesModel(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		for _, penalty := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/penalty=%v", alg, penalty), func(t *testing.T) {
+				rng := rand.New(rand.NewPCG(uint64(len(alg)), uint64(b2u(penalty))))
+				window := 7 * time.Second
+				cfg := ratelimit.Config{Name: fmt.Sprintf("batch-model-%s-%v", alg, penalty), Algorithm: alg,
+					Limit: 6, Window: window, Penalty: penalty, DenyCacheSize: -1}
+				if alg == ratelimit.TokenBucket {
+					cfg.Burst = 9
+				}
+				now := base.Add(time.Duration(rng.IntN(1e6)) * time.Microsecond)
+				cfg.Now = func() time.Time { return now }
+				l, err := ratelimit.New(pool, cfg)
+				require.NoError(t, err)
+				m := newModel(cfg)
+				keys := []string{"a", "b", "c", "d", "e"}
+				for i := range 200 {
+					// Mostly no time at all, so that balances run out and
+					// land exactly on a cost; now and then a refill or a
+					// new window.
+					var step time.Duration
+					switch rng.IntN(6) {
+					case 0:
+						step = time.Duration(rng.Int64N(window.Microseconds()*2/5)) * time.Microsecond
+					case 1:
+						step = time.Duration(rng.Int64N(window.Microseconds()/20)) * time.Microsecond
+					}
+					now = now.Add(step)
+					picked := rng.Perm(len(keys))[:1+rng.IntN(len(keys))]
+					batch := make([]string, len(picked))
+					costs := make([]int64, len(picked))
+					for j, k := range picked {
+						batch[j] = keys[k]
+						costs[j] = 1 + rng.Int64N(4)
+					}
+					ds, err := ratelimit.TakeMany(ctx, l, batch, costs)
+					require.NoError(t, err)
+					for j, d := range ds {
+						wantAllowed, wantRemaining := m.take(batch[j], costs[j], now.UnixMicro())
+						require.Equal(t, wantAllowed, d.Allowed, "step %d key %s cost %d", i, batch[j], costs[j])
+						require.Equal(t, wantRemaining, d.Remaining, "step %d key %s remaining", i, batch[j])
+						if !d.Allowed {
+							require.Positive(t, d.RetryAfter, "step %d: a denial says when to retry", i)
+						}
+					}
+				}
+			})
+		}
+	}
+}
+
+func b2u(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
 // TestRetryAfterIsHonest checks for every algorithm that a denied check
 // retried exactly RetryAfter later is admitted, and retried a microsecond
 // earlier is not.

@@ -22,23 +22,22 @@ SELECT (sqlc.arg(keys)::bytea[])[i], p.expires_at, (sqlc.arg(costs)::bigint[])[i
   FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET (count, allowed) = (
-       SELECT CASE WHEN t.count + excluded.count <= p.max_count OR p.penalty
-                   THEN t.count + excluded.count ELSE t.count END,
-              t.count + excluded.count <= p.max_count
-         FROM p
-   )
+   SET count = CASE WHEN t.count + excluded.count <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
+                    THEN t.count + excluded.count ELSE t.count END,
+       allowed = t.count + excluded.count <= sqlc.arg(max_count)::bigint
 RETURNING key, count, expires_at, allowed, (SELECT ts FROM p)::timestamptz AS now;
 
 -- name: TokenBucketTakeMany :many
 -- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
--- rules of FixedWindowTakeMany; the cost comes back as capacity minus the
--- proposed balance (exact for integer costs).
+-- rules of FixedWindowTakeMany. The update arm reads the check's instant
+-- from the proposed row's updated_at and its cost as capacity minus the
+-- proposed balance (exact for integer costs). It spells the refilled
+-- balance out where it needs it, rather than in a subquery, because a
+-- subquery there runs once per row and costs more than the arithmetic.
 WITH p AS (
     SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
            sqlc.arg(capacity)::float8 AS capacity,
-           sqlc.arg(refill_per_us)::float8 AS refill_per_us,
-           sqlc.arg(penalty)::boolean AS penalty
+           sqlc.arg(refill_per_us)::float8 AS refill_per_us
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
 SELECT (sqlc.arg(keys)::bytea[])[i],
@@ -49,28 +48,19 @@ SELECT (sqlc.arg(keys)::bytea[])[i],
   FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET (tokens, updated_at, full_at, allowed) = (
-       SELECT s.tokens,
-              s.at,
-              s.at + ((s.capacity - s.tokens) / s.refill_per_us) * interval '1 microsecond',
-              s.allowed
-         FROM (
-             SELECT CASE WHEN a.avail >= a.cost THEN a.avail - a.cost
-                         WHEN a.penalty THEN greatest(a.avail - a.cost, 0 - a.capacity)
-                         ELSE a.avail END AS tokens,
-                    a.avail >= a.cost AS allowed,
-                    a.at, a.capacity, a.refill_per_us
-               FROM (
-                   SELECT least(p.capacity,
-                                t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
-                                           * p.refill_per_us) AS avail,
-                          greatest(t.updated_at, p.ts) AS at,
-                          p.capacity - excluded.tokens AS cost,
-                          p.capacity, p.refill_per_us, p.penalty
-                     FROM p
-               ) AS a
-         ) AS s
-   )
+   SET tokens = CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
+                     THEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens)
+                     WHEN sqlc.arg(penalty)::boolean
+                     THEN greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens), 0 - sqlc.arg(capacity)::float8)
+                     ELSE least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) END,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(t.updated_at, excluded.updated_at)
+                 + ((sqlc.arg(capacity)::float8 - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
+                         THEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens)
+                         WHEN sqlc.arg(penalty)::boolean
+                         THEN greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens), 0 - sqlc.arg(capacity)::float8)
+                         ELSE least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) END) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
+       allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
 RETURNING key, tokens, updated_at, full_at, allowed;
 
 -- name: SlidingWindowTakeMany :many
