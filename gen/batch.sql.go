@@ -97,8 +97,8 @@ WITH p AS (
            n.window_us, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.max_count, c.penalty
-              FROM (SELECT coalesce($3::timestamptz, now()) AS ts,
-                           $4::bigint AS window_us,
+              FROM (SELECT coalesce($4::timestamptz, now()) AS ts,
+                           $3::bigint AS window_us,
                            $5::bigint AS max_count,
                            $6::boolean AS penalty) AS c) AS n
 )
@@ -112,38 +112,29 @@ SELECT ($1::bytea[])[i],
   FROM p, generate_subscripts($1::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed) = (
-       SELECT r.ws,
-              CASE WHEN r.ok OR r.penalty THEN r.c + r.cost ELSE r.c END,
-              r.p,
-              r.ws + 2 * r.window_us * interval '1 microsecond',
-              r.ok
-         FROM (
-             SELECT v.ws, v.c, v.p, v.cost, v.penalty, v.window_us,
-                    v.p::numeric * (v.window_us - v.e) + (v.c + v.cost)::numeric * v.window_us
-                      <= v.max_count::numeric * v.window_us AS ok
-               FROM (
-                   SELECT greatest(t.window_start, p.window_start) AS ws,
-                          CASE WHEN t.window_start >= p.window_start THEN t.count ELSE 0 END AS c,
-                          CASE WHEN t.window_start >= p.window_start THEN t.prev_count
-                               WHEN t.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN t.count
-                               ELSE 0 END AS p,
-                          least(greatest(p.now_us - (extract(epoch FROM greatest(t.window_start, p.window_start)) * 1000000)::bigint, 0),
-                                p.window_us) AS e,
-                          excluded.count AS cost,
-                          p.max_count, p.penalty, p.window_us
-                     FROM p
-               ) AS v
-         ) AS r
-   )
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
+                          * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
+                        + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
+                        <= $5::bigint::numeric * $3::bigint
+                      OR $6::boolean
+                    THEN (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count
+                    ELSE CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END END,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count
+                         WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       expires_at = greatest(t.window_start, excluded.window_start) + 2 * $3::bigint * interval '1 microsecond',
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
+                   * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
+                 <= $5::bigint::numeric * $3::bigint
 RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now
 `
 
 type SlidingWindowTakeManyParams struct {
 	Keys     [][]byte
 	Costs    []int64
-	At       *time.Time
 	WindowUs int64
+	At       *time.Time
 	MaxCount int64
 	Penalty  bool
 }
@@ -158,13 +149,16 @@ type SlidingWindowTakeManyRow struct {
 }
 
 // SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
-// the rules of FixedWindowTakeMany.
+// the rules of FixedWindowTakeMany. The update arm reads the current
+// window's start from the proposed row's window_start and the cost from its
+// count, and spells the rolled-forward counts out where it needs them, as
+// TokenBucketTakeMany does.
 func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
 	rows, err := db.Query(ctx, slidingWindowTakeMany,
 		arg.Keys,
 		arg.Costs,
-		arg.At,
 		arg.WindowUs,
+		arg.At,
 		arg.MaxCount,
 		arg.Penalty,
 	)

@@ -65,7 +65,10 @@ RETURNING key, tokens, updated_at, full_at, allowed;
 
 -- name: SlidingWindowTakeMany :many
 -- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
--- the rules of FixedWindowTakeMany.
+-- the rules of FixedWindowTakeMany. The update arm reads the current
+-- window's start from the proposed row's window_start and the cost from its
+-- count, and spells the rolled-forward counts out where it needs them, as
+-- TokenBucketTakeMany does.
 WITH p AS (
     SELECT n.ts, n.now_us,
            timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
@@ -87,28 +90,19 @@ SELECT (sqlc.arg(keys)::bytea[])[i],
   FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed) = (
-       SELECT r.ws,
-              CASE WHEN r.ok OR r.penalty THEN r.c + r.cost ELSE r.c END,
-              r.p,
-              r.ws + 2 * r.window_us * interval '1 microsecond',
-              r.ok
-         FROM (
-             SELECT v.ws, v.c, v.p, v.cost, v.penalty, v.window_us,
-                    v.p::numeric * (v.window_us - v.e) + (v.c + v.cost)::numeric * v.window_us
-                      <= v.max_count::numeric * v.window_us AS ok
-               FROM (
-                   SELECT greatest(t.window_start, p.window_start) AS ws,
-                          CASE WHEN t.window_start >= p.window_start THEN t.count ELSE 0 END AS c,
-                          CASE WHEN t.window_start >= p.window_start THEN t.prev_count
-                               WHEN t.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN t.count
-                               ELSE 0 END AS p,
-                          least(greatest(p.now_us - (extract(epoch FROM greatest(t.window_start, p.window_start)) * 1000000)::bigint, 0),
-                                p.window_us) AS e,
-                          excluded.count AS cost,
-                          p.max_count, p.penalty, p.window_us
-                     FROM p
-               ) AS v
-         ) AS r
-   )
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
+                          * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                        + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
+                        <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
+                      OR sqlc.arg(penalty)::boolean
+                    THEN (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count
+                    ELSE CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END END,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count
+                         WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       expires_at = greatest(t.window_start, excluded.window_start) + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
+                   * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
+                 <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
 RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;
