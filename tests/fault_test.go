@@ -188,7 +188,8 @@ func settle(cond func() bool) bool {
 // -m fast) in the middle of 8 goroutines' load and starts it again, once per
 // failure policy. Every check answers within Timeout + 10 ms with its
 // policy's answer and no error; after the restart PostgreSQL answers again
-// within 2 s; goroutines and pool connections return to their baseline.
+// within 2 s; goroutines return to their baseline and no connection is
+// held or left open outside the pool.
 func TestFaultServerStoppedDuringLoad(t *testing.T) {
 	c := newCluster(t)
 	const timeout = 100 * time.Millisecond
@@ -251,19 +252,27 @@ func TestFaultServerStoppedDuringLoad(t *testing.T) {
 			require.Equal(t, 1, strings.Count(out, "database unavailable"), "one outage log line:\n%s", out)
 			require.Equal(t, 1, strings.Count(out, "database answering again"), "one recovery log line:\n%s", out)
 
-			// Goroutines and connections back to their baseline.
+			// Goroutines back to their baseline, no connection held, and
+			// no connection left open on the server that the pool does not
+			// know of. (How many idle connections the pool keeps after a
+			// burst is the pool's business, not a leak.)
 			var g int
 			var conns, acquired int32
+			var server int64
 			back := settle(func() bool {
 				runtime.GC()
 				g = runtime.NumGoroutine()
 				s := pool.Stat()
 				conns, acquired = s.TotalConns(), s.AcquiredConns()
-				return g <= baseG+2 && conns <= baseConns && acquired == 0
+				if err := pool.QueryRow(context.Background(),
+					"SELECT count(*) FROM pg_stat_activity WHERE application_name = 'pgrl-fault-stop'").Scan(&server); err != nil {
+					return false
+				}
+				return g <= baseG+2 && acquired == 0 && server <= int64(pool.Stat().TotalConns())
 			})
-			t.Logf("%s: goroutines %d (baseline %d), pool connections %d (baseline %d), acquired %d, opened in all %d",
-				pc.name, g, baseG, conns, baseConns, acquired, pool.Stat().NewConnsCount())
-			require.True(t, back, "goroutines and pool connections return to their baseline")
+			t.Logf("%s: goroutines %d (baseline %d), pool connections %d (baseline %d), on the server %d, acquired %d, opened in all %d",
+				pc.name, g, baseG, conns, baseConns, server, acquired, pool.Stat().NewConnsCount())
+			require.True(t, back, "goroutines return to their baseline, and no connection is held or left open outside the pool")
 		})
 	}
 }
