@@ -38,10 +38,12 @@ type coalescer struct {
 	queued   map[string]int // checks in pending, per stored key
 	progress time.Time      // when a round trip last started or ended
 	pending  []*pendingCheck
+	watch    *time.Timer // runs unstick while the queue may be stuck
+	watching bool        // watch is armed
 }
 
 // maxQueueWait is how long the queue may go without a round trip starting
-// or ending before a queued check gives up waiting and goes out alone.
+// or ending before the queued checks give up waiting and go out alone.
 // Healthy round trips end well within it, so it only matters when every
 // round trip in flight is stuck.
 const maxQueueWait = 5 * time.Millisecond
@@ -53,10 +55,19 @@ type pendingCheck struct {
 	skey []byte // the stored key, sent to the database
 	id   string // string(skey): the check's key in the coalescer's maps
 	cost int64
-	lead chan []*pendingCheck // receives a batch this check must send
-	done chan struct{}        // closed when d and err are set
+	// wake tells a queued check, once, what comes next: a batch to send
+	// (the check is its first), or nil when d and err are set. Checks that
+	// go out at once have none.
+	wake chan []*pendingCheck
 	d    Decision
 	err  error
+}
+
+// finish tells r's caller that r.d and r.err are set.
+func (r *pendingCheck) finish() {
+	if r.wake != nil {
+		r.wake <- nil
+	}
 }
 
 func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
@@ -66,8 +77,7 @@ func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
 // take decides one check, alone or in a batch.
 func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, error) {
 	skey := c.l.key(key)
-	r := &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: n,
-		lead: make(chan []*pendingCheck, 1), done: make(chan struct{})}
+	r := &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: n}
 	id := r.id
 	c.mu.Lock()
 	// Go out at once when a round trip is free, or when the key is hot (in
@@ -81,63 +91,81 @@ func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, er
 		c.lead([]*pendingCheck{r})
 		return r.d, r.err
 	}
+	r.wake = make(chan []*pendingCheck, 1)
 	c.pending = append(c.pending, r)
 	c.queued[id]++
+	c.watchQueue()
 	c.mu.Unlock()
 
-	// The queue moves whenever a round trip ends. If none has ended (or
-	// started) for maxQueueWait, the round trips ahead are stuck (a row
-	// lock held by a transaction, a stalled connection): go out alone
-	// rather than queue behind them.
-	wait := time.NewTimer(maxQueueWait)
-	defer wait.Stop()
-	for {
-		select {
-		case <-r.done:
-			return r.d, r.err
-		case batch := <-r.lead:
+	select {
+	case batch := <-r.wake:
+		if batch != nil {
 			c.lead(batch)
-			return r.d, r.err
-		case <-ctx.Done():
-			c.mu.Lock()
-			withdrawn := c.withdraw(r)
-			c.mu.Unlock()
-			if !withdrawn {
-				// Already in a batch: the statement may count it. If this
-				// check was to lead the batch, lead it in the background.
-				go c.leadIfHanded(r)
-			}
-			return Decision{}, ctx.Err()
-		case <-wait.C:
 		}
+		return r.d, r.err
+	case <-ctx.Done():
 		c.mu.Lock()
-		if idle := time.Since(c.progress); idle < maxQueueWait {
-			c.mu.Unlock()
-			wait.Reset(maxQueueWait - idle)
-			continue
-		}
 		withdrawn := c.withdraw(r)
-		if withdrawn {
-			c.inFlight++
-			c.busy[id]++
-			c.progress = time.Now()
-		}
 		c.mu.Unlock()
-		if withdrawn {
-			c.lead([]*pendingCheck{r})
-			return r.d, r.err
+		if !withdrawn {
+			// Already in a batch: the statement may count it. If this
+			// check was to lead the batch, lead it in the background.
+			go c.leadIfHanded(r)
 		}
-		// Already taken into a batch: wait for it as above.
+		return Decision{}, ctx.Err()
 	}
 }
 
 // leadIfHanded leads the batch handed to r, if one is, for a check whose
 // caller has gone.
 func (c *coalescer) leadIfHanded(r *pendingCheck) {
-	select {
-	case batch := <-r.lead:
+	if batch := <-r.wake; batch != nil {
 		c.lead(batch)
-	case <-r.done:
+	}
+}
+
+// watchQueue makes sure unstick runs within maxQueueWait while checks are
+// queued. The caller holds c.mu.
+func (c *coalescer) watchQueue() {
+	if c.watching {
+		return
+	}
+	c.watching = true
+	if c.watch == nil {
+		c.watch = time.AfterFunc(maxQueueWait, c.unstick)
+	} else {
+		c.watch.Reset(maxQueueWait)
+	}
+}
+
+// unstick keeps the queue from waiting on round trips that are stuck (a row
+// lock held by a transaction, a stalled connection): the queue moves
+// whenever a round trip starts or ends, and when none has for maxQueueWait,
+// every queued check goes out alone rather than queue behind them.
+func (c *coalescer) unstick() {
+	c.mu.Lock()
+	if len(c.pending) == 0 {
+		c.watching = false
+		c.mu.Unlock()
+		return
+	}
+	if idle := time.Since(c.progress); idle < maxQueueWait {
+		c.watch.Reset(maxQueueWait - idle)
+		c.mu.Unlock()
+		return
+	}
+	stuck := c.pending
+	c.pending = nil
+	for _, r := range stuck {
+		c.unqueue(r.id)
+		c.inFlight++
+		c.busy[r.id]++
+	}
+	c.progress = time.Now()
+	c.watching = false
+	c.mu.Unlock()
+	for _, r := range stuck {
+		r.wake <- []*pendingCheck{r}
 	}
 }
 
@@ -179,10 +207,10 @@ func (c *coalescer) lead(batch []*pendingCheck) {
 	}
 	c.mu.Unlock()
 	for _, s := range solos {
-		s.lead <- []*pendingCheck{s}
+		s.wake <- []*pendingCheck{s}
 	}
 	if len(next) > 0 {
-		next[0].lead <- next
+		next[0].wake <- next
 	}
 }
 
@@ -236,7 +264,7 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 		if deny != nil {
 			if d, ok := deny.get(p.key, p.cost, now); ok {
 				p.d = d
-				close(p.done)
+				p.finish()
 				continue
 			}
 		}
@@ -289,7 +317,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		r := batch[0]
 		r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.cost)
 		c.remember(r, sent)
-		close(r.done)
+		r.finish()
 		return
 	}
 	c.batched.Add(uint64(len(batch)))
@@ -308,7 +336,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 			r.err = err
 		}
 		c.remember(r, sent)
-		close(r.done)
+		r.finish()
 	}
 }
 
