@@ -222,14 +222,15 @@ const gatherYields = 16
 // them) run before the next batch is taken: those that check again at once,
 // as busy callers do, then ride the next statement instead of being left
 // for the one after. It yields the processor (no timer, no sleep) until
-// that many more checks are queued or gatherYields yields have passed; with
-// nothing else to run a yield returns at once, so a lone caller never pays
-// for it. The caller holds c.mu.
+// all of them but the leader's own caller (busy leading until the handoff)
+// have queued, or gatherYields yields have passed; with nothing else to run
+// a yield returns at once, so a lone caller never pays for it. The caller
+// holds c.mu.
 func (c *coalescer) gather(answered int) {
 	if answered < 2 {
 		return
 	}
-	want := len(c.pending) + answered
+	want := len(c.pending) + answered - 1
 	for range gatherYields {
 		if len(c.pending) >= want {
 			return
