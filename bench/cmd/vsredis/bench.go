@@ -611,7 +611,9 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 	if err != nil {
 		return rep, err
 	}
-	err = pool.QueryRow(ctx, "SELECT current_setting('server_version')").Scan(&rep.Machine.PostgresVersion)
+	err = pool.QueryRow(ctx, `SELECT current_setting('server_version'),
+	        current_setting('wal_writer_flush_after'), current_setting('synchronous_commit')`).
+		Scan(&rep.Machine.PostgresVersion, &rep.Machine.WalWriterFlushAfter, &rep.Machine.SynchronousCommit)
 	pool.Close()
 	if err != nil {
 		return rep, err

@@ -34,7 +34,11 @@ type Machine struct {
 	CPUModel        string `json:"cpu_model,omitempty"`
 	GoVersion       string `json:"go_version"`
 	PostgresVersion string `json:"postgres_version"`
-	RedisVersion    string `json:"redis_version"`
+	// WalWriterFlushAfter and SynchronousCommit are the server's settings
+	// that change the cost of a commit (docs/REDIS.md).
+	WalWriterFlushAfter string `json:"wal_writer_flush_after"`
+	SynchronousCommit   string `json:"synchronous_commit"`
+	RedisVersion        string `json:"redis_version"`
 }
 
 // Case is one number of callers over one key space.
@@ -142,7 +146,8 @@ func printJSON(w io.Writer, rep Report) error {
 
 func printText(w io.Writer, rep Report) error {
 	m := rep.Machine
-	fmt.Fprintf(w, "%s/%s, %d CPUs (%s), %s, PostgreSQL %s, Redis %s\n", m.GOOS, m.GOARCH, m.NumCPU, m.CPUModel, m.GoVersion, m.PostgresVersion, m.RedisVersion)
+	fmt.Fprintf(w, "%s/%s, %d CPUs (%s), %s, PostgreSQL %s (wal_writer_flush_after %s, synchronous_commit %s), Redis %s\n",
+		m.GOOS, m.GOARCH, m.NumCPU, m.CPUModel, m.GoVersion, m.PostgresVersion, m.WalWriterFlushAfter, m.SynchronousCommit, m.RedisVersion)
 	fmt.Fprintf(w, "%s, %s, %gs per path per case\n\n", rep.Algorithm, rep.Limit, rep.DurationSeconds)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "callers\tkeys\tpgrl ops/s\tredis_rate ops/s\tratio\tpgrl p50 µs\tpgrl p99 µs\tredis p50 µs\tredis p99 µs\tavg batch\tuncoal. ops/s\tuncoal. p50 µs\t")
