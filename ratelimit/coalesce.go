@@ -20,6 +20,7 @@ import (
 // running goes out at once, alone, as the very statement an uncoalesced
 // check sends, so a lone caller pays nothing. Checks that arrive while the
 // round trips are busy wait in a queue; when a round trip ends, its leader
+// gives the callers it answered a moment to queue again (gather), then
 // hands the queue (up to maxBatch checks, one per key) to the first waiting
 // check, which sends it as one statement and becomes the next leader. A key
 // met twice in the queue waits for the following statement, so every check
