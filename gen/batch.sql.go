@@ -113,18 +113,15 @@ SELECT ($1::bytea[])[i],
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
-                          * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
-                        + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
-                        <= $5::bigint::numeric * $3::bigint
-                      OR $6::boolean
-                    THEN (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count
-                    ELSE CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END END,
-       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count
-                         WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
+                           <= $5::bigint::numeric * $3::bigint
+                        OR $6::boolean
+                      THEN excluded.count ELSE 0 END,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
        expires_at = greatest(t.window_start, excluded.window_start) + 2 * $3::bigint * interval '1 microsecond',
-       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
-                   * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
                  + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
                  <= $5::bigint::numeric * $3::bigint
 RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now
@@ -202,18 +199,14 @@ SELECT ($1::bytea[])[i],
   FROM p, generate_subscripts($1::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
-                     THEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens)
-                     WHEN $5::boolean
-                     THEN greatest(least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens), 0 - $3::float8)
-                     ELSE least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) END,
+   SET tokens = greatest(least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8)
+                         - CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens) OR $5::boolean THEN ($3::float8 - excluded.tokens) ELSE 0 END,
+                         0 - $3::float8),
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(t.updated_at, excluded.updated_at)
-                 + (($3::float8 - CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
-                         THEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens)
-                         WHEN $5::boolean
-                         THEN greatest(least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) - ($3::float8 - excluded.tokens), 0 - $3::float8)
-                         ELSE least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) END) / $4::float8) * interval '1 microsecond',
+                 + (($3::float8 - greatest(least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8)
+                                - CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens) OR $5::boolean THEN ($3::float8 - excluded.tokens) ELSE 0 END,
+                                0 - $3::float8)) / $4::float8) * interval '1 microsecond',
        allowed = least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
 RETURNING key, tokens, updated_at, full_at, allowed
 `

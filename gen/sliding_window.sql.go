@@ -79,8 +79,8 @@ WITH p AS (
            n.window_us, n.cost, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.cost, c.max_count, c.penalty
-              FROM (SELECT coalesce($2::timestamptz, now()) AS ts,
-                           $3::bigint AS window_us,
+              FROM (SELECT coalesce($3::timestamptz, now()) AS ts,
+                           $2::bigint AS window_us,
                            $4::bigint AS cost,
                            $5::bigint AS max_count,
                            $6::boolean AS penalty) AS c) AS n
@@ -94,36 +94,25 @@ SELECT $1::bytea,
        p.cost <= p.max_count
   FROM p
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed) = (
-       SELECT r.ws,
-              CASE WHEN r.ok OR r.penalty THEN r.c + r.cost ELSE r.c END,
-              r.p,
-              r.ws + 2 * r.window_us * interval '1 microsecond',
-              r.ok
-         FROM (
-             SELECT v.ws, v.c, v.p, v.cost, v.penalty, v.window_us,
-                    v.p::numeric * (v.window_us - v.e) + (v.c + v.cost)::numeric * v.window_us
-                      <= v.max_count::numeric * v.window_us AS ok
-               FROM (
-                   SELECT greatest(t.window_start, p.window_start) AS ws,
-                          CASE WHEN t.window_start >= p.window_start THEN t.count ELSE 0 END AS c,
-                          CASE WHEN t.window_start >= p.window_start THEN t.prev_count
-                               WHEN t.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN t.count
-                               ELSE 0 END AS p,
-                          least(greatest(p.now_us - (extract(epoch FROM greatest(t.window_start, p.window_start)) * 1000000)::bigint, 0),
-                                p.window_us) AS e,
-                          p.cost, p.max_count, p.penalty, p.window_us
-                     FROM p
-               ) AS v
-         ) AS r
-   )
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($2::bigint - least(greatest((extract(epoch FROM coalesce($3::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $2::bigint))
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + $4::bigint)::numeric * $2::bigint
+                           <= $5::bigint::numeric * $2::bigint
+                        OR $6::boolean
+                      THEN $4::bigint ELSE 0 END,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       expires_at = greatest(t.window_start, excluded.window_start) + 2 * $2::bigint * interval '1 microsecond',
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($2::bigint - least(greatest((extract(epoch FROM coalesce($3::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $2::bigint))
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + $4::bigint)::numeric * $2::bigint
+                 <= $5::bigint::numeric * $2::bigint
 RETURNING window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now
 `
 
 type SlidingWindowTakeParams struct {
 	Key      []byte
-	At       *time.Time
 	WindowUs int64
+	At       *time.Time
 	Cost     int64
 	MaxCount int64
 	Penalty  bool
@@ -147,13 +136,15 @@ type SlidingWindowTakeRow struct {
 // allowed when estimate + cost <= max_count (compared exactly, in numeric).
 // When a new window has begun the row rolls forward: count becomes prev_count
 // if the row's window was the one just before, else both restart at zero. A
-// denied check adds nothing unless penalty is set. at pins the clock for
-// tests; production leaves it nil.
+// denied check adds nothing unless penalty is set. The UPDATE arm reads the
+// current window's start from the proposed row and spells the rolled-forward
+// counts out where it needs them, as TokenBucketTake does. at pins the clock
+// for tests; production leaves it nil.
 func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWindowTakeParams) (SlidingWindowTakeRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTake,
 		arg.Key,
-		arg.At,
 		arg.WindowUs,
+		arg.At,
 		arg.Cost,
 		arg.MaxCount,
 		arg.Penalty,

@@ -68,11 +68,11 @@ func (q *Queries) TokenBucketReset(ctx context.Context, db DBTX, key []byte) (in
 
 const tokenBucketTake = `-- name: TokenBucketTake :one
 WITH p AS (
-    SELECT coalesce($2::timestamptz, now()) AS ts,
-           $3::float8 AS cost,
-           $4::float8 AS capacity,
-           $5::float8 AS refill_per_us,
-           $6::boolean AS penalty
+    SELECT coalesce($6::timestamptz, now()) AS ts,
+           $4::float8 AS cost,
+           $2::float8 AS capacity,
+           $3::float8 AS refill_per_us,
+           $5::boolean AS penalty
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
 SELECT $1::bytea,
@@ -87,37 +87,25 @@ SELECT $1::bytea,
                   p.cost <= p.capacity AS allowed
        ) AS f
 ON CONFLICT (key) DO UPDATE
-   SET (tokens, updated_at, full_at, allowed) = (
-       SELECT s.tokens,
-              s.at,
-              s.at + ((s.capacity - s.tokens) / s.refill_per_us) * interval '1 microsecond',
-              s.allowed
-         FROM (
-             SELECT CASE WHEN a.avail >= a.cost THEN a.avail - a.cost
-                         WHEN a.penalty THEN greatest(a.avail - a.cost, 0 - a.capacity)
-                         ELSE a.avail END AS tokens,
-                    a.avail >= a.cost AS allowed,
-                    a.at, a.capacity, a.refill_per_us
-               FROM (
-                   SELECT least(p.capacity,
-                                t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
-                                           * p.refill_per_us) AS avail,
-                          greatest(t.updated_at, p.ts) AS at,
-                          p.cost, p.capacity, p.refill_per_us, p.penalty
-                     FROM p
-               ) AS a
-         ) AS s
-   )
+   SET tokens = greatest(least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8)
+                         - CASE WHEN least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8 OR $5::boolean THEN $4::float8 ELSE 0 END,
+                         0 - $2::float8),
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(t.updated_at, excluded.updated_at)
+                 + (($2::float8 - greatest(least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8)
+                                - CASE WHEN least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8 OR $5::boolean THEN $4::float8 ELSE 0 END,
+                                0 - $2::float8)) / $3::float8) * interval '1 microsecond',
+       allowed = least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8
 RETURNING tokens, updated_at, full_at, allowed
 `
 
 type TokenBucketTakeParams struct {
 	Key         []byte
-	At          *time.Time
-	Cost        float64
 	Capacity    float64
 	RefillPerUs float64
+	Cost        float64
 	Penalty     bool
+	At          *time.Time
 }
 
 type TokenBucketTakeRow struct {
@@ -132,18 +120,21 @@ type TokenBucketTakeRow struct {
 // a first check inserts a full bucket minus cost, every later one is the
 // UPDATE arm of the same upsert. The balance never exceeds capacity. A denied
 // check spends nothing, unless penalty is set: then it is charged anyway and
-// the balance may fall to -capacity. refill_per_us is tokens per microsecond.
+// the balance may fall as low as -capacity, never lower. The UPDATE arm
+// spells the refilled balance out where it needs it: a subquery there would
+// be set up and run for every row, which costs more than the arithmetic.
+// refill_per_us is tokens per microsecond.
 // Elapsed time is clamped at zero, so a check that waited on the row lock and
 // sees a newer updated_at than its own clock never refills backwards. at pins
 // the clock for tests; production leaves it nil.
 func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketTakeParams) (TokenBucketTakeRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTake,
 		arg.Key,
-		arg.At,
-		arg.Cost,
 		arg.Capacity,
 		arg.RefillPerUs,
+		arg.Cost,
 		arg.Penalty,
+		arg.At,
 	)
 	var i TokenBucketTakeRow
 	err := row.Scan(

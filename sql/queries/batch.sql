@@ -48,18 +48,14 @@ SELECT (sqlc.arg(keys)::bytea[])[i],
   FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
-                     THEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens)
-                     WHEN sqlc.arg(penalty)::boolean
-                     THEN greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens), 0 - sqlc.arg(capacity)::float8)
-                     ELSE least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) END,
+   SET tokens = greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
+                         - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens) OR sqlc.arg(penalty)::boolean THEN (sqlc.arg(capacity)::float8 - excluded.tokens) ELSE 0 END,
+                         0 - sqlc.arg(capacity)::float8),
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(t.updated_at, excluded.updated_at)
-                 + ((sqlc.arg(capacity)::float8 - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
-                         THEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens)
-                         WHEN sqlc.arg(penalty)::boolean
-                         THEN greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) - (sqlc.arg(capacity)::float8 - excluded.tokens), 0 - sqlc.arg(capacity)::float8)
-                         ELSE least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) END) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
+                 + ((sqlc.arg(capacity)::float8 - greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
+                                - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens) OR sqlc.arg(penalty)::boolean THEN (sqlc.arg(capacity)::float8 - excluded.tokens) ELSE 0 END,
+                                0 - sqlc.arg(capacity)::float8)) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
        allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
 RETURNING key, tokens, updated_at, full_at, allowed;
 
@@ -91,18 +87,15 @@ SELECT (sqlc.arg(keys)::bytea[])[i],
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
-                          * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
-                        + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
-                        <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
-                      OR sqlc.arg(penalty)::boolean
-                    THEN (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count
-                    ELSE CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END END,
-       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count
-                         WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
+                           <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
+                        OR sqlc.arg(penalty)::boolean
+                      THEN excluded.count ELSE 0 END,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
        expires_at = greatest(t.window_start, excluded.window_start) + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
-       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric
-                   * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
                  + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
                  <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
 RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;

@@ -7,8 +7,10 @@
 -- allowed when estimate + cost <= max_count (compared exactly, in numeric).
 -- When a new window has begun the row rolls forward: count becomes prev_count
 -- if the row's window was the one just before, else both restart at zero. A
--- denied check adds nothing unless penalty is set. at pins the clock for
--- tests; production leaves it nil.
+-- denied check adds nothing unless penalty is set. The UPDATE arm reads the
+-- current window's start from the proposed row and spells the rolled-forward
+-- counts out where it needs them, as TokenBucketTake does. at pins the clock
+-- for tests; production leaves it nil.
 WITH p AS (
     SELECT n.ts, n.now_us,
            timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
@@ -30,29 +32,18 @@ SELECT sqlc.arg(key)::bytea,
        p.cost <= p.max_count
   FROM p
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed) = (
-       SELECT r.ws,
-              CASE WHEN r.ok OR r.penalty THEN r.c + r.cost ELSE r.c END,
-              r.p,
-              r.ws + 2 * r.window_us * interval '1 microsecond',
-              r.ok
-         FROM (
-             SELECT v.ws, v.c, v.p, v.cost, v.penalty, v.window_us,
-                    v.p::numeric * (v.window_us - v.e) + (v.c + v.cost)::numeric * v.window_us
-                      <= v.max_count::numeric * v.window_us AS ok
-               FROM (
-                   SELECT greatest(t.window_start, p.window_start) AS ws,
-                          CASE WHEN t.window_start >= p.window_start THEN t.count ELSE 0 END AS c,
-                          CASE WHEN t.window_start >= p.window_start THEN t.prev_count
-                               WHEN t.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN t.count
-                               ELSE 0 END AS p,
-                          least(greatest(p.now_us - (extract(epoch FROM greatest(t.window_start, p.window_start)) * 1000000)::bigint, 0),
-                                p.window_us) AS e,
-                          p.cost, p.max_count, p.penalty, p.window_us
-                     FROM p
-               ) AS v
-         ) AS r
-   )
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + sqlc.arg(cost)::bigint)::numeric * sqlc.arg(window_us)::bigint
+                           <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
+                        OR sqlc.arg(penalty)::boolean
+                      THEN sqlc.arg(cost)::bigint ELSE 0 END,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       expires_at = greatest(t.window_start, excluded.window_start) + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + sqlc.arg(cost)::bigint)::numeric * sqlc.arg(window_us)::bigint
+                 <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
 RETURNING window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;
 
 -- name: SlidingWindowPeek :one

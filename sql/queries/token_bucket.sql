@@ -4,7 +4,10 @@
 -- a first check inserts a full bucket minus cost, every later one is the
 -- UPDATE arm of the same upsert. The balance never exceeds capacity. A denied
 -- check spends nothing, unless penalty is set: then it is charged anyway and
--- the balance may fall to -capacity. refill_per_us is tokens per microsecond.
+-- the balance may fall as low as -capacity, never lower. The UPDATE arm
+-- spells the refilled balance out where it needs it: a subquery there would
+-- be set up and run for every row, which costs more than the arithmetic.
+-- refill_per_us is tokens per microsecond.
 -- Elapsed time is clamped at zero, so a check that waited on the row lock and
 -- sees a newer updated_at than its own clock never refills backwards. at pins
 -- the clock for tests; production leaves it nil.
@@ -28,27 +31,15 @@ SELECT sqlc.arg(key)::bytea,
                   p.cost <= p.capacity AS allowed
        ) AS f
 ON CONFLICT (key) DO UPDATE
-   SET (tokens, updated_at, full_at, allowed) = (
-       SELECT s.tokens,
-              s.at,
-              s.at + ((s.capacity - s.tokens) / s.refill_per_us) * interval '1 microsecond',
-              s.allowed
-         FROM (
-             SELECT CASE WHEN a.avail >= a.cost THEN a.avail - a.cost
-                         WHEN a.penalty THEN greatest(a.avail - a.cost, 0 - a.capacity)
-                         ELSE a.avail END AS tokens,
-                    a.avail >= a.cost AS allowed,
-                    a.at, a.capacity, a.refill_per_us
-               FROM (
-                   SELECT least(p.capacity,
-                                t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
-                                           * p.refill_per_us) AS avail,
-                          greatest(t.updated_at, p.ts) AS at,
-                          p.cost, p.capacity, p.refill_per_us, p.penalty
-                     FROM p
-               ) AS a
-         ) AS s
-   )
+   SET tokens = greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
+                         - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8 OR sqlc.arg(penalty)::boolean THEN sqlc.arg(cost)::float8 ELSE 0 END,
+                         0 - sqlc.arg(capacity)::float8),
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(t.updated_at, excluded.updated_at)
+                 + ((sqlc.arg(capacity)::float8 - greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
+                                - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8 OR sqlc.arg(penalty)::boolean THEN sqlc.arg(cost)::float8 ELSE 0 END,
+                                0 - sqlc.arg(capacity)::float8)) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
+       allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8
 RETURNING tokens, updated_at, full_at, allowed;
 
 -- name: TokenBucketPeek :one
