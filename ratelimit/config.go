@@ -199,7 +199,7 @@ type Config struct {
 	// before further checks wait to be coalesced (a hot key's further
 	// checks do not wait: see DisableCoalescing). Measured on two cores,
 	// 2 gave the best throughput from 8 to 64 callers without raising the
-	// median latency (docs/BENCHMARKS.md). Defaults to 2.
+	// median latency (docs/REDIS.md). Defaults to 2.
 	MaxInFlight int
 
 	// Cleanup, when set, deletes dead counter rows from the request path,
