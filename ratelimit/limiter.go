@@ -235,8 +235,19 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 // AllowNTx is AllowN inside the caller's transaction: rolling the
 // transaction back refunds the units. The key's counter row stays locked
 // until the transaction ends, so other checks of the same key wait for it:
-// keep such transactions short.
+// keep such transactions short. Config.Observer sees the decision, whether
+// the transaction commits or not.
 func (l *Limiter) AllowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
+	if l.cfg.Observer == nil {
+		return l.allowNTx(ctx, tx, key, n)
+	}
+	start := time.Now()
+	d, err := l.allowNTx(ctx, tx, key, n)
+	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
+	return d, err
+}
+
+func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -352,6 +353,52 @@ func TestTxRollbackRefunds(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, int64(0), p.Remaining, "%s: commit keeps", alg)
 	}
+}
+
+// recordingObserver keeps the decisions it is shown.
+type recordingObserver struct {
+	mu        sync.Mutex
+	decisions []ratelimit.Decision
+}
+
+func (o *recordingObserver) ObserveDecision(_ string, d ratelimit.Decision, _ time.Duration, _ error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.decisions = append(o.decisions, d)
+}
+
+func (o *recordingObserver) ObserveBreaker(string, bool) {}
+
+func (o *recordingObserver) seen() []ratelimit.Decision {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return slices.Clone(o.decisions)
+}
+
+// TestTxChecksAreObserved checks that a check inside the caller's
+// transaction reaches the Observer like any other, and that Peek, which
+// counts nothing, does not.
+func TestTxChecksAreObserved(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	obs := &recordingObserver{}
+	l := newLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs})
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = l.AllowNTx(ctx, tx, "k", 1)
+	require.NoError(t, err)
+	_, err = l.AllowNTx(ctx, tx, "k", 1)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	_, err = l.Peek(ctx, "k")
+	require.NoError(t, err)
+
+	seen := obs.seen()
+	require.Len(t, seen, 2, "two checks in a transaction, one Peek")
+	require.True(t, seen[0].Allowed)
+	require.False(t, seen[1].Allowed)
+	require.Equal(t, ratelimit.StorePostgres, seen[1].Store)
 }
 
 // TestElapsedClampedAtZero replays a check whose clock is older than the

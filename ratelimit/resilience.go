@@ -25,9 +25,11 @@ const StatementTimeoutParam = "statement_timeout"
 // ratelimit/metrics implements it for Prometheus). Its methods are called on
 // the checking goroutine and must be fast and safe for concurrent use.
 type Observer interface {
-	// ObserveDecision is called after every Allow and AllowN with the
+	// ObserveDecision is called after every check that counts (Allow,
+	// AllowN, AllowNTx, and each limit of AllowAll) with the
 	// decision, how long the check took, and its error (nil when a
-	// decision was made, by whatever store).
+	// decision was made, by whatever store). Peek counts nothing and is
+	// not observed.
 	ObserveDecision(limiter string, d Decision, took time.Duration, err error)
 	// ObserveBreaker is called when the breaker opens (open true) after
 	// repeated database failures, and when it closes again.
