@@ -252,31 +252,11 @@ func openPool(ctx context.Context, connString, schema string, n int) (*pgxpool.P
 	if err != nil {
 		return nil, fmt.Errorf("invalid connection string: %w", err)
 	}
-	cfg.MaxConns = int32(n)
-	cfg.MinConns = int32(n)
 	cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "rl-bench"
 	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, err
-	}
-	held := make([]*pgxpool.Conn, 0, n)
-	defer func() {
-		for _, c := range held {
-			c.Release()
-		}
-	}()
-	for range n {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			pool.Close()
-			return nil, err
-		}
-		held = append(held, c)
-	}
-	return pool, nil
+	return cli.OpenPool(ctx, cfg, n)
 }
 
 // runCase measures both paths of one algorithm at one number of callers

@@ -8,8 +8,6 @@ import (
 	"io"
 	"os"
 	"runtime/pprof"
-	"strconv"
-	"strings"
 	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
@@ -58,7 +56,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	if fs.NArg() > 0 {
 		return o, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
-	for _, s := range splitList(*algorithms) {
+	for _, s := range cli.SplitList(*algorithms) {
 		a, err := ratelimit.ParseAlgorithm(s)
 		if err != nil {
 			return o, fmt.Errorf("--algorithms: %v", err)
@@ -66,10 +64,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		o.algorithms = append(o.algorithms, a)
 	}
 	var err error
-	if o.callers, err = positiveInts("--callers", *callers); err != nil {
+	if o.callers, err = cli.PositiveInts("--callers", *callers); err != nil {
 		return o, err
 	}
-	if o.keys, err = positiveInts("--keys", *keys); err != nil {
+	if o.keys, err = cli.PositiveInts("--keys", *keys); err != nil {
 		return o, err
 	}
 	switch {
@@ -89,31 +87,6 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--output %q: use text or json", o.output)
 	}
 	return o, nil
-}
-
-func splitList(s string) []string {
-	var out []string
-	for _, p := range strings.Split(s, ",") {
-		if p = strings.TrimSpace(p); p != "" {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-func positiveInts(name, s string) ([]int, error) {
-	var out []int
-	for _, p := range splitList(s) {
-		n, err := strconv.Atoi(p)
-		if err != nil || n < 1 {
-			return nil, fmt.Errorf("%s: %q is not a positive integer", name, p)
-		}
-		out = append(out, n)
-	}
-	if len(out) == 0 {
-		return nil, fmt.Errorf("%s: give at least one number", name)
-	}
-	return out, nil
 }
 
 // run is the whole program; it returns the exit status.

@@ -1,6 +1,7 @@
 // Package cli holds what pgrl's command-line tools share: exit codes, how a
 // connection string is found, how a connection is opened with safe session
-// settings, and how errors become one actionable line.
+// settings, how errors become one actionable line, and, for the commands
+// and the benchmarks, signal handling, list flags and warmed-up pools.
 package cli
 
 import (

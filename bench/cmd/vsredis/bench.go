@@ -23,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/redis/go-redis/v9"
 
+	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -241,35 +242,15 @@ func redisCheck(l *redis_rate.Limiter, keys []string) checkFunc {
 }
 
 // openPool opens a pool of n connections on the schema and establishes all
-// of them.
+// of them. The backends are found by their application_name (serverCPU).
 func openPool(ctx context.Context, connString, schema string, n int) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("invalid connection string: %w", err)
 	}
-	cfg.MaxConns = int32(n)
-	cfg.MinConns = int32(n)
 	cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	cfg.ConnConfig.RuntimeParams["application_name"] = "vsredis"
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, err
-	}
-	held := make([]*pgxpool.Conn, 0, n)
-	defer func() {
-		for _, c := range held {
-			c.Release()
-		}
-	}()
-	for range n {
-		c, err := pool.Acquire(ctx)
-		if err != nil {
-			pool.Close()
-			return nil, err
-		}
-		held = append(held, c)
-	}
-	return pool, nil
+	return cli.OpenPool(ctx, cfg, n)
 }
 
 // openRedis returns a client with a pool of n connections, all established.

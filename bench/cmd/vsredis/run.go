@@ -12,14 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/dbtest"
-)
-
-// Exit statuses.
-const (
-	exitOK    = 0
-	exitError = 1
-	exitUsage = 2
 )
 
 // options are the parsed command line.
@@ -77,10 +71,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("unexpected argument %q", fs.Arg(0))
 	}
 	var err error
-	if o.callers, err = positiveInts("--callers", *callers); err != nil {
+	if o.callers, err = cli.PositiveInts("--callers", *callers); err != nil {
 		return o, err
 	}
-	if o.keys, err = positiveInts("--keys", *keys); err != nil {
+	if o.keys, err = cli.PositiveInts("--keys", *keys); err != nil {
 		return o, err
 	}
 	switch {
@@ -104,44 +98,26 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	return o, nil
 }
 
-func positiveInts(name, s string) ([]int, error) {
-	var out []int
-	for _, p := range strings.Split(s, ",") {
-		if p = strings.TrimSpace(p); p == "" {
-			continue
-		}
-		n, err := strconv.Atoi(p)
-		if err != nil || n < 1 {
-			return nil, fmt.Errorf("%s: %q is not a positive integer", name, p)
-		}
-		out = append(out, n)
-	}
-	if len(out) == 0 {
-		return nil, fmt.Errorf("%s: give at least one number", name)
-	}
-	return out, nil
-}
-
 // run is the whole program; it returns the exit status.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	o, err := parseFlags(args, stderr)
 	if errors.Is(err, flag.ErrHelp) {
-		return exitOK
+		return cli.ExitOK
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "vsredis: %v\n", err)
-		return exitUsage
+		return cli.ExitUsage
 	}
 	if o.cpuProfile != "" {
 		f, err := os.Create(o.cpuProfile)
 		if err != nil {
 			fmt.Fprintf(stderr, "vsredis: %v\n", err)
-			return exitError
+			return cli.ExitError
 		}
 		defer f.Close()
 		if err := pprof.StartCPUProfile(f); err != nil {
 			fmt.Fprintf(stderr, "vsredis: %v\n", err)
-			return exitError
+			return cli.ExitError
 		}
 		defer pprof.StopCPUProfile()
 	}
@@ -151,7 +127,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			err = fmt.Errorf("interrupted: %w", ctx.Err())
 		}
 		fmt.Fprintf(stderr, "vsredis: %v\n", err)
-		return exitError
+		return cli.ExitError
 	}
 	if o.output == "json" {
 		err = printJSON(stdout, rep)
@@ -160,9 +136,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "vsredis: %v\n", err)
-		return exitError
+		return cli.ExitError
 	}
-	return exitOK
+	return cli.ExitOK
 }
 
 // variant is pgrl with other coalescing settings, measured as an extra path.

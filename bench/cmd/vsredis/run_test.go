@@ -5,6 +5,8 @@ import (
 	"context"
 	"strings"
 	"testing"
+
+	"github.com/pgrl/pgrl/internal/cli"
 )
 
 func TestParseVariant(t *testing.T) {
@@ -36,8 +38,8 @@ func TestUsageErrors(t *testing.T) {
 		{"extra"},
 	} {
 		var stderr bytes.Buffer
-		if code := run(context.Background(), args, &bytes.Buffer{}, &stderr); code != exitUsage {
-			t.Errorf("%v: exit %d, want %d (%s)", args, code, exitUsage, stderr.String())
+		if code := run(context.Background(), args, &bytes.Buffer{}, &stderr); code != cli.ExitUsage {
+			t.Errorf("%v: exit %d, want %d (%s)", args, code, cli.ExitUsage, stderr.String())
 		}
 	}
 }

@@ -1,0 +1,79 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// Main runs a command's run function with a context that ends on SIGINT or
+// SIGTERM, then exits with the status it returns.
+func Main(run func(ctx context.Context, args []string, stdout, stderr io.Writer) int) {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// SplitList splits a comma-separated flag value, trimming spaces and
+// dropping empty items.
+func SplitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// PositiveInts parses a comma-separated flag value of positive integers;
+// name is the flag, for the error message.
+func PositiveInts(name, s string) ([]int, error) {
+	var out []int
+	for _, p := range SplitList(s) {
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s: %q is not a positive integer", name, p)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: give at least one number", name)
+	}
+	return out, nil
+}
+
+// OpenPool opens a pool of exactly n connections with cfg and establishes
+// all of them before it returns, so that a benchmark measures no connection
+// setup.
+func OpenPool(ctx context.Context, cfg *pgxpool.Config, n int) (*pgxpool.Pool, error) {
+	cfg.MaxConns = int32(n)
+	cfg.MinConns = int32(n)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	held := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for range n {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			pool.Close()
+			return nil, err
+		}
+		held = append(held, c)
+	}
+	return pool, nil
+}
