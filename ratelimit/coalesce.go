@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -355,85 +356,63 @@ func (c *coalescer) remember(r *pendingCheck, sent time.Time) {
 func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
 	l := c.l
 	keys := make([][]byte, len(batch))
-	byKey := make(map[string]*pendingCheck, len(batch))
+	costs := make([]int64, len(batch))
 	for i, r := range batch {
-		keys[i] = r.skey
-		byKey[r.id] = r
-	}
-	missing := func(k []byte) (*pendingCheck, error) {
-		r := byKey[string(k)]
-		if r == nil {
-			return nil, errors.New("ratelimit: batched statement returned an unknown key")
-		}
-		return r, nil
+		keys[i], costs[i] = r.skey, r.cost
 	}
 	switch l.cfg.Algorithm {
 	case TokenBucket:
-		costs := make([]float64, len(batch))
-		for i, r := range batch {
-			costs[i] = float64(r.cost)
+		fcosts := make([]float64, len(costs))
+		for i, n := range costs {
+			fcosts[i] = float64(n)
 		}
 		rows, err := l.q.TokenBucketTakeMany(ctx, l.db, gen.TokenBucketTakeManyParams{
-			Keys: keys, Costs: costs, At: l.at(), Capacity: float64(l.cfg.Burst),
+			Keys: keys, Costs: fcosts, At: l.at(), Capacity: float64(l.cfg.Burst),
 			RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
 		})
-		if err != nil {
-			return err
-		}
-		for _, row := range rows {
-			r, err := missing(row.Key)
-			if err != nil {
-				return err
-			}
-			r.d = l.tokenDecision(row.Allowed, row.Tokens, row.UpdatedAt, row.FullAt, r.cost)
-		}
-		return checkAll(batch, len(rows))
+		return decideRows(batch, rows, err, func(row gen.PgrlTokenBucket) []byte { return row.Key },
+			func(row gen.PgrlTokenBucket, r *pendingCheck) Decision {
+				return l.tokenDecision(row.Allowed, row.Tokens, row.UpdatedAt, row.FullAt, r.cost)
+			})
 	case SlidingWindow:
-		costs := costsOf(batch)
 		rows, err := l.q.SlidingWindowTakeMany(ctx, l.db, gen.SlidingWindowTakeManyParams{
 			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 		})
-		if err != nil {
-			return err
-		}
-		for _, row := range rows {
-			r, err := missing(row.Key)
-			if err != nil {
-				return err
-			}
-			r.d = l.slidingDecision(row.Allowed, row.WindowStart, row.Count, row.PrevCount, row.Now, r.cost)
-		}
-		return checkAll(batch, len(rows))
+		return decideRows(batch, rows, err, func(row gen.SlidingWindowTakeManyRow) []byte { return row.Key },
+			func(row gen.SlidingWindowTakeManyRow, r *pendingCheck) Decision {
+				return l.slidingDecision(row.Allowed, row.WindowStart, row.Count, row.PrevCount, row.Now, r.cost)
+			})
 	default:
-		costs := costsOf(batch)
 		rows, err := l.q.FixedWindowTakeMany(ctx, l.db, gen.FixedWindowTakeManyParams{
 			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 		})
-		if err != nil {
-			return err
-		}
-		for _, row := range rows {
-			r, err := missing(row.Key)
-			if err != nil {
-				return err
-			}
-			r.d = l.fixedDecision(row.Allowed, row.Count, row.ExpiresAt, row.Now)
-		}
-		return checkAll(batch, len(rows))
+		return decideRows(batch, rows, err, func(row gen.FixedWindowTakeManyRow) []byte { return row.Key },
+			func(row gen.FixedWindowTakeManyRow, r *pendingCheck) Decision {
+				return l.fixedDecision(row.Allowed, row.Count, row.ExpiresAt, row.Now)
+			})
 	}
 }
 
-func costsOf(batch []*pendingCheck) []int64 {
-	costs := make([]int64, len(batch))
-	for i, r := range batch {
-		costs[i] = r.cost
+// decideRows gives every check of batch the decision decide makes from the
+// row of its key, which key reads. A statement must return one row per
+// check, each of a key of the batch.
+func decideRows[R any](batch []*pendingCheck, rows []R, err error, key func(R) []byte, decide func(R, *pendingCheck) Decision) error {
+	if err != nil {
+		return err
 	}
-	return costs
-}
-
-func checkAll(batch []*pendingCheck, got int) error {
-	if got != len(batch) {
-		return errors.New("ratelimit: batched statement returned fewer rows than checks")
+	if len(rows) != len(batch) {
+		return fmt.Errorf("ratelimit: batched statement returned %d rows for %d checks", len(rows), len(batch))
+	}
+	byKey := make(map[string]*pendingCheck, len(batch))
+	for _, r := range batch {
+		byKey[r.id] = r
+	}
+	for _, row := range rows {
+		r := byKey[string(key(row))]
+		if r == nil {
+			return errors.New("ratelimit: batched statement returned an unknown key")
+		}
+		r.d = decide(row, r)
 	}
 	return nil
 }
