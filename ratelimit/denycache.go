@@ -143,15 +143,7 @@ func (c *denyCache) put(key string, cost int64, d Decision, sent time.Time) {
 }
 
 // forget drops key's entry, for when the key's counter is reset.
-func (c *denyCache) forget(key string) {
-	k := lookupKey(key)
-	sh := c.keys.shard(k)
-	sh.mu.Lock()
-	if node := sh.get(k); node != nil {
-		sh.remove(node)
-	}
-	sh.mu.Unlock()
-}
+func (c *denyCache) forget(key string) { c.keys.remove(lookupKey(key)) }
 
 // len counts the entries held, expired ones not yet dropped included.
 func (c *denyCache) len() int { return c.keys.len() }

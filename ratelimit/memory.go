@@ -199,13 +199,7 @@ func (m *MemoryLimiter) Peek(_ context.Context, key string) (Decision, error) {
 // Reset forgets everything counted for key. It never fails; the error is
 // there for symmetry with Limiter.
 func (m *MemoryLimiter) Reset(_ context.Context, key string) error {
-	k := lookupKey(key)
-	sh := m.keys.shard(k)
-	sh.mu.Lock()
-	if node := sh.get(k); node != nil {
-		sh.remove(node)
-	}
-	sh.mu.Unlock()
+	m.keys.remove(lookupKey(key))
 	return nil
 }
 
@@ -506,6 +500,16 @@ func (l *shardedLRU[V]) init(maxKeys, shards int) {
 func (l *shardedLRU[V]) shard(key string) *lruShard[V] {
 	hi, _ := bits.Mul64(maphash.String(l.seed, key), uint64(len(l.shards)))
 	return &l.shards[hi]
+}
+
+// remove drops key (in its stored form), if held.
+func (l *shardedLRU[V]) remove(key string) {
+	sh := l.shard(key)
+	sh.mu.Lock()
+	if node := sh.get(key); node != nil {
+		sh.remove(node)
+	}
+	sh.mu.Unlock()
 }
 
 // len counts the keys held.
