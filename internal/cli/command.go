@@ -2,6 +2,8 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -76,4 +78,53 @@ func OpenPool(ctx context.Context, cfg *pgxpool.Config, n int) (*pgxpool.Pool, e
 		held = append(held, c)
 	}
 	return pool, nil
+}
+
+// RunChart is the whole of a command that reads a JSON report of type R (the
+// file named by its one argument, else stdin) and writes the SVG that draw
+// makes of it (to the file given with -o, else stdout). cases counts the
+// report's cases: a report without any is refused. It returns the exit
+// status.
+func RunChart[R any](name string, args []string, stdin io.Reader, stdout, stderr io.Writer, cases func(R) int, draw func(R) string) int {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	out := fs.String("o", "", "write the SVG to this file instead of stdout")
+	if err := fs.Parse(args); err != nil {
+		return ExitUsage
+	}
+	if fs.NArg() > 1 {
+		fmt.Fprintf(stderr, "%s: give at most one report file\n", name)
+		return ExitUsage
+	}
+	in := stdin
+	if fs.NArg() == 1 {
+		f, err := os.Open(fs.Arg(0))
+		if err != nil {
+			fmt.Fprintf(stderr, "%s: %v\n", name, err)
+			return ExitError
+		}
+		defer f.Close()
+		in = f
+	}
+	var rep R
+	if err := json.NewDecoder(in).Decode(&rep); err != nil {
+		fmt.Fprintf(stderr, "%s: not a JSON report: %v\n", name, err)
+		return ExitError
+	}
+	if cases(rep) == 0 {
+		fmt.Fprintf(stderr, "%s: the report has no cases\n", name)
+		return ExitError
+	}
+	svg := draw(rep)
+	if *out == "" {
+		if _, err := io.WriteString(stdout, svg); err != nil {
+			return ExitError
+		}
+		return ExitOK
+	}
+	if err := os.WriteFile(*out, []byte(svg), 0o644); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", name, err)
+		return ExitError
+	}
+	return ExitOK
 }

@@ -10,14 +10,14 @@
 package main
 
 import (
-	"encoding/json"
-	"flag"
 	"fmt"
 	"html"
 	"io"
 	"math"
 	"os"
 	"strings"
+
+	"github.com/pgrl/pgrl/internal/cli"
 )
 
 // report is the part of vsredis's JSON output the chart draws.
@@ -45,41 +45,7 @@ func main() {
 }
 
 func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("vsredischart", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	out := fs.String("o", "", "write the SVG to this file instead of stdout")
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	in := stdin
-	if fs.NArg() > 0 {
-		f, err := os.Open(fs.Arg(0))
-		if err != nil {
-			fmt.Fprintf(stderr, "vsredischart: %v\n", err)
-			return 1
-		}
-		defer f.Close()
-		in = f
-	}
-	var rep report
-	if err := json.NewDecoder(in).Decode(&rep); err != nil {
-		fmt.Fprintf(stderr, "vsredischart: read report: %v\n", err)
-		return 1
-	}
-	if len(rep.Cases) == 0 {
-		fmt.Fprintln(stderr, "vsredischart: the report has no cases")
-		return 1
-	}
-	svg := draw(rep)
-	if *out == "" {
-		_, _ = io.WriteString(stdout, svg)
-		return 0
-	}
-	if err := os.WriteFile(*out, []byte(svg), 0o644); err != nil {
-		fmt.Fprintf(stderr, "vsredischart: %v\n", err)
-		return 1
-	}
-	return 0
+	return cli.RunChart("vsredischart", args, stdin, stdout, stderr, func(r report) int { return len(r.Cases) }, draw)
 }
 
 // Layout, in SVG user units.

@@ -9,14 +9,14 @@
 package main
 
 import (
-	"encoding/json"
-	"flag"
 	"fmt"
 	"html"
 	"io"
 	"math"
 	"os"
 	"strings"
+
+	"github.com/pgrl/pgrl/internal/cli"
 )
 
 // report is the part of rl-bench's JSON output the chart draws.
@@ -48,48 +48,7 @@ func main() {
 }
 
 func run(args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("chart", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	out := fs.String("o", "", "write the SVG to this file instead of stdout")
-	if err := fs.Parse(args); err != nil {
-		return 2
-	}
-	in := stdin
-	if fs.NArg() > 1 {
-		fmt.Fprintln(stderr, "chart: give at most one report file")
-		return 2
-	}
-	if fs.NArg() == 1 {
-		f, err := os.Open(fs.Arg(0))
-		if err != nil {
-			fmt.Fprintf(stderr, "chart: %v\n", err)
-			return 1
-		}
-		defer f.Close()
-		in = f
-	}
-	var r report
-	if err := json.NewDecoder(in).Decode(&r); err != nil {
-		fmt.Fprintf(stderr, "chart: not an rl-bench JSON report: %v\n", err)
-		return 1
-	}
-	if len(r.Cases) == 0 {
-		fmt.Fprintln(stderr, "chart: the report has no cases")
-		return 1
-	}
-	svg := render(r)
-	if *out == "" {
-		_, err := io.WriteString(stdout, svg)
-		if err != nil {
-			return 1
-		}
-		return 0
-	}
-	if err := os.WriteFile(*out, []byte(svg), 0o644); err != nil {
-		fmt.Fprintf(stderr, "chart: %v\n", err)
-		return 1
-	}
-	return 0
+	return cli.RunChart("chart", args, stdin, stdout, stderr, func(r report) int { return len(r.Cases) }, render)
 }
 
 // Layout, in SVG user units.
