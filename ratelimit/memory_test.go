@@ -17,22 +17,6 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-// memBase is a fixed instant on a minute boundary for pinned-clock tests.
-var memBase = time.Date(2030, 1, 2, 3, 4, 0, 0, time.UTC)
-
-// memClock is a settable clock for Config.Now.
-type memClock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *memClock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-func (c *memClock) set(t time.Time) {
-	c.mu.Lock()
-	c.t = t
-	c.mu.Unlock()
-}
-
 func newMemory(t testing.TB, cfg ratelimit.Config, opts ratelimit.MemoryOptions) *ratelimit.MemoryLimiter {
 	t.Helper()
 	m, err := ratelimit.NewMemory(cfg, opts)
@@ -40,7 +24,7 @@ func newMemory(t testing.TB, cfg ratelimit.Config, opts ratelimit.MemoryOptions)
 	return m
 }
 
-// memStep is one check in a sequence: at an offset from memBase, cost n
+// memStep is one check in a sequence: at an offset from base, cost n
 // (0 means a Peek), with the expected outcome.
 type memStep struct {
 	at        time.Duration
@@ -48,17 +32,17 @@ type memStep struct {
 	allowed   bool
 	remaining int64
 	retry     time.Duration // checked when denied
-	resetAt   time.Duration // offset from memBase; checked when non-zero
+	resetAt   time.Duration // offset from base; checked when non-zero
 }
 
 func runSteps(t *testing.T, cfg ratelimit.Config, steps []memStep) {
 	t.Helper()
 	ctx := context.Background()
-	c := &memClock{}
+	c := &clock{}
 	cfg.Now = c.now
 	m := newMemory(t, cfg, ratelimit.MemoryOptions{})
 	for i, s := range steps {
-		c.set(memBase.Add(s.at))
+		c.set(base.Add(s.at))
 		var d ratelimit.Decision
 		var err error
 		if s.n == 0 {
@@ -71,14 +55,14 @@ func runSteps(t *testing.T, cfg ratelimit.Config, steps []memStep) {
 		require.Equal(t, s.allowed, d.Allowed, msg)
 		require.Equal(t, s.remaining, d.Remaining, msg)
 		require.Equal(t, ratelimit.StoreMemory, d.Store, msg)
-		require.True(t, d.Now.Equal(memBase.Add(s.at)), msg)
+		require.True(t, d.Now.Equal(base.Add(s.at)), msg)
 		if s.allowed {
 			require.Zero(t, d.RetryAfter, msg)
 		} else {
 			require.Equal(t, s.retry, d.RetryAfter, msg)
 		}
 		if s.resetAt != 0 {
-			require.Equal(t, memBase.Add(s.resetAt), d.ResetAt.UTC(), msg)
+			require.Equal(t, base.Add(s.resetAt), d.ResetAt.UTC(), msg)
 		}
 	}
 }
@@ -186,7 +170,7 @@ func TestMemoryMatchesModel(t *testing.T) {
 			t.Run(fmt.Sprintf("%s/penalty=%v", alg, penalty), func(t *testing.T) {
 				t.Parallel()
 				rng := rand.New(rand.NewPCG(7, uint64(len(alg))))
-				c := &memClock{t: memBase.Add(123456 * time.Microsecond)}
+				c := &clock{t: base.Add(123456 * time.Microsecond)}
 				cfg := ratelimit.Config{Name: "model", Algorithm: alg, Limit: 7, Window: 2 * time.Second, Burst: 9, Penalty: penalty, Now: c.now}
 				if alg != ratelimit.TokenBucket {
 					cfg.Burst = 0
@@ -243,7 +227,7 @@ func TestMemoryBadInputs(t *testing.T) {
 func TestMemoryResetPeekAndKeys(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := &memClock{t: memBase}
+	c := &clock{t: base}
 	m := newMemory(t, ratelimit.Config{Name: "r", Limit: 2, Window: time.Minute, Now: c.now}, ratelimit.MemoryOptions{})
 
 	// Any bytes are a key; long keys that differ only at the end stay
@@ -315,7 +299,7 @@ func TestMemoryConcurrentOneKey(t *testing.T) {
 			const limit, workers, tries = 500, 64, 20
 			m := newMemory(t, ratelimit.Config{
 				Name: "hot", Algorithm: alg, Limit: limit, Window: time.Hour,
-				Now: func() time.Time { return memBase },
+				Now: func() time.Time { return base },
 			}, ratelimit.MemoryOptions{})
 			var admitted atomic.Int64
 			var wg sync.WaitGroup
@@ -344,7 +328,7 @@ func TestMemoryLRUBound(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	const maxKeys = 1000
-	m := newMemory(t, ratelimit.Config{Name: "lru", Limit: 1, Window: time.Hour, Now: func() time.Time { return memBase }},
+	m := newMemory(t, ratelimit.Config{Name: "lru", Limit: 1, Window: time.Hour, Now: func() time.Time { return base }},
 		ratelimit.MemoryOptions{MaxKeys: maxKeys, Shards: 8})
 	for i := range 10 * maxKeys {
 		d, err := m.Allow(ctx, strconv.Itoa(i))
@@ -387,7 +371,7 @@ func TestMemoryLazySweep(t *testing.T) {
 		t.Run(string(tc.alg), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			c := &memClock{t: memBase}
+			c := &clock{t: base}
 			window := time.Minute
 			if tc.alg == ratelimit.TokenBucket {
 				window = time.Second
@@ -401,14 +385,14 @@ func TestMemoryLazySweep(t *testing.T) {
 			require.Equal(t, 100, m.Len())
 
 			// Just before death nothing is swept.
-			c.set(memBase.Add(tc.alive))
+			c.set(base.Add(tc.alive))
 			for range 10 {
 				_, err := m.Peek(ctx, "other")
 				require.NoError(t, err)
 			}
 			require.Equal(t, 100, m.Len())
 
-			c.set(memBase.Add(tc.dead))
+			c.set(base.Add(tc.dead))
 			for range 60 {
 				_, err := m.Allow(ctx, "busy")
 				require.NoError(t, err)
@@ -436,7 +420,7 @@ func TestMemoryHeapPerKey(t *testing.T) {
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
 		// A pinned clock: no key dies and is swept while the test runs.
-		m := newMemory(t, ratelimit.Config{Name: "heap", Algorithm: alg, Limit: 60, Window: time.Minute, Now: func() time.Time { return memBase }},
+		m := newMemory(t, ratelimit.Config{Name: "heap", Algorithm: alg, Limit: 60, Window: time.Minute, Now: func() time.Time { return base }},
 			ratelimit.MemoryOptions{MaxKeys: keys})
 		var buf []byte
 		for i := range keys {
