@@ -7,6 +7,7 @@ replace github.com/pgrl/pgrl => ../
 require (
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/pgrl/pgrl v0.0.0-00010101000000-000000000000
+	github.com/stretchr/testify v1.12.1
 	github.com/ulule/limiter/v3 v3.11.2
 )
 
@@ -15,7 +16,6 @@ require (
 	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
 	github.com/pkg/errors v0.9.1 // indirect
-	github.com/stretchr/testify v1.12.1 // indirect
 	go.yaml.in/yaml/v3 v3.0.5 // indirect
 	golang.org/x/sync v0.23.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
