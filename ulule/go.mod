@@ -7,11 +7,14 @@ replace github.com/pgrl/pgrl => ../
 require (
 	github.com/jackc/pgx/v5 v5.13.0
 	github.com/pgrl/pgrl v0.0.0-00010101000000-000000000000
+	github.com/redis/go-redis/v9 v9.0.4
 	github.com/stretchr/testify v1.12.1
 	github.com/ulule/limiter/v3 v3.11.2
 )
 
 require (
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/dgryski/go-rendezvous v0.0.0-20200823014737-9f7001d12a5f // indirect
 	github.com/jackc/pgpassfile v1.0.0 // indirect
 	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
 	github.com/jackc/puddle/v2 v2.2.3 // indirect
