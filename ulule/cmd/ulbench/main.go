@@ -256,4 +256,3 @@ func printText(w io.Writer, results []result) error {
 	}
 	return tw.Flush()
 }
-
