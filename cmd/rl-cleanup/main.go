@@ -87,21 +87,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}()
 
 	cfg.opts.Logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
-	var lastReport time.Time
-	cfg.opts.Progress = func(p cleanup.Progress) {
-		if time.Since(lastReport) < cfg.progress {
-			return
-		}
-		lastReport = time.Now()
-		if p.PartitionsDropped > 0 && p.Table == cleanup.TableFixedWindow {
-			fmt.Fprintf(stderr, "rl-cleanup: %s: %d partitions dropped (%s)\n", p.Table, p.PartitionsDropped, p.Elapsed.Round(time.Millisecond))
-			return
-		}
-		fmt.Fprintf(stderr, "rl-cleanup: %s: %d rows deleted in %d batches (%s)\n", p.Table, p.Deleted, p.Batches, p.Elapsed.Round(time.Millisecond))
-	}
-	lastReport = time.Now()
+	prog := newProgress(stderr, isTerminal(stderr), cfg.progress)
+	cfg.opts.Progress = prog.report
 
 	res, err := cleanup.RunConn(ctx, conn, cfg.opts)
+	prog.finish()
 	if err != nil {
 		code := cli.ExitError
 		msg := cli.Explain(err)
