@@ -5,7 +5,7 @@ go 1.26.0
 replace github.com/pgrl/pgrl => ../
 
 require (
-	github.com/jackc/pgx/v5 v5.13.0
+	github.com/jackc/pgx/v5 v5.12.0
 	github.com/pgrl/pgrl v0.0.0-00010101000000-000000000000
 	github.com/redis/go-redis/v9 v9.0.4
 	github.com/stretchr/testify v1.12.1
