@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"math"
 	"strings"
 	"testing"
@@ -38,7 +39,7 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 		{ratelimit.TokenBucket, maxTokens, maxTokens},
 		{ratelimit.TokenBucket, math.MaxInt64, maxTokens},
 	}
-	for _, c := range cases {
+	for ci, c := range cases {
 		for _, penalty := range []bool{false, true} {
 			cfg := ratelimit.Config{
 				Name: "extreme", Algorithm: c.alg, Limit: c.limit, Burst: c.burst, Window: time.Hour,
@@ -52,7 +53,7 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 			require.NoError(t, err, "%s limit %d burst %d", c.alg, c.limit, c.burst)
 			m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{})
 			require.NoError(t, err)
-			key := string(c.alg) + "-" + map[bool]string{false: "plain", true: "penalty"}[penalty]
+			key := fmt.Sprintf("%s-%d-penalty=%v", c.alg, ci, penalty)
 			check := func(what string, allow func(key string, n int64) (ratelimit.Decision, error), peek func(key string) (ratelimit.Decision, error)) {
 				d, err := allow(key, 1)
 				require.NoError(t, err, what)

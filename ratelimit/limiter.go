@@ -392,7 +392,7 @@ func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decisi
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.tokenDecision(r.Allowed, r.Tokens, r.UpdatedAt, r.FullAt, n), nil
+		return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), n), nil
 	case SlidingWindow:
 		r, err := l.q.SlidingWindowTake(ctx, db, gen.SlidingWindowTakeParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -400,7 +400,7 @@ func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decisi
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.slidingDecision(r.Allowed, r.WindowStart, r.Count, r.PrevCount, r.Now, n), nil
+		return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), n), nil
 	default:
 		r, err := l.q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -408,7 +408,7 @@ func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decisi
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.fixedDecision(r.Allowed, r.Count, r.ExpiresAt, r.Now), nil
+		return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
 	}
 }
 
@@ -444,8 +444,9 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		if err != nil {
 			return Decision{}, err
 		}
-		fullAt := r.Now.Add(usToDuration((float64(l.cfg.Burst) - r.Tokens) / l.refillPerUs))
-		return l.tokenDecision(r.Tokens >= 1, r.Tokens, r.Now, fullAt, 1), nil
+		tokens, now := math.Float64frombits(uint64(r.TokensBits)), usTime(r.NowUs)
+		fullAt := now.Add(usToDuration((float64(l.cfg.Burst) - tokens) / l.refillPerUs))
+		return l.tokenDecision(tokens >= 1, tokens, now, fullAt, 1), nil
 	case SlidingWindow:
 		r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs,
@@ -453,8 +454,9 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		if err != nil {
 			return Decision{}, err
 		}
-		allowed := slidingEstimate(r.PrevCount, r.Count, l.elapsedUs(r.WindowStart, r.Now), l.windowUs)+1 <= float64(l.cfg.Limit)
-		return l.slidingDecision(allowed, r.WindowStart, r.Count, r.PrevCount, r.Now, 1), nil
+		start, now := usTime(r.WindowStartUs), usTime(r.NowUs)
+		allowed := slidingFits(r.PrevCount, r.Count, 1, l.elapsedUs(start, now), l.windowUs, l.cfg.Limit)
+		return l.slidingDecision(allowed, start, r.Count, r.PrevCount, now, 1), nil
 	default:
 		r, err := l.q.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs,
@@ -462,7 +464,7 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.fixedDecision(r.Count+1 <= l.cfg.Limit, r.Count, r.ExpiresAt, r.Now), nil
+		return l.fixedDecision(r.Count < l.cfg.Limit, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
 	}
 }
 
