@@ -115,8 +115,8 @@ type Config struct {
 
 	// Burst is the token bucket's capacity: the most units it admits at
 	// once after being idle. Defaults to Limit. At most MaxTokens (2^53),
-	// and an empty bucket must refill within MaxWindow (Burst/Limit ×
-	// Window <= MaxWindow); New refuses anything else with ErrInvalidBurst,
+	// and an empty bucket must refill within 1,000 years (Burst/Limit ×
+	// Window); New refuses anything else with ErrInvalidBurst,
 	// so a token bucket with Limit above 2^53 needs an explicit Burst.
 	// Ignored by the window algorithms.
 	Burst int64
@@ -186,7 +186,9 @@ type Config struct {
 	// costs), so under a burst the limit can start denying somewhat before
 	// Limit is reached; once traffic has exhausted every row the total is
 	// Limit exactly. Remaining and Peek are estimates (a row's
-	// figure times Spread; the sum over rows). Defaults to 1 (one row).
+	// figure times Spread; the sum over rows). The deny cache keeps each
+	// row's denials apart, so a denied row never answers for the others.
+	// Defaults to 1 (one row).
 	Spread int
 
 	// DisableCoalescing turns off the coalescing of concurrent checks. By
@@ -339,19 +341,24 @@ func (c Config) withDefaults() (Config, error) {
 // and the memory tier keep it, counts every single token exactly.
 const MaxTokens = 1 << 53
 
+// maxRefillUs is the longest an empty token bucket may take to refill:
+// 1,000 years, in microseconds. Refill instants (twice that under penalty)
+// then stay far inside PostgreSQL's interval and timestamp ranges.
+const maxRefillUs = 1000 * 36525 * 24 * 3600 * 1_000_000 / 100
+
 // checkBucket refuses token buckets whose balance or refill times cannot be
 // computed exactly: a Burst beyond MaxTokens, or an empty bucket that takes
-// longer than MaxWindow to refill (its refill instants would leave the
-// range of intervals and durations, and penalty doubles that debt).
+// longer than 1,000 years to refill (its refill instants would leave the
+// range of PostgreSQL's intervals).
 func (c Config) checkBucket() error {
 	if c.Burst > MaxTokens {
 		return invalid(ErrInvalidBurst, "%d for %q; a token bucket holds at most %d tokens (exactly, as a float8): lower Burst (it defaults to Limit), or count in larger units", c.Burst, c.Name, int64(MaxTokens))
 	}
-	// Burst/Limit*Window <= MaxWindow, in integers that cannot overflow.
+	// Burst/Limit*Window <= 1,000 years, in integers that cannot overflow.
 	fill := new(big.Int).Mul(big.NewInt(c.Burst), big.NewInt(c.Window.Microseconds()))
-	most := new(big.Int).Mul(big.NewInt(c.Limit), big.NewInt(MaxWindow.Microseconds()))
+	most := new(big.Int).Mul(big.NewInt(c.Limit), big.NewInt(maxRefillUs))
 	if fill.Cmp(most) > 0 {
-		return invalid(ErrInvalidBurst, "burst %d at %d per %v for %q: an empty bucket would take longer than %v to refill; raise Limit, shorten Window or lower Burst", c.Burst, c.Limit, c.Window, c.Name, MaxWindow)
+		return invalid(ErrInvalidBurst, "burst %d at %d per %v for %q: an empty bucket would take more than 1,000 years to refill; raise Limit, shorten Window or lower Burst", c.Burst, c.Limit, c.Window, c.Name)
 	}
 	return nil
 }

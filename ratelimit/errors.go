@@ -23,7 +23,7 @@ var (
 	ErrInvalidWindow = errors.New("ratelimit: invalid window")
 	// ErrInvalidBurst: the token bucket's burst is negative, above
 	// MaxTokens, or so large against Limit that an empty bucket would take
-	// longer than MaxWindow to refill.
+	// more than 1,000 years to refill.
 	ErrInvalidBurst = errors.New("ratelimit: invalid burst")
 	// ErrInvalidPolicy: OnFailure is not one of the policies.
 	ErrInvalidPolicy = errors.New("ratelimit: invalid failure policy")

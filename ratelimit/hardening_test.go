@@ -118,7 +118,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 		{ratelimit.Config{Algorithm: ratelimit.TokenBucket, Limit: math.MaxInt64, Window: time.Minute}, ratelimit.ErrInvalidBurst, "at most 9007199254740992"},
 		{ratelimit.Config{Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: math.MaxInt64, Window: time.Minute}, ratelimit.ErrInvalidBurst, "at most 9007199254740992"},
 		{ratelimit.Config{Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 1 << 53, Window: time.Minute}, ratelimit.ErrInvalidBurst, "refill"},
-		{ratelimit.Config{Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 2, Window: ratelimit.MaxWindow}, ratelimit.ErrInvalidBurst, "refill"},
+		{ratelimit.Config{Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1000, Window: ratelimit.MaxWindow}, ratelimit.ErrInvalidBurst, "1,000 years"},
 		{ratelimit.Config{Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys, Name: strings.Repeat("n", ratelimit.MaxReadableNameBytes+1)}, ratelimit.ErrInvalidName, "256"},
 	}
 	for _, c := range cases {
@@ -133,9 +133,21 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 			require.ErrorIs(t, err, c.want)
 		}
 	}
-	// The largest accepted bucket, refilling in exactly MaxWindow, works.
-	_, err := ratelimit.New(pool, ratelimit.Config{Name: "edge", Algorithm: ratelimit.TokenBucket, Limit: 1 << 20, Burst: 1 << 20, Window: ratelimit.MaxWindow})
+	// A bucket that refills in decades (1 a second, burst 1e9) is accepted
+	// and decides exactly.
+	ctx := context.Background()
+	l, err := ratelimit.New(pool, ratelimit.Config{Name: "slow", Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second,
+		DenyCacheSize: -1, Now: pinned(base)})
 	require.NoError(t, err)
+	d, err := l.AllowN(ctx, "k", 1e9)
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+	require.Equal(t, base.Add(1e9*time.Second), d.ResetAt.UTC())
+	d, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+	require.Equal(t, time.Second, d.RetryAfter)
 }
 
 // TestInputErrorsNeverReachTheFailurePolicy: an error PostgreSQL raises
