@@ -90,7 +90,8 @@ type Config struct {
 	// Defaults to X-Forwarded-For.
 	Headers []string
 
-	// IPv6Prefix is Resolver.IPv6Prefix: 0 (no masking) or 1 to 127.
+	// IPv6Prefix is Resolver.IPv6Prefix: 0 (no masking) or 1 to 127; New
+	// refuses any other value, 128 included (a /128 masks nothing: use 0).
 	// Defaults to 0.
 	IPv6Prefix int
 
@@ -119,8 +120,9 @@ func New(cfg Config) (*Resolver, error) {
 			return nil, fmt.Errorf("%w: header %q; use %s, %s or %s", ErrInvalidConfig, h, XForwardedFor, Forwarded, XRealIP)
 		}
 	}
-	if cfg.IPv6Prefix < 0 || cfg.IPv6Prefix > 128 {
-		return nil, fmt.Errorf("%w: IPv6 prefix %d; use 0 (no grouping) or a length from 1 to 128, such as 64", ErrInvalidConfig, cfg.IPv6Prefix)
+	if cfg.IPv6Prefix < 0 || cfg.IPv6Prefix > 127 {
+		// 128 would mask nothing: it is what 0 already means.
+		return nil, fmt.Errorf("%w: IPv6 prefix %d; use 0 (no grouping) or a length from 1 to 127, such as 64", ErrInvalidConfig, cfg.IPv6Prefix)
 	}
 	if cfg.MaxHeaderBytes < 0 {
 		return nil, fmt.Errorf("%w: max header bytes %d; use a positive size, or 0 for %d", ErrInvalidConfig, cfg.MaxHeaderBytes, DefaultMaxHeaderBytes)

@@ -172,6 +172,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{clientip.Config{TrustedProxies: []string{"fe80::/10%eth0"}}, `trusted proxy "fe80::/10%eth0"`},
 		{clientip.Config{Headers: []string{"X-Client-IP"}}, `header "X-Client-IP"; use X-Forwarded-For, Forwarded or X-Real-IP`},
 		{clientip.Config{IPv6Prefix: 129}, "IPv6 prefix 129"},
+		{clientip.Config{IPv6Prefix: 128}, "IPv6 prefix 128; use 0 (no grouping) or a length from 1 to 127"},
 		{clientip.Config{IPv6Prefix: -1}, "IPv6 prefix -1"},
 		{clientip.Config{MaxHeaderBytes: -1}, "max header bytes -1"},
 	}

@@ -13,7 +13,7 @@ import (
 const fixedWindowTakeMany = `-- name: FixedWindowTakeMany :many
 WITH p AS (
     SELECT ts,
-           timestamptz 'epoch' + ((now_us - now_us % window_us) + window_us) * interval '1 microsecond' AS expires_at,
+           now_us, now_us - ((now_us % window_us) + window_us) % window_us + window_us AS expires_us,
            max_count, penalty
       FROM (SELECT ts, (extract(epoch FROM ts) * 1000000)::bigint AS now_us, window_us, max_count, penalty
               FROM (SELECT coalesce($5::timestamptz, now()) AS ts,
@@ -22,14 +22,17 @@ WITH p AS (
                            $4::boolean AS penalty) AS c) AS n
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT ($1::bytea[])[i], p.expires_at, ($2::bigint[])[i], ($2::bigint[])[i] <= p.max_count
+SELECT ($1::bytea[])[i], timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
+       ($2::bigint[])[i], ($2::bigint[])[i] <= p.max_count
   FROM p, generate_subscripts($1::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count + excluded.count <= $3::bigint OR $4::boolean
-                    THEN t.count + excluded.count ELSE t.count END,
-       allowed = t.count + excluded.count <= $3::bigint
-RETURNING key, count, expires_at, allowed, (SELECT ts FROM p)::timestamptz AS now
+   SET count = CASE WHEN t.count <= $3::bigint - excluded.count THEN t.count + excluded.count
+                    WHEN NOT $4::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= $3::bigint - excluded.count
+RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us
 `
 
 type FixedWindowTakeManyParams struct {
@@ -42,11 +45,11 @@ type FixedWindowTakeManyParams struct {
 }
 
 type FixedWindowTakeManyRow struct {
-	Key       []byte
-	Count     int64
-	ExpiresAt time.Time
-	Allowed   bool
-	Now       time.Time
+	KeyHex      string
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
 }
 
 // FixedWindowTakeMany is FixedWindowTake for several keys at once: it
@@ -55,8 +58,10 @@ type FixedWindowTakeManyRow struct {
 // gets exactly the arithmetic of the single check. Rows are inserted, and so
 // locked, in key order: concurrent batches never deadlock. Keys must be
 // distinct within one call (one statement cannot update a row twice) and
-// each cost at most max_count. The update arm reads each check's cost back
-// from the proposed row (excluded), since it cannot see the arrays.
+// each cost at most max_count. Keys come back hex-encoded (key_hex), which
+// no session setting changes (bytea_output does change bytea's text form). The update arm reads each check's cost back
+// from the proposed row (excluded), since it cannot see the arrays. Windows,
+// overflow and the returned instants are as in FixedWindowTake.
 func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWindowTakeManyParams) ([]FixedWindowTakeManyRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeMany,
 		arg.Keys,
@@ -74,11 +79,11 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 	for rows.Next() {
 		var i FixedWindowTakeManyRow
 		if err := rows.Scan(
-			&i.Key,
+			&i.KeyHex,
 			&i.Count,
-			&i.ExpiresAt,
+			&i.ExpiresAtUs,
 			&i.Allowed,
-			&i.Now,
+			&i.NowUs,
 		); err != nil {
 			return nil, err
 		}
@@ -93,7 +98,7 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 const slidingWindowTakeMany = `-- name: SlidingWindowTakeMany :many
 WITH p AS (
     SELECT n.ts, n.now_us,
-           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
            n.window_us, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.max_count, c.penalty
@@ -113,18 +118,19 @@ SELECT ($1::bytea[])[i],
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
                + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
-                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * $3::bigint
                            <= $5::bigint::numeric * $3::bigint
                         OR $6::boolean
-                      THEN excluded.count ELSE 0 END,
+                      THEN excluded.count ELSE 0 END, 9223372036854775807)::bigint,
        prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
        expires_at = greatest(t.window_start, excluded.window_start) + 2 * $3::bigint * interval '1 microsecond',
        allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
-                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * $3::bigint
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * $3::bigint
                  <= $5::bigint::numeric * $3::bigint
-RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now
+RETURNING encode(key, 'hex') AS key_hex, (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM p)::bigint AS now_us
 `
 
 type SlidingWindowTakeManyParams struct {
@@ -137,12 +143,12 @@ type SlidingWindowTakeManyParams struct {
 }
 
 type SlidingWindowTakeManyRow struct {
-	Key         []byte
-	WindowStart time.Time
-	Count       int64
-	PrevCount   int64
-	Allowed     bool
-	Now         time.Time
+	KeyHex        string
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
 }
 
 // SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
@@ -167,12 +173,12 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 	for rows.Next() {
 		var i SlidingWindowTakeManyRow
 		if err := rows.Scan(
-			&i.Key,
-			&i.WindowStart,
+			&i.KeyHex,
+			&i.WindowStartUs,
 			&i.Count,
 			&i.PrevCount,
 			&i.Allowed,
-			&i.Now,
+			&i.NowUs,
 		); err != nil {
 			return nil, err
 		}
@@ -208,7 +214,11 @@ ON CONFLICT (key) DO UPDATE
                                 - CASE WHEN least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens) OR $5::boolean THEN ($3::float8 - excluded.tokens) ELSE 0 END,
                                 0 - $3::float8)) / $4::float8) * interval '1 microsecond',
        allowed = least($3::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $4::float8) >= ($3::float8 - excluded.tokens)
-RETURNING key, tokens, updated_at, full_at, allowed
+RETURNING encode(key, 'hex') AS key_hex,
+          ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
+          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
+          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+          allowed
 `
 
 type TokenBucketTakeManyParams struct {
@@ -220,13 +230,22 @@ type TokenBucketTakeManyParams struct {
 	At          *time.Time
 }
 
+type TokenBucketTakeManyRow struct {
+	KeyHex      string
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
 // TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
 // rules of FixedWindowTakeMany. The update arm reads the check's instant
 // from the proposed row's updated_at and its cost as capacity minus the
 // proposed balance (exact for integer costs). It spells the refilled
 // balance out where it needs it, rather than in a subquery, because a
 // subquery there runs once per row and costs more than the arithmetic.
-func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]PgrlTokenBucket, error) {
+// The balance and instants are returned as in TokenBucketTake.
+func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeMany,
 		arg.Keys,
 		arg.Costs,
@@ -239,14 +258,14 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 		return nil, err
 	}
 	defer rows.Close()
-	var items []PgrlTokenBucket
+	var items []TokenBucketTakeManyRow
 	for rows.Next() {
-		var i PgrlTokenBucket
+		var i TokenBucketTakeManyRow
 		if err := rows.Scan(
-			&i.Key,
-			&i.Tokens,
-			&i.UpdatedAt,
-			&i.FullAt,
+			&i.KeyHex,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
 			&i.Allowed,
 		); err != nil {
 			return nil, err

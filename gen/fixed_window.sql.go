@@ -37,20 +37,17 @@ func (q *Queries) FixedWindowEnsurePartition(ctx context.Context, db DBTX, arg F
 }
 
 const fixedWindowPeek = `-- name: FixedWindowPeek :one
-WITH clock AS (
-    SELECT ts,
-           (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($2::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT ts,
-           timestamptz 'epoch' + ((now_us - now_us % $3::bigint) + $3::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
+WITH p AS (
+    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
+      FROM (SELECT (extract(epoch FROM coalesce($2::timestamptz, now())) * 1000000)::bigint AS now_us,
+                   $3::bigint AS window_us) AS c
 )
 SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
-                  WHERE t.key = $1::bytea AND t.expires_at = win.expires_at), 0)::bigint AS count,
-       win.expires_at::timestamptz AS expires_at,
-       win.ts::timestamptz AS now
-  FROM win
+                  WHERE t.key = $1::bytea
+                    AND t.expires_at = timestamptz 'epoch' + p.expires_us * interval '1 microsecond'), 0)::bigint AS count,
+       p.expires_us::bigint AS expires_at_us,
+       p.now_us::bigint AS now_us
+  FROM p
 `
 
 type FixedWindowPeekParams struct {
@@ -60,16 +57,16 @@ type FixedWindowPeekParams struct {
 }
 
 type FixedWindowPeekRow struct {
-	Count     int64
-	ExpiresAt time.Time
-	Now       time.Time
+	Count       int64
+	ExpiresAtUs int64
+	NowUs       int64
 }
 
 // FixedWindowPeek reports the key's current window without counting anything.
 func (q *Queries) FixedWindowPeek(ctx context.Context, db DBTX, arg FixedWindowPeekParams) (FixedWindowPeekRow, error) {
 	row := db.QueryRow(ctx, fixedWindowPeek, arg.Key, arg.At, arg.WindowUs)
 	var i FixedWindowPeekRow
-	err := row.Scan(&i.Count, &i.ExpiresAt, &i.Now)
+	err := row.Scan(&i.Count, &i.ExpiresAtUs, &i.NowUs)
 	return i, err
 }
 
@@ -87,27 +84,25 @@ func (q *Queries) FixedWindowReset(ctx context.Context, db DBTX, key []byte) (in
 }
 
 const fixedWindowTake = `-- name: FixedWindowTake :one
-WITH clock AS (
-    SELECT ts,
-           (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT ts,
-           timestamptz 'epoch' + ((now_us - now_us % $6::bigint) + $6::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
+WITH p AS (
+    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
+      FROM (SELECT (extract(epoch FROM coalesce($5::timestamptz, now())) * 1000000)::bigint AS now_us,
+                   $6::bigint AS window_us) AS c
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT $1::bytea,
-       win.expires_at,
+       timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
        CASE WHEN $2::bigint <= $3::bigint OR $4::boolean
             THEN $2::bigint ELSE 0 END,
        $2::bigint <= $3::bigint
-  FROM win
+  FROM p
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count + $2::bigint <= $3::bigint OR $4::boolean
-                    THEN t.count + $2::bigint ELSE t.count END,
-       allowed = t.count + $2::bigint <= $3::bigint
-RETURNING count, expires_at, allowed, (SELECT ts FROM win)::timestamptz AS now
+   SET count = CASE WHEN t.count <= $3::bigint - $2::bigint THEN t.count + $2::bigint
+                    WHEN NOT $4::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - $2::bigint THEN t.count + $2::bigint
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= $3::bigint - $2::bigint
+RETURNING count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us
 `
 
 type FixedWindowTakeParams struct {
@@ -120,19 +115,23 @@ type FixedWindowTakeParams struct {
 }
 
 type FixedWindowTakeRow struct {
-	Count     int64
-	ExpiresAt time.Time
-	Allowed   bool
-	Now       time.Time
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
 }
 
 // FixedWindowTake counts cost units against the key's current window in one
 // statement and returns the window's state after the check. The check is
-// allowed when count + cost <= max_count. A denied check adds nothing, unless
-// penalty is set: then every attempt is counted. Windows are aligned on the
-// database clock: multiples of window_us microseconds since the Unix epoch.
-// at pins the clock for tests; production leaves it nil and the database's
-// now() decides: the transaction's start, which for a check sent on its own is
+// allowed when count + cost <= max_count (compared as count <= max_count -
+// cost, which cannot overflow for any cost <= max_count). A denied check adds
+// nothing, unless penalty is set: then every attempt is counted, the count
+// stopping at the largest bigint. Windows are aligned on the database clock:
+// multiples of window_us microseconds since the Unix epoch, floored (also
+// before 1970). Instants are returned as microseconds since the Unix epoch,
+// so that no session setting (DateStyle, TimeZone) shapes them. at pins the
+// clock for tests; production leaves it nil and the database's now()
+// decides: the transaction's start, which for a check sent on its own is
 // the statement's, and which gives every check of one multi-limit batch the
 // same instant.
 func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowTakeParams) (FixedWindowTakeRow, error) {
@@ -147,9 +146,9 @@ func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowT
 	var i FixedWindowTakeRow
 	err := row.Scan(
 		&i.Count,
-		&i.ExpiresAt,
+		&i.ExpiresAtUs,
 		&i.Allowed,
-		&i.Now,
+		&i.NowUs,
 	)
 	return i, err
 }

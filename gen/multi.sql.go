@@ -24,7 +24,8 @@ SELECT pgrl_abort_unless(
         JOIN pgrl_fixed_window AS f
           ON f.key = ($1::bytea[])[i]
          AND f.expires_at = timestamptz 'epoch'
-                            + ((n.now_us - n.now_us % ($5::bigint[])[i])
+                            + (n.now_us - ((n.now_us % ($5::bigint[])[i])
+                                           + ($5::bigint[])[i]) % ($5::bigint[])[i]
                                + ($5::bigint[])[i]) * interval '1 microsecond'
       UNION ALL
       SELECT t.allowed FROM pgrl_token_bucket AS t WHERE t.key = ANY($2::bytea[])
@@ -46,7 +47,7 @@ type MultiRequireAllowedParams struct {
 // allowed column, written by this transaction and still locked by it) and
 // raises SQLSTATE PGRL1 unless every one was allowed, which rolls the whole
 // batch back. Fixed-window rows are found by their window, computed from
-// now() as the checks computed it: in one transaction, now() is the same
+// now() as the checks computed it (floored, also before 1970): in one transaction, now() is the same
 // instant for every statement.
 func (q *Queries) MultiRequireAllowed(ctx context.Context, db DBTX, arg MultiRequireAllowedParams) (bool, error) {
 	row := db.QueryRow(ctx, multiRequireAllowed,

@@ -13,8 +13,8 @@ import (
 const slidingWindowPeek = `-- name: SlidingWindowPeek :one
 WITH p AS (
     SELECT n.ts,
-           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
-           n.window_us
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
+           n.now_us, n.window_us
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us, c.window_us
               FROM (SELECT coalesce($1::timestamptz, now()) AS ts,
                            $2::bigint AS window_us) AS c) AS n
@@ -23,12 +23,12 @@ WITH p AS (
       FROM pgrl_sliding_window AS t
      WHERE t.key = $3::bytea
 )
-SELECT greatest(p.window_start, coalesce((SELECT r.window_start FROM r), p.window_start))::timestamptz AS window_start,
+SELECT (extract(epoch FROM greatest(p.window_start, coalesce((SELECT r.window_start FROM r), p.window_start))) * 1000000)::bigint AS window_start_us,
        coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.count ELSE 0 END FROM r), 0)::bigint AS count,
        coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.prev_count
                              WHEN r.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN r.count
                              ELSE 0 END FROM r), 0)::bigint AS prev_count,
-       p.ts::timestamptz AS now
+       p.now_us::bigint AS now_us
   FROM p
 `
 
@@ -39,10 +39,10 @@ type SlidingWindowPeekParams struct {
 }
 
 type SlidingWindowPeekRow struct {
-	WindowStart time.Time
-	Count       int64
-	PrevCount   int64
-	Now         time.Time
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	NowUs         int64
 }
 
 // SlidingWindowPeek reports the key's current and previous window counts as
@@ -51,10 +51,10 @@ func (q *Queries) SlidingWindowPeek(ctx context.Context, db DBTX, arg SlidingWin
 	row := db.QueryRow(ctx, slidingWindowPeek, arg.At, arg.WindowUs, arg.Key)
 	var i SlidingWindowPeekRow
 	err := row.Scan(
-		&i.WindowStart,
+		&i.WindowStartUs,
 		&i.Count,
 		&i.PrevCount,
-		&i.Now,
+		&i.NowUs,
 	)
 	return i, err
 }
@@ -75,7 +75,7 @@ func (q *Queries) SlidingWindowReset(ctx context.Context, db DBTX, key []byte) (
 const slidingWindowTake = `-- name: SlidingWindowTake :one
 WITH p AS (
     SELECT n.ts, n.now_us,
-           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
            n.window_us, n.cost, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.cost, c.max_count, c.penalty
@@ -95,18 +95,19 @@ SELECT $1::bytea,
   FROM p
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
                + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($2::bigint - least(greatest((extract(epoch FROM coalesce($3::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $2::bigint))
-                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + $4::bigint)::numeric * $2::bigint
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + $4::bigint) * $2::bigint
                            <= $5::bigint::numeric * $2::bigint
                         OR $6::boolean
-                      THEN $4::bigint ELSE 0 END,
+                      THEN $4::bigint ELSE 0 END, 9223372036854775807)::bigint,
        prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
        expires_at = greatest(t.window_start, excluded.window_start) + 2 * $2::bigint * interval '1 microsecond',
        allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($2::bigint - least(greatest((extract(epoch FROM coalesce($3::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $2::bigint))
-                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + $4::bigint)::numeric * $2::bigint
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + $4::bigint) * $2::bigint
                  <= $5::bigint::numeric * $2::bigint
-RETURNING window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now
+RETURNING (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM p)::bigint AS now_us
 `
 
 type SlidingWindowTakeParams struct {
@@ -119,11 +120,11 @@ type SlidingWindowTakeParams struct {
 }
 
 type SlidingWindowTakeRow struct {
-	WindowStart time.Time
-	Count       int64
-	PrevCount   int64
-	Allowed     bool
-	Now         time.Time
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
 }
 
 // SlidingWindowTake checks and counts cost units for the key in one statement.
@@ -139,7 +140,10 @@ type SlidingWindowTakeRow struct {
 // denied check adds nothing unless penalty is set. The UPDATE arm reads the
 // current window's start from the proposed row and spells the rolled-forward
 // counts out where it needs them, as TokenBucketTake does. at pins the clock
-// for tests; production leaves it nil.
+// for tests; production leaves it nil. Windows start at multiples of
+// window_us since the Unix epoch, floored (also before 1970); a penalised
+// count stops at the largest bigint. Instants are returned as microseconds
+// since the Unix epoch, shaped by no session setting.
 func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWindowTakeParams) (SlidingWindowTakeRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTake,
 		arg.Key,
@@ -151,11 +155,11 @@ func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWin
 	)
 	var i SlidingWindowTakeRow
 	err := row.Scan(
-		&i.WindowStart,
+		&i.WindowStartUs,
 		&i.Count,
 		&i.PrevCount,
 		&i.Allowed,
-		&i.Now,
+		&i.NowUs,
 	)
 	return i, err
 }

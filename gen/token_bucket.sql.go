@@ -16,14 +16,14 @@ WITH p AS (
            $3::float8 AS capacity,
            $4::float8 AS refill_per_us
 )
-SELECT coalesce(
+SELECT ('x' || encode(float8send(coalesce(
            (SELECT least(p.capacity,
                          t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
                                     * p.refill_per_us)
               FROM pgrl_token_bucket AS t
              WHERE t.key = $1::bytea),
-           p.capacity)::float8 AS tokens,
-       p.ts::timestamptz AS now
+           p.capacity)::float8), 'hex'))::bit(64)::bigint AS tokens_bits,
+       (extract(epoch FROM p.ts) * 1000000)::bigint AS now_us
   FROM p
 `
 
@@ -35,12 +35,13 @@ type TokenBucketPeekParams struct {
 }
 
 type TokenBucketPeekRow struct {
-	Tokens float64
-	Now    time.Time
+	TokensBits int64
+	NowUs      int64
 }
 
 // TokenBucketPeek reports the key's balance now, refilled, without spending.
-// A key never seen has a full bucket.
+// A key never seen has a full bucket. Returned as TokenBucketTake returns
+// them: the balance's float8 bits and the instant in microseconds.
 func (q *Queries) TokenBucketPeek(ctx context.Context, db DBTX, arg TokenBucketPeekParams) (TokenBucketPeekRow, error) {
 	row := db.QueryRow(ctx, tokenBucketPeek,
 		arg.Key,
@@ -49,7 +50,7 @@ func (q *Queries) TokenBucketPeek(ctx context.Context, db DBTX, arg TokenBucketP
 		arg.RefillPerUs,
 	)
 	var i TokenBucketPeekRow
-	err := row.Scan(&i.Tokens, &i.Now)
+	err := row.Scan(&i.TokensBits, &i.NowUs)
 	return i, err
 }
 
@@ -96,7 +97,10 @@ ON CONFLICT (key) DO UPDATE
                                 - CASE WHEN least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8 OR $5::boolean THEN $4::float8 ELSE 0 END,
                                 0 - $2::float8)) / $3::float8) * interval '1 microsecond',
        allowed = least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8
-RETURNING tokens, updated_at, full_at, allowed
+RETURNING ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
+          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
+          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+          allowed
 `
 
 type TokenBucketTakeParams struct {
@@ -109,10 +113,10 @@ type TokenBucketTakeParams struct {
 }
 
 type TokenBucketTakeRow struct {
-	Tokens    float64
-	UpdatedAt time.Time
-	FullAt    time.Time
-	Allowed   bool
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
 }
 
 // TokenBucketTake refills the key's bucket for the time since its last
@@ -123,7 +127,10 @@ type TokenBucketTakeRow struct {
 // the balance may fall as low as -capacity, never lower. The UPDATE arm
 // spells the refilled balance out where it needs it: a subquery there would
 // be set up and run for every row, which costs more than the arithmetic.
-// refill_per_us is tokens per microsecond.
+// refill_per_us is tokens per microsecond. The balance is returned as the
+// bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
+// as microseconds since the Unix epoch: exact, and shaped by no session
+// setting (extra_float_digits, DateStyle, TimeZone).
 // Elapsed time is clamped at zero, so a check that waited on the row lock and
 // sees a newer updated_at than its own clock never refills backwards. at pins
 // the clock for tests; production leaves it nil.
@@ -138,9 +145,9 @@ func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketT
 	)
 	var i TokenBucketTakeRow
 	err := row.Scan(
-		&i.Tokens,
-		&i.UpdatedAt,
-		&i.FullAt,
+		&i.TokensBits,
+		&i.UpdatedAtUs,
+		&i.FullAtUs,
 		&i.Allowed,
 	)
 	return i, err

@@ -2,8 +2,10 @@ package ratelimit
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -370,33 +372,33 @@ func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
 			Keys: keys, Costs: fcosts, At: l.at(), Capacity: float64(l.cfg.Burst),
 			RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
 		})
-		return decideRows(batch, rows, err, func(row gen.PgrlTokenBucket) []byte { return row.Key },
-			func(row gen.PgrlTokenBucket, r *pendingCheck) Decision {
-				return l.tokenDecision(row.Allowed, row.Tokens, row.UpdatedAt, row.FullAt, r.cost)
+		return decideRows(batch, rows, err, func(row gen.TokenBucketTakeManyRow) string { return row.KeyHex },
+			func(row gen.TokenBucketTakeManyRow, r *pendingCheck) Decision {
+				return l.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), r.cost)
 			})
 	case SlidingWindow:
 		rows, err := l.q.SlidingWindowTakeMany(ctx, l.db, gen.SlidingWindowTakeManyParams{
 			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 		})
-		return decideRows(batch, rows, err, func(row gen.SlidingWindowTakeManyRow) []byte { return row.Key },
+		return decideRows(batch, rows, err, func(row gen.SlidingWindowTakeManyRow) string { return row.KeyHex },
 			func(row gen.SlidingWindowTakeManyRow, r *pendingCheck) Decision {
-				return l.slidingDecision(row.Allowed, row.WindowStart, row.Count, row.PrevCount, row.Now, r.cost)
+				return l.slidingDecision(row.Allowed, usTime(row.WindowStartUs), row.Count, row.PrevCount, usTime(row.NowUs), r.cost)
 			})
 	default:
 		rows, err := l.q.FixedWindowTakeMany(ctx, l.db, gen.FixedWindowTakeManyParams{
 			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 		})
-		return decideRows(batch, rows, err, func(row gen.FixedWindowTakeManyRow) []byte { return row.Key },
+		return decideRows(batch, rows, err, func(row gen.FixedWindowTakeManyRow) string { return row.KeyHex },
 			func(row gen.FixedWindowTakeManyRow, r *pendingCheck) Decision {
-				return l.fixedDecision(row.Allowed, row.Count, row.ExpiresAt, row.Now)
+				return l.fixedDecision(row.Allowed, row.Count, usTime(row.ExpiresAtUs), usTime(row.NowUs))
 			})
 	}
 }
 
 // decideRows gives every check of batch the decision decide makes from the
-// row of its key, which key reads. A statement must return one row per
+// row of its key, which key reads (hex-encoded, as the statements return it). A statement must return one row per
 // check, each of a key of the batch.
-func decideRows[R any](batch []*pendingCheck, rows []R, err error, key func(R) []byte, decide func(R, *pendingCheck) Decision) error {
+func decideRows[R any](batch []*pendingCheck, rows []R, err error, key func(R) string, decide func(R, *pendingCheck) Decision) error {
 	if err != nil {
 		return err
 	}
@@ -408,8 +410,9 @@ func decideRows[R any](batch []*pendingCheck, rows []R, err error, key func(R) [
 		byKey[r.id] = r
 	}
 	for _, row := range rows {
-		r := byKey[string(key(row))]
-		if r == nil {
+		k, herr := hex.DecodeString(key(row))
+		r := byKey[string(k)]
+		if herr != nil || r == nil {
 			return errors.New("ratelimit: batched statement returned an unknown key")
 		}
 		r.d = decide(row, r)

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"log/slog"
+	"math/big"
 	"strings"
 	"time"
 
@@ -103,16 +104,21 @@ type Config struct {
 
 	// Limit is the most units admitted per Window (fixed and sliding
 	// window), or the token bucket's refill: Limit tokens per Window.
-	// Required; must be positive.
+	// Required; from 1 to math.MaxInt64 (every value is exact: counts are
+	// bigint in PostgreSQL, compared without overflow; a penalised count
+	// stops at math.MaxInt64).
 	Limit int64
 
 	// Window is the window's length, or the token bucket's refill period.
-	// Required; between MinWindow and MaxWindow.
+	// Required; between MinWindow and MaxWindow, in whole microseconds.
 	Window time.Duration
 
 	// Burst is the token bucket's capacity: the most units it admits at
-	// once after being idle. Defaults to Limit. Ignored by the window
-	// algorithms.
+	// once after being idle. Defaults to Limit. At most MaxTokens (2^53),
+	// and an empty bucket must refill within 1,000 years (Burst/Limit ×
+	// Window); New refuses anything else with ErrInvalidBurst,
+	// so a token bucket with Limit above 2^53 needs an explicit Burst.
+	// Ignored by the window algorithms.
 	Burst int64
 
 	// Penalty counts every attempt, denied ones included, so that a client
@@ -122,7 +128,10 @@ type Config struct {
 	// -Burst: the client must wait for the debt to refill.
 	Penalty bool
 
-	// KeyMode chooses how keys are stored. Defaults to HashedKeys.
+	// KeyMode chooses how keys are stored. Defaults to HashedKeys, which
+	// take keys of any length and any bytes. With ReadableKeys, Name is at
+	// most MaxReadableNameBytes (256) and every key at most
+	// MaxReadableKeyBytes (2048) bytes: a longer key gets ErrKeyTooLong.
 	KeyMode KeyMode
 
 	// OnFailure chooses the answer when the database cannot give one in
@@ -177,7 +186,9 @@ type Config struct {
 	// costs), so under a burst the limit can start denying somewhat before
 	// Limit is reached; once traffic has exhausted every row the total is
 	// Limit exactly. Remaining and Peek are estimates (a row's
-	// figure times Spread; the sum over rows). Defaults to 1 (one row).
+	// figure times Spread; the sum over rows). The deny cache keeps each
+	// row's denials apart, so a denied row never answers for the others.
+	// Defaults to 1 (one row).
 	Spread int
 
 	// DisableCoalescing turns off the coalescing of concurrent checks. By
@@ -265,6 +276,11 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Burst == 0 {
 		c.Burst = c.Limit
 	}
+	if c.Algorithm == TokenBucket {
+		if err := c.checkBucket(); err != nil {
+			return c, err
+		}
+	}
 	switch c.OnFailure {
 	case FailToMemory, FailOpen, FailClosed, FailError:
 	default:
@@ -318,6 +334,41 @@ func (c Config) withDefaults() (Config, error) {
 		c.Logger = slog.Default()
 	}
 	return c, nil
+}
+
+// MaxTokens is the largest token-bucket Burst (and so cost) a limiter
+// accepts: 2^53, the largest range in which a float8 balance, as PostgreSQL
+// and the memory tier keep it, counts every single token exactly.
+const MaxTokens = 1 << 53
+
+// maxRefillUs is the longest an empty token bucket may take to refill:
+// 1,000 years, in microseconds. Refill instants (twice that under penalty)
+// then stay far inside PostgreSQL's interval and timestamp ranges.
+const maxRefillUs = 1000 * 36525 * 24 * 3600 * 1_000_000 / 100
+
+// checkBucket refuses token buckets whose balance or refill times cannot be
+// computed exactly: a Burst beyond MaxTokens, or an empty bucket that takes
+// longer than 1,000 years to refill (its refill instants would leave the
+// range of PostgreSQL's intervals).
+func (c Config) checkBucket() error {
+	if c.Burst > MaxTokens {
+		return invalid(ErrInvalidBurst, "%d for %q; a token bucket holds at most %d tokens (exactly, as a float8): lower Burst (it defaults to Limit), or count in larger units", c.Burst, c.Name, int64(MaxTokens))
+	}
+	// Burst/Limit*Window <= 1,000 years, in integers that cannot overflow.
+	fill := new(big.Int).Mul(big.NewInt(c.Burst), big.NewInt(c.Window.Microseconds()))
+	most := new(big.Int).Mul(big.NewInt(c.Limit), big.NewInt(maxRefillUs))
+	if fill.Cmp(most) > 0 {
+		return invalid(ErrInvalidBurst, "burst %d at %d per %v for %q: an empty bucket would take more than 1,000 years to refill; raise Limit, shorten Window or lower Burst", c.Burst, c.Limit, c.Window, c.Name)
+	}
+	return nil
+}
+
+// checkKey refuses a key the table could not hold.
+func (c Config) checkKey(key string) error {
+	if c.KeyMode == ReadableKeys && len(key) > MaxReadableKeyBytes {
+		return invalid(ErrKeyTooLong, "%d bytes for %q; readable keys hold at most %d bytes: shorten the key, or use HashedKeys (the default), which takes keys of any length", len(key), c.Name, MaxReadableKeyBytes)
+	}
+	return nil
 }
 
 // checkCost validates one check's cost.

@@ -87,7 +87,9 @@
 // default the table holds a 16-byte digest of the limiter's name and the key,
 // never the identifier itself (an email or an IP address is personal data).
 // Config.KeyMode = ReadableKeys stores "name:key" instead, for teams that want
-// to read the table. Because the name is part of the stored key, two
+// to read the table; PostgreSQL's index then bounds them: keys up to
+// MaxReadableKeyBytes (2,048) and names up to MaxReadableNameBytes (256), a
+// longer key giving ErrKeyTooLong before any round trip. Because the name is part of the stored key, two
 // limiters with different names never share a counter.
 //
 // # Transactions
@@ -103,14 +105,28 @@
 // A limiter runs on a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx, in any of pgx's
 // query exec modes (the default cached prepared statements, exec, describe,
 // or the simple protocol used behind PgBouncer without prepared statement
-// support).
+// support). No session setting changes a decision: the statements return
+// instants as microseconds since the Unix epoch and balances as float8 bits,
+// so DateStyle, IntervalStyle, TimeZone, extra_float_digits, bytea_output and
+// a search_path with other schemas first are all safe.
+//
+// # Ranges
+//
+// Every accepted value decides exactly: Limit and costs up to math.MaxInt64
+// for the window algorithms; for the token bucket, Burst up to MaxTokens
+// (2^53) and an empty bucket refilling within 1,000 years. New refuses
+// anything else with a typed error that names the fix.
 //
 // # Failures and the database
 //
-// Missing tables give ErrNotMigrated (run `rl-migrate up`); a read-only
-// standby gives ErrReadOnly. The counter tables are UNLOGGED: PostgreSQL
-// empties them after a crash, and a standby promoted by a failover starts with
-// empty counters, so every limit starts afresh. For a rate limiter that is
+// Missing tables give ErrNotMigrated (run `rl-migrate up`); missing grants
+// give ErrPermission, naming the grant; a read-only standby gives
+// ErrReadOnly; input PostgreSQL refuses gives ErrInvalidInput. None of them
+// is answered by the failure policy or counts towards the breaker.
+//
+// The counter tables are UNLOGGED: PostgreSQL empties them after a crash,
+// and a standby promoted by a failover starts with empty counters, so every
+// limit starts afresh. For a rate limiter that is
 // the right trade: writes skip the WAL and cost about half as much.
 //
 // In the partitioned layout of the fixed-window table (`rl-migrate layout

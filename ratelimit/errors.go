@@ -11,16 +11,19 @@ var (
 	// ErrNilDB: New was given no database.
 	ErrNilDB = errors.New("ratelimit: nil database; pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx")
 	// ErrInvalidName: the limiter has no name, or (with readable keys) a
-	// name containing ':'.
+	// name containing ':' or longer than MaxReadableNameBytes.
 	ErrInvalidName = errors.New("ratelimit: invalid limiter name")
 	// ErrInvalidAlgorithm: the algorithm is not one of the three.
 	ErrInvalidAlgorithm = errors.New("ratelimit: invalid algorithm")
-	// ErrInvalidLimit: the limit is zero or negative.
+	// ErrInvalidLimit: the limit is zero or negative (or too small to
+	// spread over Spread rows).
 	ErrInvalidLimit = errors.New("ratelimit: invalid limit")
 	// ErrInvalidWindow: the window is zero, negative, shorter than a
 	// millisecond, or longer than a year.
 	ErrInvalidWindow = errors.New("ratelimit: invalid window")
-	// ErrInvalidBurst: the token bucket's burst is negative.
+	// ErrInvalidBurst: the token bucket's burst is negative, above
+	// MaxTokens, or so large against Limit that an empty bucket would take
+	// more than 1,000 years to refill.
 	ErrInvalidBurst = errors.New("ratelimit: invalid burst")
 	// ErrInvalidPolicy: OnFailure is not one of the policies.
 	ErrInvalidPolicy = errors.New("ratelimit: invalid failure policy")
@@ -45,6 +48,21 @@ var (
 	// ErrMixedDatabases: a multi-limit decision mixes limiters on different
 	// databases, which one round trip cannot reach.
 	ErrMixedDatabases = errors.New("ratelimit: the limiters of one decision must share a database")
+	// ErrKeyTooLong: with ReadableKeys, a key longer than
+	// MaxReadableKeyBytes, which PostgreSQL could not index. Hashed keys
+	// have no limit.
+	ErrKeyTooLong = errors.New("ratelimit: key too long for readable keys")
+	// ErrInvalidInput: PostgreSQL refused a check because of its input (a
+	// data exception, a program limit or a constraint: SQLSTATE classes 22,
+	// 54 and 23), such as a pinned clock outside PostgreSQL's timestamp
+	// range. The failure policy, the breaker and the memory fallback never
+	// answer it: they are for outages, and one bad request must not move a
+	// limiter's other keys off PostgreSQL. The *pgconn.PgError is wrapped.
+	ErrInvalidInput = errors.New("ratelimit: PostgreSQL refused the check's input")
+	// ErrPermission: the database user lacks a privilege on pgrl's schema,
+	// tables or functions (SQLSTATE 42501, or a schema without USAGE, which
+	// makes its tables look missing). The message names the grant.
+	ErrPermission = errors.New("ratelimit: permission denied on pgrl's objects")
 	// ErrPartitionMissing: in the partitioned layout, a check inside the
 	// caller's transaction found no partition for its window. The limiter
 	// has created it; retry the transaction.

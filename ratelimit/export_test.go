@@ -31,3 +31,21 @@ func TakeMany(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]
 	}
 	return ds, nil
 }
+
+// SendBatch sends checks of distinct keys as the coalescer sends one
+// statement, skipping the per-call validation, and returns each check's
+// decision and error as the caller would see them.
+func SendBatch(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]Decision, []error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		skey := l.key(key)
+		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: costs[i]}
+	}
+	newCoalescer(l, len(keys), 1).send(batch)
+	ds := make([]Decision, len(batch))
+	errs := make([]error, len(batch))
+	for i, r := range batch {
+		ds[i], errs[i] = r.d, mapErr(r.err)
+	}
+	return ds, errs
+}

@@ -5,6 +5,19 @@ import (
 	"encoding/binary"
 )
 
+// Limits of readable keys (KeyMode ReadableKeys), where the table stores
+// "name:key" as given and PostgreSQL's index holds it: an index entry must
+// fit in a third of a page (about 2,700 bytes), so the two together stay
+// well below that. Hashed keys (the default) take keys of any length.
+const (
+	// MaxReadableKeyBytes is the longest key a check accepts with
+	// readable keys; a longer one gets ErrKeyTooLong.
+	MaxReadableKeyBytes = 2048
+	// MaxReadableNameBytes is the longest limiter name New accepts with
+	// readable keys.
+	MaxReadableNameBytes = 256
+)
+
 // digestSize is the size of a hashed key in the counter tables.
 const digestSize = 16
 

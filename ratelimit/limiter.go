@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/bits"
 	"math/rand/v2"
 	"strings"
 	"sync/atomic"
@@ -40,6 +41,15 @@ type Limiter struct {
 // pgrl's tables (run `rl-migrate up`, or migration.Up at start-up). New
 // validates cfg and does not touch the database.
 func New(db DB, cfg Config) (*Limiter, error) {
+	if cfg.KeyMode == ReadableKeys && len(cfg.Name) > MaxReadableNameBytes {
+		return nil, invalid(ErrInvalidName, "%d bytes with readable keys; use a name of at most %d bytes, or HashedKeys (the default)", len(cfg.Name), MaxReadableNameBytes)
+	}
+	return newLimiter(db, cfg)
+}
+
+// newLimiter is New without the name's length check, which a spread
+// limit's rows (named "name#i") would fail.
+func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	if isNil(db) {
 		return nil, ErrNilDB
 	}
@@ -53,13 +63,17 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	fb.Limit = cfg.FallbackLimit
 	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
 	if cfg.Algorithm == TokenBucket {
-		// Keep the bucket's shape: scale the burst with the limit.
-		fb.Burst = max(1, cfg.Burst*cfg.FallbackLimit/cfg.Limit)
+		// Keep the bucket's shape: scale the burst with the limit
+		// (Burst*FallbackLimit/Limit, in 128 bits: the product can
+		// overflow int64).
+		fb.Burst = max(1, mulDiv(cfg.Burst, cfg.FallbackLimit, cfg.Limit))
 	}
 	if l.memory, err = NewMemory(fb, MemoryOptions{}); err != nil {
 		return nil, err
 	}
-	if cfg.DenyCacheSize > 0 {
+	if cfg.DenyCacheSize > 0 && cfg.Spread <= 1 {
+		// A spread limit's rows keep their own: a denial by one row says
+		// nothing of the others.
 		l.deny = newDenyCache(cfg.DenyCacheSize)
 	}
 	if !cfg.DisableCoalescing {
@@ -76,7 +90,7 @@ func New(db DB, cfg Config) (*Limiter, error) {
 		for i := range s {
 			sc := cfg
 			sc.Name = fmt.Sprintf("%s#%d", cfg.Name, i)
-			sc.Spread, sc.DenyCacheSize = 1, -1
+			sc.Spread = 1
 			// Share Limit and Burst out, the remainder to the first rows.
 			sc.Limit = cfg.Limit/s + b2i(i < cfg.Limit%s)
 			sc.Burst = cfg.Burst/s + b2i(i < cfg.Burst%s)
@@ -84,7 +98,7 @@ func New(db DB, cfg Config) (*Limiter, error) {
 				// Every row refills at its share of the rate.
 				sc.Limit = max(sc.Limit, 1)
 			}
-			shard, err := New(db, sc)
+			shard, err := newLimiter(db, sc)
 			if err != nil {
 				return nil, err
 			}
@@ -151,20 +165,30 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 	if err := l.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}
+	if err := l.cfg.checkKey(key); err != nil {
+		return Decision{}, err
+	}
+	// The row that decides: the limiter's own, or with Spread one of its
+	// rows, whose deny cache answers for that row only.
+	row := l
+	if l.shards != nil {
+		row = l.pickShard(n)
+	}
 	sent := l.localNow()
-	if l.deny != nil {
-		if d, ok := l.deny.get(key, n, sent); ok {
-			return l.shadow(key, d), nil
+	if row.deny != nil {
+		if d, ok := row.deny.get(key, n, sent); ok {
+			return l.shadow(key, l.asWhole(row, d)), nil
 		}
 	}
 	if !l.breaker.allow(sent) {
 		return l.fallback(ctx, key, n, errBreakerOpen)
 	}
-	d, err := l.allowWithin(ctx, key, n)
+	d, err := row.allowWithin(ctx, key, n)
 	if err != nil {
 		if callerDone(ctx) {
 			return Decision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
+		err = l.explain(ctx, err)
 		if isConfigError(err) {
 			l.breaker.success() // the database answered
 			return Decision{}, err
@@ -173,9 +197,10 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 		return l.fallback(ctx, key, n, err)
 	}
 	l.breaker.success()
-	if l.deny != nil && !d.Allowed {
-		l.deny.put(key, n, d, sent)
+	if row.deny != nil && !d.Allowed {
+		row.deny.put(key, n, d, sent)
 	}
+	d = l.asWhole(row, d)
 	if l.cfg.Cleanup != nil {
 		if pool, ok := l.db.(*pgxpool.Pool); ok {
 			l.cfg.Cleanup.Maybe(ctx, pool)
@@ -207,12 +232,18 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, n int64) (Decisio
 	}
 }
 
-// allowDB asks PostgreSQL, healing a missing partition once.
-func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
-	if l.shards != nil {
-		d, err := l.pickShard(n).allowDB(ctx, key, n)
-		return l.spreadDecision(d), err
+// asWhole reports a decision of row (l itself, or one of its spread rows)
+// in terms of the whole limit.
+func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
+	if row == l {
+		return d
 	}
+	return l.spreadDecision(d)
+}
+
+// allowDB asks PostgreSQL, healing a missing partition once. A spread
+// limit's caller passes the row that decides (see allowN).
+func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
 	take := func() (Decision, error) {
 		if l.coalescer != nil {
 			return l.coalescer.take(ctx, key, n)
@@ -225,11 +256,11 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
 		if herr := l.heal(ctx, l.db); herr != nil {
-			return Decision{}, mapErr(herr)
+			return Decision{}, herr
 		}
 		d, err = take()
 	}
-	return d, mapErr(err)
+	return d, err
 }
 
 // AllowNTx is AllowN inside the caller's transaction: rolling the
@@ -254,6 +285,9 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) 
 	if err := l.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}
+	if err := l.cfg.checkKey(key); err != nil {
+		return Decision{}, err
+	}
 	d, err := l.take(ctx, tx, key, n)
 	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// The failed statement has aborted the caller's transaction; create
@@ -263,14 +297,17 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) 
 		}
 		return Decision{}, fmt.Errorf("%w (%v)", ErrPartitionMissing, err)
 	}
-	return d, mapErr(err)
+	return d, l.explain(ctx, err)
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,
 // without counting anything.
 func (l *Limiter) Peek(ctx context.Context, key string) (Decision, error) {
+	if err := l.cfg.checkKey(key); err != nil {
+		return Decision{}, err
+	}
 	d, err := l.peek(ctx, l.db, key)
-	return d, mapErr(err)
+	return d, l.explain(ctx, err)
 }
 
 // PeekTx is Peek inside the caller's transaction.
@@ -278,20 +315,29 @@ func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string) (Decision, 
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
+	if err := l.cfg.checkKey(key); err != nil {
+		return Decision{}, err
+	}
 	d, err := l.peek(ctx, tx, key)
-	return d, mapErr(err)
+	return d, l.explain(ctx, err)
 }
 
 // Reset forgets everything counted for key under this limiter (in
 // PostgreSQL, in this process's memory fallback and in its deny cache).
 func (l *Limiter) Reset(ctx context.Context, key string) error {
+	if err := l.cfg.checkKey(key); err != nil {
+		return err
+	}
 	l.forgetLocal(ctx, key)
-	return mapErr(l.reset(ctx, l.db, key))
+	return l.explain(ctx, l.reset(ctx, l.db, key))
 }
 
 func (l *Limiter) forgetLocal(ctx context.Context, key string) {
 	if l.deny != nil {
 		l.deny.forget(key)
+	}
+	for _, s := range l.shards {
+		s.forgetLocal(ctx, key)
 	}
 	_ = l.memory.Reset(ctx, key)
 }
@@ -301,8 +347,11 @@ func (l *Limiter) ResetTx(ctx context.Context, tx pgx.Tx, key string) error {
 	if tx == nil {
 		return ErrNilDB
 	}
+	if err := l.cfg.checkKey(key); err != nil {
+		return err
+	}
 	l.forgetLocal(ctx, key)
-	return mapErr(l.reset(ctx, tx, key))
+	return l.explain(ctx, l.reset(ctx, tx, key))
 }
 
 // localNow is the process's clock (with its monotonic reading), or the
@@ -343,7 +392,7 @@ func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decisi
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.tokenDecision(r.Allowed, r.Tokens, r.UpdatedAt, r.FullAt, n), nil
+		return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), n), nil
 	case SlidingWindow:
 		r, err := l.q.SlidingWindowTake(ctx, db, gen.SlidingWindowTakeParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -351,7 +400,7 @@ func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decisi
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.slidingDecision(r.Allowed, r.WindowStart, r.Count, r.PrevCount, r.Now, n), nil
+		return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), n), nil
 	default:
 		r, err := l.q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -359,7 +408,7 @@ func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decisi
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.fixedDecision(r.Allowed, r.Count, r.ExpiresAt, r.Now), nil
+		return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
 	}
 }
 
@@ -395,8 +444,9 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		if err != nil {
 			return Decision{}, err
 		}
-		fullAt := r.Now.Add(usToDuration((float64(l.cfg.Burst) - r.Tokens) / l.refillPerUs))
-		return l.tokenDecision(r.Tokens >= 1, r.Tokens, r.Now, fullAt, 1), nil
+		tokens, now := math.Float64frombits(uint64(r.TokensBits)), usTime(r.NowUs)
+		fullAt := now.Add(usToDuration((float64(l.cfg.Burst) - tokens) / l.refillPerUs))
+		return l.tokenDecision(tokens >= 1, tokens, now, fullAt, 1), nil
 	case SlidingWindow:
 		r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs,
@@ -404,8 +454,9 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		if err != nil {
 			return Decision{}, err
 		}
-		allowed := slidingEstimate(r.PrevCount, r.Count, l.elapsedUs(r.WindowStart, r.Now), l.windowUs)+1 <= float64(l.cfg.Limit)
-		return l.slidingDecision(allowed, r.WindowStart, r.Count, r.PrevCount, r.Now, 1), nil
+		start, now := usTime(r.WindowStartUs), usTime(r.NowUs)
+		allowed := slidingFits(r.PrevCount, r.Count, 1, l.elapsedUs(start, now), l.windowUs, l.cfg.Limit)
+		return l.slidingDecision(allowed, start, r.Count, r.PrevCount, now, 1), nil
 	default:
 		r, err := l.q.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{
 			Key: k, At: l.at(), WindowUs: l.windowUs,
@@ -413,7 +464,7 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		if err != nil {
 			return Decision{}, err
 		}
-		return l.fixedDecision(r.Count+1 <= l.cfg.Limit, r.Count, r.ExpiresAt, r.Now), nil
+		return l.fixedDecision(r.Count < l.cfg.Limit, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
 	}
 }
 
@@ -491,20 +542,82 @@ func isMissingPartition(err error) bool {
 }
 
 // mapErr turns the database errors a user can cause into typed errors that
-// name the fix, keeping the original for errors.As.
+// name the fix. The *pgconn.PgError stays in the chain for errors.As, the
+// typed error for errors.Is. An error already mapped is returned as is.
 func mapErr(err error) error {
-	if err == nil {
-		return nil
+	if err == nil || isConfigError(err) {
+		return err
 	}
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch {
 		case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
-			return fmt.Errorf("%w (%s)", ErrNotMigrated, pgErr.Message)
+			return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
 		case pgErr.Code == "25006",
 			pgErr.Code == "0A000" && strings.Contains(pgErr.Message, "during recovery"):
-			return fmt.Errorf("%w (%s)", ErrReadOnly, pgErr.Message)
+			return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
+		case pgErr.Code == "42501":
+			return fmt.Errorf("%w: %s: %w", ErrPermission, missingGrant(pgErr.Message), pgErr)
+		case isMissingPartition(pgErr):
+			// The partitioned layout's own path handles it.
+		case strings.HasPrefix(pgErr.Code, "22"), strings.HasPrefix(pgErr.Code, "54"), strings.HasPrefix(pgErr.Code, "23"):
+			return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
 		}
 	}
 	return fmt.Errorf("ratelimit: %w", err)
+}
+
+// missingGrant names the grant a permission error asks for, from
+// PostgreSQL's message ("permission denied for table|schema|function X").
+func missingGrant(msg string) string {
+	switch {
+	case strings.Contains(msg, "for schema"):
+		return "the database user lacks USAGE on pgrl's schema; run GRANT USAGE ON SCHEMA <schema> TO <user>"
+	case strings.Contains(msg, "for function"), strings.Contains(msg, "for procedure"):
+		return "the database user lacks EXECUTE on pgrl's functions; run GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA <schema> TO <user>"
+	}
+	return "the database user lacks rights on pgrl's tables; run GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA <schema> TO <user>"
+}
+
+// schemaWithoutUsage finds a schema holding pgrl's tables on which the
+// current user lacks USAGE: PostgreSQL then leaves it off the search_path
+// silently, and pgrl's tables look missing. Schemas named in search_path
+// come first.
+const schemaWithoutUsage = `SELECT n.nspname::text
+  FROM pg_catalog.pg_class AS c
+  JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE c.relname IN ('pgrl_fixed_window', 'pgrl_token_bucket', 'pgrl_sliding_window')
+   AND NOT pg_catalog.has_schema_privilege(n.oid, 'USAGE')
+ ORDER BY pg_catalog.strpos(pg_catalog.current_setting('search_path'), n.nspname) = 0, n.nspname
+ LIMIT 1`
+
+// explain is mapErr, and tells a missing table apart from a schema the user
+// may not use, with one more query on the limiter's database (only on that
+// error path).
+func (l *Limiter) explain(ctx context.Context, err error) error {
+	err = mapErr(err)
+	if !errors.Is(err, ErrNotMigrated) {
+		return err
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "42P01" {
+		return err
+	}
+	var schema string
+	if qerr := l.db.QueryRow(ctx, schemaWithoutUsage).Scan(&schema); qerr != nil {
+		return err // none found (or no answer): the tables are missing
+	}
+	return fmt.Errorf("%w: the database user lacks USAGE on schema %q, which holds pgrl's tables, so PostgreSQL hides them; run GRANT USAGE ON SCHEMA %s TO <user> (and SELECT, INSERT, UPDATE, DELETE on its pgrl_ tables): %w",
+		ErrPermission, schema, pgx.Identifier{schema}.Sanitize(), pgErr)
+}
+
+// mulDiv is a*b/c for non-negative a, b and positive c, computed in 128
+// bits and capped at math.MaxInt64.
+func mulDiv(a, b, c int64) int64 {
+	hi, lo := bits.Mul64(uint64(a), uint64(b))
+	if hi >= uint64(c) {
+		return math.MaxInt64
+	}
+	q, _ := bits.Div64(hi, lo, uint64(c))
+	return int64(min(q, math.MaxInt64))
 }

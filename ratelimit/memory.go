@@ -212,10 +212,15 @@ func (m *MemoryLimiter) nowUs() int64 {
 }
 
 // fixedEnd is the end of the fixed window holding now, as in SQL.
-func (m *MemoryLimiter) fixedEnd(now int64) int64 { return now - now%m.windowUs + m.windowUs }
+func (m *MemoryLimiter) fixedEnd(now int64) int64 { return m.slidingStart(now) + m.windowUs }
 
-// slidingStart is the start of the fixed window holding now, as in SQL.
-func (m *MemoryLimiter) slidingStart(now int64) int64 { return now - now%m.windowUs }
+// slidingStart is the start of the fixed window holding now, as in SQL:
+// now floored to a multiple of the window, also before 1970 (Go's %
+// truncates towards zero, as PostgreSQL's does, so a negative remainder is
+// moved up by one window).
+func (m *MemoryLimiter) slidingStart(now int64) int64 {
+	return now - ((now%m.windowUs)+m.windowUs)%m.windowUs
+}
 
 // fresh sets st to the state of a key never seen: what a first check's
 // INSERT arm starts from.
@@ -329,7 +334,7 @@ func (m *MemoryLimiter) take(st memState, now, cost int64) (memState, bool) {
 		if st.at == end {
 			count = st.count
 		}
-		allowed := count+cost <= m.cfg.Limit
+		allowed := count <= m.cfg.Limit-cost // count+cost could overflow
 		if allowed || m.cfg.Penalty {
 			count = satAdd(count, cost)
 		}
@@ -388,10 +393,10 @@ func (m *MemoryLimiter) peekDecision(st memState, now int64) Decision {
 		d = m.tokenDecision(st.tokens >= 1, st.tokens, usTime(now), fullAt, 1)
 	case SlidingWindow:
 		e := min(max(now-st.at, 0), m.windowUs)
-		allowed := slidingEstimate(st.prev, st.count, e, m.windowUs)+1 <= float64(m.cfg.Limit)
+		allowed := slidingFits(st.prev, st.count, 1, e, m.windowUs, m.cfg.Limit)
 		d = m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), 1)
 	default:
-		d = m.fixedDecision(st.count+1 <= m.cfg.Limit, st.count, usTime(st.at), usTime(now))
+		d = m.fixedDecision(st.count < m.cfg.Limit, st.count, usTime(st.at), usTime(now))
 	}
 	d.Store = StoreMemory
 	return d

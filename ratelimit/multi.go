@@ -124,6 +124,9 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
 			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
 		}
+		if err := c.Limiter.cfg.checkKey(c.Key); err != nil {
+			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
+		}
 		if c.Limiter.shards != nil {
 			// A spread limit is decided by one of its rows.
 			c.Limiter = c.Limiter.pickShard(c.Cost)
@@ -256,7 +259,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		if callerDone(ctx) {
 			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
-		err := mapErr(sendErr)
+		err := first.explain(ctx, sendErr)
 		if isConfigError(err) || isMissingPartition(sendErr) {
 			if isMissingPartition(sendErr) {
 				// Create the partitions and decide again.

@@ -158,9 +158,11 @@ func callerErr(ctx context.Context) error {
 }
 
 // isConfigError reports errors that a failure policy must not hide: they
-// mean the setup is wrong, not that the database is briefly unavailable.
+// mean the setup or the request is wrong, not that the database is briefly
+// unavailable. They never reach the breaker or the memory fallback.
 func isConfigError(err error) bool {
-	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly)
+	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) ||
+		errors.Is(err, ErrPermission) || errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrKeyTooLong)
 }
 
 // fallback answers a check the database could not, by the failure policy.

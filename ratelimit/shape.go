@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"math"
+	"math/bits"
 	"time"
 )
 
@@ -59,9 +60,23 @@ func (s *shape) elapsedUs(start, now time.Time) int64 {
 	return min(max(now.Sub(start).Microseconds(), 0), s.windowUs)
 }
 
-// slidingEstimate is prev*(window-elapsed)/window + cur.
-func slidingEstimate(prev, cur, elapsedUs, windowUs int64) float64 {
-	return float64(prev)*float64(windowUs-elapsedUs)/float64(windowUs) + float64(cur)
+// slidingRemaining is floor(limit - prev*(w-e)/w - cur), at least 0,
+// computed exactly in integers (a float64 cannot hold every bigint):
+// limit - cur - ceil(prev*(w-e)/w). All inputs are non-negative.
+func slidingRemaining(prev, cur, e, w, limit int64) int64 {
+	if cur >= limit {
+		return 0
+	}
+	hi, lo := bits.Mul64(uint64(prev), uint64(w-e))
+	q, r := bits.Div64(hi, lo, uint64(w)) // q <= prev: hi < w
+	if r > 0 {
+		q++
+	}
+	room := uint64(limit - cur)
+	if q >= room {
+		return 0
+	}
+	return int64(room - q)
 }
 
 // slidingDecision builds a sliding-window decision from the row's state
@@ -69,11 +84,10 @@ func slidingEstimate(prev, cur, elapsedUs, windowUs int64) float64 {
 func (s *shape) slidingDecision(allowed bool, start time.Time, cur, prev int64, now time.Time, cost int64) Decision {
 	w := s.windowUs
 	e := s.elapsedUs(start, now)
-	est := slidingEstimate(prev, cur, e, w)
 	d := Decision{
 		Allowed:   allowed,
 		Limit:     s.cfg.Limit,
-		Remaining: int64(math.Floor(max(float64(s.cfg.Limit)-est, 0) + 1e-9)),
+		Remaining: slidingRemaining(prev, cur, e, w, s.cfg.Limit),
 		ResetAt:   start.Add(2 * s.cfg.Window),
 		Now:       now,
 		Store:     StorePostgres,

@@ -5,11 +5,13 @@
 -- gets exactly the arithmetic of the single check. Rows are inserted, and so
 -- locked, in key order: concurrent batches never deadlock. Keys must be
 -- distinct within one call (one statement cannot update a row twice) and
--- each cost at most max_count. The update arm reads each check's cost back
--- from the proposed row (excluded), since it cannot see the arrays.
+-- each cost at most max_count. Keys come back hex-encoded (key_hex), which
+-- no session setting changes (bytea_output does change bytea's text form). The update arm reads each check's cost back
+-- from the proposed row (excluded), since it cannot see the arrays. Windows,
+-- overflow and the returned instants are as in FixedWindowTake.
 WITH p AS (
     SELECT ts,
-           timestamptz 'epoch' + ((now_us - now_us % window_us) + window_us) * interval '1 microsecond' AS expires_at,
+           now_us, now_us - ((now_us % window_us) + window_us) % window_us + window_us AS expires_us,
            max_count, penalty
       FROM (SELECT ts, (extract(epoch FROM ts) * 1000000)::bigint AS now_us, window_us, max_count, penalty
               FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
@@ -18,14 +20,17 @@ WITH p AS (
                            sqlc.arg(penalty)::boolean AS penalty) AS c) AS n
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT (sqlc.arg(keys)::bytea[])[i], p.expires_at, (sqlc.arg(costs)::bigint[])[i], (sqlc.arg(costs)::bigint[])[i] <= p.max_count
+SELECT (sqlc.arg(keys)::bytea[])[i], timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
+       (sqlc.arg(costs)::bigint[])[i], (sqlc.arg(costs)::bigint[])[i] <= p.max_count
   FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count + excluded.count <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
-                    THEN t.count + excluded.count ELSE t.count END,
-       allowed = t.count + excluded.count <= sqlc.arg(max_count)::bigint
-RETURNING key, count, expires_at, allowed, (SELECT ts FROM p)::timestamptz AS now;
+   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - excluded.count THEN t.count + excluded.count
+                    WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= sqlc.arg(max_count)::bigint - excluded.count
+RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us;
 
 -- name: TokenBucketTakeMany :many
 -- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
@@ -34,6 +39,7 @@ RETURNING key, count, expires_at, allowed, (SELECT ts FROM p)::timestamptz AS no
 -- proposed balance (exact for integer costs). It spells the refilled
 -- balance out where it needs it, rather than in a subquery, because a
 -- subquery there runs once per row and costs more than the arithmetic.
+-- The balance and instants are returned as in TokenBucketTake.
 WITH p AS (
     SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
            sqlc.arg(capacity)::float8 AS capacity,
@@ -57,7 +63,11 @@ ON CONFLICT (key) DO UPDATE
                                 - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens) OR sqlc.arg(penalty)::boolean THEN (sqlc.arg(capacity)::float8 - excluded.tokens) ELSE 0 END,
                                 0 - sqlc.arg(capacity)::float8)) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
        allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
-RETURNING key, tokens, updated_at, full_at, allowed;
+RETURNING encode(key, 'hex') AS key_hex,
+          ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
+          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
+          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+          allowed;
 
 -- name: SlidingWindowTakeMany :many
 -- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
@@ -67,7 +77,7 @@ RETURNING key, tokens, updated_at, full_at, allowed;
 -- TokenBucketTakeMany does.
 WITH p AS (
     SELECT n.ts, n.now_us,
-           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
            n.window_us, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.max_count, c.penalty
@@ -87,15 +97,16 @@ SELECT (sqlc.arg(keys)::bytea[])[i],
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
                + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
-                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * sqlc.arg(window_us)::bigint
                            <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
                         OR sqlc.arg(penalty)::boolean
-                      THEN excluded.count ELSE 0 END,
+                      THEN excluded.count ELSE 0 END, 9223372036854775807)::bigint,
        prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
        expires_at = greatest(t.window_start, excluded.window_start) + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
        allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
-                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + excluded.count)::numeric * sqlc.arg(window_us)::bigint
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * sqlc.arg(window_us)::bigint
                  <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
-RETURNING key, window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;
+RETURNING encode(key, 'hex') AS key_hex, (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM p)::bigint AS now_us;

@@ -1,51 +1,50 @@
 -- name: FixedWindowTake :one
 -- FixedWindowTake counts cost units against the key's current window in one
 -- statement and returns the window's state after the check. The check is
--- allowed when count + cost <= max_count. A denied check adds nothing, unless
--- penalty is set: then every attempt is counted. Windows are aligned on the
--- database clock: multiples of window_us microseconds since the Unix epoch.
--- at pins the clock for tests; production leaves it nil and the database's
--- now() decides: the transaction's start, which for a check sent on its own is
+-- allowed when count + cost <= max_count (compared as count <= max_count -
+-- cost, which cannot overflow for any cost <= max_count). A denied check adds
+-- nothing, unless penalty is set: then every attempt is counted, the count
+-- stopping at the largest bigint. Windows are aligned on the database clock:
+-- multiples of window_us microseconds since the Unix epoch, floored (also
+-- before 1970). Instants are returned as microseconds since the Unix epoch,
+-- so that no session setting (DateStyle, TimeZone) shapes them. at pins the
+-- clock for tests; production leaves it nil and the database's now()
+-- decides: the transaction's start, which for a check sent on its own is
 -- the statement's, and which gives every check of one multi-limit batch the
 -- same instant.
-WITH clock AS (
-    SELECT ts,
-           (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT ts,
-           timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
+WITH p AS (
+    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
+      FROM (SELECT (extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint AS now_us,
+                   sqlc.arg(window_us)::bigint AS window_us) AS c
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT sqlc.arg(key)::bytea,
-       win.expires_at,
+       timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
        CASE WHEN sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
             THEN sqlc.arg(cost)::bigint ELSE 0 END,
        sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
-  FROM win
+  FROM p
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count + sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
-                    THEN t.count + sqlc.arg(cost)::bigint ELSE t.count END,
-       allowed = t.count + sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
-RETURNING count, expires_at, allowed, (SELECT ts FROM win)::timestamptz AS now;
+   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint THEN t.count + sqlc.arg(cost)::bigint
+                    WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - sqlc.arg(cost)::bigint THEN t.count + sqlc.arg(cost)::bigint
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
+RETURNING count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us;
 
 -- name: FixedWindowPeek :one
 -- FixedWindowPeek reports the key's current window without counting anything.
-WITH clock AS (
-    SELECT ts,
-           (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT ts,
-           timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
+WITH p AS (
+    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
+      FROM (SELECT (extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint AS now_us,
+                   sqlc.arg(window_us)::bigint AS window_us) AS c
 )
 SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
-                  WHERE t.key = sqlc.arg(key)::bytea AND t.expires_at = win.expires_at), 0)::bigint AS count,
-       win.expires_at::timestamptz AS expires_at,
-       win.ts::timestamptz AS now
-  FROM win;
+                  WHERE t.key = sqlc.arg(key)::bytea
+                    AND t.expires_at = timestamptz 'epoch' + p.expires_us * interval '1 microsecond'), 0)::bigint AS count,
+       p.expires_us::bigint AS expires_at_us,
+       p.now_us::bigint AS now_us
+  FROM p;
 
 -- name: FixedWindowReset :execrows
 -- FixedWindowReset forgets every window of the key.

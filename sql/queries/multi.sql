@@ -4,7 +4,7 @@
 -- allowed column, written by this transaction and still locked by it) and
 -- raises SQLSTATE PGRL1 unless every one was allowed, which rolls the whole
 -- batch back. Fixed-window rows are found by their window, computed from
--- now() as the checks computed it: in one transaction, now() is the same
+-- now() as the checks computed it (floored, also before 1970): in one transaction, now() is the same
 -- instant for every statement.
 SELECT pgrl_abort_unless(
            coalesce(bool_and(a.allowed), true)
@@ -19,7 +19,8 @@ SELECT pgrl_abort_unless(
         JOIN pgrl_fixed_window AS f
           ON f.key = (sqlc.arg(fixed_window_keys)::bytea[])[i]
          AND f.expires_at = timestamptz 'epoch'
-                            + ((n.now_us - n.now_us % (sqlc.arg(fixed_window_windows_us)::bigint[])[i])
+                            + (n.now_us - ((n.now_us % (sqlc.arg(fixed_window_windows_us)::bigint[])[i])
+                                           + (sqlc.arg(fixed_window_windows_us)::bigint[])[i]) % (sqlc.arg(fixed_window_windows_us)::bigint[])[i]
                                + (sqlc.arg(fixed_window_windows_us)::bigint[])[i]) * interval '1 microsecond'
       UNION ALL
       SELECT t.allowed FROM pgrl_token_bucket AS t WHERE t.key = ANY(sqlc.arg(token_bucket_keys)::bytea[])

@@ -10,10 +10,13 @@
 -- denied check adds nothing unless penalty is set. The UPDATE arm reads the
 -- current window's start from the proposed row and spells the rolled-forward
 -- counts out where it needs them, as TokenBucketTake does. at pins the clock
--- for tests; production leaves it nil.
+-- for tests; production leaves it nil. Windows start at multiples of
+-- window_us since the Unix epoch, floored (also before 1970); a penalised
+-- count stops at the largest bigint. Instants are returned as microseconds
+-- since the Unix epoch, shaped by no session setting.
 WITH p AS (
     SELECT n.ts, n.now_us,
-           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
            n.window_us, n.cost, n.max_count, n.penalty
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
                    c.window_us, c.cost, c.max_count, c.penalty
@@ -33,26 +36,27 @@ SELECT sqlc.arg(key)::bytea,
   FROM p
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = (CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)
+       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
                + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
-                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + sqlc.arg(cost)::bigint)::numeric * sqlc.arg(window_us)::bigint
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + sqlc.arg(cost)::bigint) * sqlc.arg(window_us)::bigint
                            <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
                         OR sqlc.arg(penalty)::boolean
-                      THEN sqlc.arg(cost)::bigint ELSE 0 END,
+                      THEN sqlc.arg(cost)::bigint ELSE 0 END, 9223372036854775807)::bigint,
        prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
        expires_at = greatest(t.window_start, excluded.window_start) + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
        allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
-                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END) + sqlc.arg(cost)::bigint)::numeric * sqlc.arg(window_us)::bigint
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + sqlc.arg(cost)::bigint) * sqlc.arg(window_us)::bigint
                  <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
-RETURNING window_start, count, prev_count, allowed, (SELECT ts FROM p)::timestamptz AS now;
+RETURNING (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM p)::bigint AS now_us;
 
 -- name: SlidingWindowPeek :one
 -- SlidingWindowPeek reports the key's current and previous window counts as
 -- of now, rolled forward as a check would, without counting anything.
 WITH p AS (
     SELECT n.ts,
-           timestamptz 'epoch' + (n.now_us - n.now_us % n.window_us) * interval '1 microsecond' AS window_start,
-           n.window_us
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
+           n.now_us, n.window_us
       FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us, c.window_us
               FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
                            sqlc.arg(window_us)::bigint AS window_us) AS c) AS n
@@ -61,12 +65,12 @@ WITH p AS (
       FROM pgrl_sliding_window AS t
      WHERE t.key = sqlc.arg(key)::bytea
 )
-SELECT greatest(p.window_start, coalesce((SELECT r.window_start FROM r), p.window_start))::timestamptz AS window_start,
+SELECT (extract(epoch FROM greatest(p.window_start, coalesce((SELECT r.window_start FROM r), p.window_start))) * 1000000)::bigint AS window_start_us,
        coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.count ELSE 0 END FROM r), 0)::bigint AS count,
        coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.prev_count
                              WHEN r.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN r.count
                              ELSE 0 END FROM r), 0)::bigint AS prev_count,
-       p.ts::timestamptz AS now
+       p.now_us::bigint AS now_us
   FROM p;
 
 -- name: SlidingWindowReset :execrows

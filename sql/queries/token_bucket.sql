@@ -7,7 +7,10 @@
 -- the balance may fall as low as -capacity, never lower. The UPDATE arm
 -- spells the refilled balance out where it needs it: a subquery there would
 -- be set up and run for every row, which costs more than the arithmetic.
--- refill_per_us is tokens per microsecond.
+-- refill_per_us is tokens per microsecond. The balance is returned as the
+-- bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
+-- as microseconds since the Unix epoch: exact, and shaped by no session
+-- setting (extra_float_digits, DateStyle, TimeZone).
 -- Elapsed time is clamped at zero, so a check that waited on the row lock and
 -- sees a newer updated_at than its own clock never refills backwards. at pins
 -- the clock for tests; production leaves it nil.
@@ -40,24 +43,28 @@ ON CONFLICT (key) DO UPDATE
                                 - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8 OR sqlc.arg(penalty)::boolean THEN sqlc.arg(cost)::float8 ELSE 0 END,
                                 0 - sqlc.arg(capacity)::float8)) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
        allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8
-RETURNING tokens, updated_at, full_at, allowed;
+RETURNING ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
+          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
+          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+          allowed;
 
 -- name: TokenBucketPeek :one
 -- TokenBucketPeek reports the key's balance now, refilled, without spending.
--- A key never seen has a full bucket.
+-- A key never seen has a full bucket. Returned as TokenBucketTake returns
+-- them: the balance's float8 bits and the instant in microseconds.
 WITH p AS (
     SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
            sqlc.arg(capacity)::float8 AS capacity,
            sqlc.arg(refill_per_us)::float8 AS refill_per_us
 )
-SELECT coalesce(
+SELECT ('x' || encode(float8send(coalesce(
            (SELECT least(p.capacity,
                          t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
                                     * p.refill_per_us)
               FROM pgrl_token_bucket AS t
              WHERE t.key = sqlc.arg(key)::bytea),
-           p.capacity)::float8 AS tokens,
-       p.ts::timestamptz AS now
+           p.capacity)::float8), 'hex'))::bit(64)::bigint AS tokens_bits,
+       (extract(epoch FROM p.ts) * 1000000)::bigint AS now_us
   FROM p;
 
 -- name: TokenBucketReset :execrows
