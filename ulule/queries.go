@@ -47,7 +47,7 @@ func incrementWindow(ctx context.Context, db DB, key []byte, count, windowUs int
 	if err != nil {
 		return window{}, err
 	}
-	return window{count: r.Count, expiresAt: r.ExpiresAt}, nil
+	return window{count: r.Count, expiresAt: time.UnixMicro(r.ExpiresAtUs)}, nil
 }
 
 // peekWindow reads the key's current window without counting.
@@ -56,7 +56,7 @@ func peekWindow(ctx context.Context, db DB, key []byte, windowUs int64) (window,
 	if err != nil {
 		return window{}, err
 	}
-	return window{count: r.Count, expiresAt: r.ExpiresAt}, nil
+	return window{count: r.Count, expiresAt: time.UnixMicro(r.ExpiresAtUs)}, nil
 }
 
 // resetKey forgets every window of the key.
