@@ -4,7 +4,8 @@
 -- allowed when count + cost <= max_count (compared as count <= max_count -
 -- cost, which cannot overflow for any cost <= max_count). A denied check adds
 -- nothing, unless penalty is set: then every attempt is counted, the count
--- stopping at the largest bigint. Windows are aligned on the database clock:
+-- stopping at the largest bigint (a negative cost, which only direct callers of
+-- this query pass, takes units back). Windows are aligned on the database clock:
 -- multiples of window_us microseconds since the Unix epoch, floored (also
 -- before 1970). Instants are returned as microseconds since the Unix epoch,
 -- so that no session setting (DateStyle, TimeZone) shapes them. at pins the
@@ -27,7 +28,7 @@ SELECT sqlc.arg(key)::bytea,
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint THEN t.count + sqlc.arg(cost)::bigint
                     WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - sqlc.arg(cost)::bigint THEN t.count + sqlc.arg(cost)::bigint
+                    WHEN t.count <= 9223372036854775807 - greatest(sqlc.arg(cost)::bigint, 0) THEN t.count + sqlc.arg(cost)::bigint
                     ELSE 9223372036854775807 END,
        allowed = t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
 RETURNING count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us;
