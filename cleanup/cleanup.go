@@ -2,7 +2,10 @@
 // decision, for applications that call it themselves and for rl-cleanup.
 //
 // A row is dead when its fixed window has ended, when its token bucket would
-// be full again, or when its sliding-window state is older than two windows.
+// be full again, or when its sliding-window state is older than two windows,
+// judged at the run's horizon: the database clock, held back to the start of
+// the oldest open transaction of the database (a transaction decides at its
+// start), by at most Options.MaxGrace.
 // Run deletes dead rows in bounded batches (ModeDelete), or, for the
 // partitioned layout of pgrl_fixed_window, drops whole partitions whose range
 // lies in the past and creates upcoming ones (ModePartitions). Either way it

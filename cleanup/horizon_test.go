@@ -107,7 +107,9 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				time.Sleep(wait)
 				require.Equal(t, int64(1), algorithmRows(t, db, alg))
 
-				opts := cleanup.Options{Mode: mode, Horizon: 10 * time.Second}
+				// A generous lock timeout: partition creation in other schemas of the
+				// database shares one advisory lock.
+				opts := cleanup.Options{Mode: mode, Horizon: 10 * time.Second, LockTimeout: 10 * time.Second}
 				res, err := cleanup.Run(ctx, db, opts)
 				require.NoError(t, err)
 				require.False(t, res.Skipped)

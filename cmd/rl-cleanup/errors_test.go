@@ -8,6 +8,7 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
@@ -171,4 +172,48 @@ func TestMissingGrantIsNamed(t *testing.T) {
 	code, _, stderr = runCLI("--database-url", asRole, "--schema", schema, "--partitions")
 	require.Equal(t, cli.ExitError, code, stderr)
 	require.Contains(t, stderr, "only its owner")
+}
+
+// TestHiddenTransactionsHoldTheHorizonBack: a role without
+// pg_read_all_stats cannot see when another role's transaction began, so an
+// open one holds the horizon back by the whole grace.
+func TestHiddenTransactionsHoldTheHorizonBack(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, schema := dbtest.Pool(t)
+	admin := dbtest.Admin(t)
+	b := make([]byte, 6)
+	_, _ = rand.Read(b)
+	role := "pgrl_cleanup_" + hex.EncodeToString(b)
+	_, err := admin.Exec(ctx, "CREATE ROLE "+role+" LOGIN")
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), "DROP OWNED BY "+role)
+		_, _ = admin.Exec(context.Background(), "DROP ROLE "+role)
+	})
+	_, err = admin.Exec(ctx, "GRANT USAGE ON SCHEMA "+pgx.Identifier{schema}.Sanitize()+" TO "+role)
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, "GRANT SELECT, DELETE ON ALL TABLES IN SCHEMA "+pgx.Identifier{schema}.Sanitize()+" TO "+role)
+	require.NoError(t, err)
+	u, err := url.Parse(dbtest.URL())
+	require.NoError(t, err)
+	u.User = url.User(role)
+
+	// A superuser's open transaction is hidden from the role.
+	tx, err := admin.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SELECT 1")
+	require.NoError(t, err)
+
+	code, stdout, stderr := runCLI("--database-url", u.String(), "--schema", schema, "--output", "json", "--max-grace", "1h")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	var res struct {
+		Horizon       time.Time `json:"horizon"`
+		HorizonHeldBy string    `json:"horizon_held_by"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(stdout), &res), stdout)
+	require.Contains(t, res.HorizonHeldBy, "other roles")
+	require.Contains(t, res.HorizonHeldBy, "pg_read_all_stats")
+	require.WithinDuration(t, time.Now().Add(-time.Hour), res.Horizon, time.Minute)
 }
