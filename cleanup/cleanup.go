@@ -2,7 +2,10 @@
 // decision, for applications that call it themselves and for rl-cleanup.
 //
 // A row is dead when its fixed window has ended, when its token bucket would
-// be full again, or when its sliding-window state is older than two windows.
+// be full again, or when its sliding-window state is older than two windows,
+// judged at the run's horizon: the database clock, held back to the start of
+// the oldest open transaction of the database (a transaction decides at its
+// start), by at most Options.MaxGrace.
 // Run deletes dead rows in bounded batches (ModeDelete), or, for the
 // partitioned layout of pgrl_fixed_window, drops whole partitions whose range
 // lies in the past and creates upcoming ones (ModePartitions). Either way it
@@ -76,6 +79,7 @@ const (
 	DefaultHorizon          = 24 * time.Hour
 	DefaultLockTimeout      = time.Second
 	DefaultStatementTimeout = 30 * time.Second
+	DefaultMaxGrace         = 15 * time.Minute
 )
 
 // Table names, as they appear in Result and in progress reports.
@@ -91,6 +95,10 @@ var (
 	ErrInvalidOptions = errors.New("invalid cleanup options")
 	// ErrNotMigrated: pgrl's tables are missing from the search_path.
 	ErrNotMigrated = errors.New("pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)")
+	// ErrPermission: the role running the cleanup lacks a grant it needs
+	// (SQLSTATE 42501, or a schema without USAGE, which hides the tables).
+	// The message names the grant. Nothing was done.
+	ErrPermission = errors.New("permission denied")
 	// ErrPlainLayout: ModePartitions was asked for, but pgrl_fixed_window uses
 	// the plain layout.
 	ErrPlainLayout = errors.New("pgrl_fixed_window is not partitioned; run `rl-migrate layout partitioned` first, or use delete mode")
@@ -136,9 +144,21 @@ type Options struct {
 	// Progress, when set, is called after every batch and every partition
 	// dropped, from the goroutine running Run.
 	Progress func(Progress)
-	// At pins the clock that decides which rows are dead, for tests only;
-	// production leaves it nil and the database clock decides. Partitions
-	// are always judged on the database clock.
+	// MaxGrace bounds how far open transactions hold the run back. A
+	// transaction decides at its start (now()), so rows it can still read
+	// are kept until it ends: the run removes only rows dead at the start of
+	// the oldest open transaction of the database (Result.Horizon). A
+	// transaction open for longer than MaxGrace (a session left idle in a
+	// transaction) holds it back no further than MaxGrace before now; a
+	// check it makes afterwards may then count from an empty row. The run
+	// also falls back to MaxGrace before now when sessions of other roles
+	// have open transactions whose start it is not allowed to see (grant
+	// pg_read_all_stats to its role to avoid that). Defaults to
+	// DefaultMaxGrace (15m). Must not be negative.
+	MaxGrace time.Duration
+	// At pins the instant up to which rows and partitions are dead, for
+	// tests only; production leaves it nil and the database clock and the
+	// open transactions decide (see MaxGrace).
 	At *time.Time
 }
 
@@ -221,6 +241,14 @@ type Result struct {
 	Skipped bool `json:"skipped"`
 	// SkippedReason explains Skipped.
 	SkippedReason string `json:"skipped_reason,omitempty"`
+	// Horizon is the instant up to which rows were judged dead: the
+	// database clock, or the start of the oldest open transaction when that
+	// is earlier, but no more than Options.MaxGrace before the clock. Zero
+	// when the run stopped before computing it.
+	Horizon time.Time `json:"horizon"`
+	// HorizonHeldBy says, when Horizon is before the database clock, what
+	// held it back, such as "transaction of pid 4242 open since ...".
+	HorizonHeldBy string `json:"horizon_held_by,omitempty"`
 }
 
 // SkippedAnotherRunning is Result.SkippedReason when another cleanup holds
@@ -310,8 +338,20 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 	if err != nil {
 		return res, err
 	}
+	privs, err := r.q.CleanupPrivileges(r.ctx, conn)
+	if err != nil {
+		return res, err
+	}
+	if privs.NoUsageSchema != "" {
+		return res, fmt.Errorf("%w: role %s lacks USAGE on schema %s, which holds pgrl's tables; run GRANT USAGE ON SCHEMA %s TO %s",
+			ErrPermission, privs.RoleName, privs.NoUsageSchema,
+			pgx.Identifier{privs.NoUsageSchema}.Sanitize(), pgx.Identifier{privs.RoleName}.Sanitize())
+	}
 	if !tables.FixedWindowExists || !tables.TokenBucketExists || !tables.SlidingWindowExists || !tables.PartitionSettingsExists {
 		return res, ErrNotMigrated
+	}
+	if err := checkPrivileges(privs, tables.SchemaName, opts.Mode); err != nil {
+		return res, err
 	}
 	if opts.Mode == ModePartitions {
 		if !tables.FixedWindowPartitioned {
@@ -343,6 +383,9 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		}
 	}()
 
+	if err := r.horizon(); err != nil {
+		return res, err
+	}
 	err = r.run()
 	r.log.Info("cleanup finished",
 		"mode", res.Mode, "dry_run", res.DryRun,
@@ -352,6 +395,36 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		"batches", res.Batches, "stopped_early", res.StoppedEarly,
 		"elapsed", time.Since(start))
 	return res, err
+}
+
+// checkPrivileges names the first grant the role lacks for a run in mode.
+func checkPrivileges(p gen.CleanupPrivilegesRow, schema string, mode Mode) error {
+	role := pgx.Identifier{p.RoleName}.Sanitize()
+	for _, t := range []struct {
+		name string
+		ok   bool
+	}{
+		{TableFixedWindow, p.CanCleanFixedWindow},
+		{TableTokenBucket, p.CanCleanTokenBucket},
+		{TableSlidingWindow, p.CanCleanSlidingWindow},
+	} {
+		if !t.ok {
+			return fmt.Errorf("%w: role %s lacks SELECT or DELETE on %s; run GRANT SELECT, DELETE ON %s, %s, %s TO %s",
+				ErrPermission, p.RoleName, t.name,
+				pgx.Identifier{schema, TableFixedWindow}.Sanitize(), pgx.Identifier{schema, TableTokenBucket}.Sanitize(),
+				pgx.Identifier{schema, TableSlidingWindow}.Sanitize(), role)
+		}
+	}
+	if !p.CanReadPartitionSettings {
+		return fmt.Errorf("%w: role %s lacks SELECT on pgrl_partition_settings; run GRANT SELECT ON %s TO %s",
+			ErrPermission, p.RoleName, pgx.Identifier{schema, "pgrl_partition_settings"}.Sanitize(), role)
+	}
+	if mode == ModePartitions && !p.OwnsFixedWindow {
+		return fmt.Errorf("%w: partition mode creates and drops partitions of pgrl_fixed_window, which only its owner %s may do; "+
+			"run as %s, or GRANT %s TO %s", ErrPermission, p.FixedWindowOwner, p.FixedWindowOwner,
+			pgx.Identifier{p.FixedWindowOwner}.Sanitize(), role)
+	}
+	return nil
 }
 
 func (o *Options) validate() error {
@@ -378,6 +451,8 @@ func (o *Options) validate() error {
 		return fmt.Errorf("%w: statement timeout %s is under 1ms; use at least 1ms", ErrInvalidOptions, o.StatementTimeout)
 	case o.BatchPause < 0:
 		return fmt.Errorf("%w: batch pause %s is negative", ErrInvalidOptions, o.BatchPause)
+	case o.MaxGrace < 0:
+		return fmt.Errorf("%w: max grace %s is negative; use a positive duration such as 15m", ErrInvalidOptions, o.MaxGrace)
 	}
 	return nil
 }
@@ -394,6 +469,9 @@ func (o *Options) setDefaults() {
 	}
 	if o.StatementTimeout == 0 {
 		o.StatementTimeout = DefaultStatementTimeout
+	}
+	if o.MaxGrace == 0 {
+		o.MaxGrace = DefaultMaxGrace
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -415,7 +493,51 @@ type runner struct {
 	res    *Result
 	log    *slog.Logger
 	tables gen.CleanupTablesRow
-	halted bool // cancelled or out of time: do nothing more
+	cutoff *time.Time // rows and partitions dead at or before it go
+	halted bool       // cancelled or out of time: do nothing more
+}
+
+// horizon computes r.cutoff, the instant up to which rows are dead: the
+// database clock, held back to the start of the oldest open transaction of
+// the database (it still decides at its start), by at most MaxGrace.
+func (r *runner) horizon() error {
+	if r.opts.At != nil {
+		r.cutoff = r.opts.At
+		r.res.Horizon = *r.opts.At
+		return nil
+	}
+	h, err := r.q.CleanupHorizon(r.ctx, r.conn)
+	if err != nil {
+		return fmt.Errorf("find the oldest open transaction: %w", err)
+	}
+	floor := h.Now.Add(-r.opts.MaxGrace)
+	cutoff, heldBy := h.Now, ""
+	if h.OldestXactStart.Before(cutoff) {
+		cutoff = h.OldestXactStart
+		heldBy = fmt.Sprintf("transaction of pid %d open since %s", h.OldestPid, h.OldestXactStart.UTC().Format(time.RFC3339Nano))
+	}
+	if h.HiddenOpen > 0 && floor.Before(cutoff) {
+		cutoff = floor
+		heldBy = fmt.Sprintf("%d sessions of other roles have open transactions whose start this role cannot see; "+
+			"assumed %s old (grant pg_read_all_stats to this role to see them)", h.HiddenOpen, r.opts.MaxGrace)
+		r.log.Info("cleanup horizon held back by hidden transactions", "sessions", h.HiddenOpen, "max_grace", r.opts.MaxGrace)
+	}
+	if cutoff.Before(floor) {
+		r.log.Warn("an open transaction is older than the cleanup's max grace; rows it may still read are removed",
+			"pid", h.OldestPid, "xact_start", h.OldestXactStart, "max_grace", r.opts.MaxGrace,
+			"fix", "end that transaction (pg_stat_activity shows it), or raise --max-grace")
+		cutoff = floor
+		heldBy = fmt.Sprintf("transaction of pid %d open since %s, capped at the max grace of %s",
+			h.OldestPid, h.OldestXactStart.UTC().Format(time.RFC3339Nano), r.opts.MaxGrace)
+	}
+	if h.OldestPrepared.Before(floor) {
+		r.log.Warn("a prepared transaction is older than the cleanup's max grace; a row it locked makes the run wait for --lock-timeout",
+			"prepared", h.OldestPrepared, "fix", "COMMIT PREPARED or ROLLBACK PREPARED it (see pg_prepared_xacts)")
+	}
+	r.cutoff = &cutoff
+	r.res.Horizon = cutoff
+	r.res.HorizonHeldBy = heldBy
+	return nil
 }
 
 // stopped reports whether the run must stop now, and records why.
@@ -460,11 +582,11 @@ func (r *runner) table(name string, tr *TableResult) error {
 		var err error
 		switch name {
 		case TableFixedWindow:
-			n, err = r.q.FixedWindowCountExpired(r.ctx, r.conn, r.opts.At)
+			n, err = r.q.FixedWindowCountExpired(r.ctx, r.conn, r.cutoff)
 		case TableTokenBucket:
-			n, err = r.q.TokenBucketCountFull(r.ctx, r.conn, r.opts.At)
+			n, err = r.q.TokenBucketCountFull(r.ctx, r.conn, r.cutoff)
 		case TableSlidingWindow:
-			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.opts.At)
+			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.cutoff)
 		}
 		if err != nil {
 			return fmt.Errorf("count dead rows of %s: %w", name, err)
@@ -496,11 +618,11 @@ func (r *runner) table(name string, tr *TableResult) error {
 		var err error
 		switch name {
 		case TableFixedWindow:
-			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, gen.FixedWindowDeleteExpiredBatchParams{At: r.opts.At, BatchSize: size})
+			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, gen.FixedWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
 		case TableTokenBucket:
-			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, gen.TokenBucketDeleteFullBatchParams{At: r.opts.At, BatchSize: size})
+			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, gen.TokenBucketDeleteFullBatchParams{At: r.cutoff, BatchSize: size})
 		case TableSlidingWindow:
-			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, gen.SlidingWindowDeleteExpiredBatchParams{At: r.opts.At, BatchSize: size})
+			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, gen.SlidingWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
 		}
 		if err != nil {
 			return fmt.Errorf("delete dead rows of %s (batch %d): %w", name, tr.Batches+1, err)
@@ -584,8 +706,8 @@ func (r *runner) partitions() error {
 	}
 
 	for _, part := range parts {
-		if !part.Past || part.IsDefault {
-			continue // it can hold a live row
+		if part.IsDefault || part.UpperBound.After(*r.cutoff) {
+			continue // it can hold a row a check can still read
 		}
 		if r.stopped() {
 			return nil

@@ -10,6 +10,123 @@ import (
 	"time"
 )
 
+const cleanupHorizon = `-- name: CleanupHorizon :one
+WITH sessions AS (
+    SELECT a.pid,
+           a.xact_start,
+           (a.query = '<insufficient privilege>' AND a.backend_type IS NULL) AS hidden
+      FROM pg_catalog.pg_stat_activity AS a
+     WHERE a.datid = (SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname = current_database())
+       AND a.usesysid IS NOT NULL
+       AND a.pid <> pg_backend_pid()
+)
+SELECT statement_timestamp()::timestamptz AS now,
+       coalesce((SELECT min(s.xact_start) FROM sessions AS s WHERE NOT s.hidden),
+                statement_timestamp())::timestamptz AS oldest_xact_start,
+       coalesce((SELECT s.pid FROM sessions AS s
+                  WHERE NOT s.hidden AND s.xact_start IS NOT NULL
+                  ORDER BY s.xact_start LIMIT 1), 0)::integer AS oldest_pid,
+       (SELECT count(*) FROM sessions AS s
+         WHERE s.hidden
+           AND EXISTS (SELECT 1 FROM pg_catalog.pg_locks AS l
+                        WHERE l.pid = s.pid AND l.locktype = 'virtualxid' AND l.granted))::bigint AS hidden_open,
+       coalesce((SELECT min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
+                  WHERE p.database = current_database()),
+                statement_timestamp())::timestamptz AS oldest_prepared
+`
+
+type CleanupHorizonRow struct {
+	Now             time.Time
+	OldestXactStart time.Time
+	OldestPid       int32
+	HiddenOpen      int64
+	OldestPrepared  time.Time
+}
+
+// CleanupHorizon reports what holds back the instant up to which rows are
+// dead. A transaction decides at its start (now()), so a row another
+// transaction of this database can still read must survive until that
+// transaction ends. It returns the database clock, the start of the oldest
+// open transaction it can see in this database (other than its own session)
+// and that session's pid (the clock and 0 when there is none), how many sessions of this database have an open
+// transaction whose start it cannot see (sessions of other roles, without
+// pg_read_all_stats: pg_stat_activity hides their xact_start, while pg_locks
+// still shows each transaction's lock on its own virtual transaction id), and
+// when the oldest prepared transaction of this database was prepared (the
+// clock when there is none).
+func (q *Queries) CleanupHorizon(ctx context.Context, db DBTX) (CleanupHorizonRow, error) {
+	row := db.QueryRow(ctx, cleanupHorizon)
+	var i CleanupHorizonRow
+	err := row.Scan(
+		&i.Now,
+		&i.OldestXactStart,
+		&i.OldestPid,
+		&i.HiddenOpen,
+		&i.OldestPrepared,
+	)
+	return i, err
+}
+
+const cleanupPrivileges = `-- name: CleanupPrivileges :one
+SELECT current_user::text AS role_name,
+       coalesce((SELECT n.nspname FROM pg_catalog.pg_namespace AS n
+                  WHERE NOT has_schema_privilege(n.oid, 'USAGE')
+                    AND EXISTS (SELECT 1 FROM pg_catalog.pg_class AS c
+                                 WHERE c.relnamespace = n.oid AND c.relname = 'pgrl_fixed_window')
+                    AND (n.nspname = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
+                         OR quote_ident(n.nspname) = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
+                         OR '"' || replace(n.nspname, '"', '""') || '"' = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
+                         OR (n.nspname = session_user AND '"$user"' = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))))
+                  ORDER BY n.nspname LIMIT 1), '')::text AS no_usage_schema,
+       coalesce(has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'SELECT')
+                AND has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'DELETE'), true)::boolean AS can_clean_fixed_window,
+       coalesce(has_table_privilege(to_regclass('pgrl_token_bucket'::text), 'SELECT')
+                AND has_table_privilege(to_regclass('pgrl_token_bucket'::text), 'DELETE'), true)::boolean AS can_clean_token_bucket,
+       coalesce(has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'SELECT')
+                AND has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'DELETE'), true)::boolean AS can_clean_sliding_window,
+       coalesce(has_table_privilege(to_regclass('pgrl_partition_settings'::text), 'SELECT'), true)::boolean AS can_read_partition_settings,
+       coalesce((SELECT pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class AS c
+                  WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS fixed_window_owner,
+       coalesce((SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_catalog.pg_class AS c
+                  WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), true)::boolean AS owns_fixed_window
+`
+
+type CleanupPrivilegesRow struct {
+	RoleName                 string
+	NoUsageSchema            string
+	CanCleanFixedWindow      bool
+	CanCleanTokenBucket      bool
+	CanCleanSlidingWindow    bool
+	CanReadPartitionSettings bool
+	FixedWindowOwner         string
+	OwnsFixedWindow          bool
+}
+
+// CleanupPrivileges reports what the current role may do to pgrl's tables,
+// so that a missing grant is named instead of reported as missing tables.
+// no_usage_schema is the first schema named in search_path (quoted or not,
+// or as "$user") that holds a pgrl_fixed_window but on which the role lacks
+// USAGE (” when none): such a schema is silently skipped by name lookup.
+// The can_* columns are true when the table is absent (nothing to check).
+// fixed_window_owner names the role owning pgrl_fixed_window and owns_fixed_window
+// says whether the current role is it or a member of it (partition mode
+// creates, detaches and drops partitions, which only the owner may do).
+func (q *Queries) CleanupPrivileges(ctx context.Context, db DBTX) (CleanupPrivilegesRow, error) {
+	row := db.QueryRow(ctx, cleanupPrivileges)
+	var i CleanupPrivilegesRow
+	err := row.Scan(
+		&i.RoleName,
+		&i.NoUsageSchema,
+		&i.CanCleanFixedWindow,
+		&i.CanCleanTokenBucket,
+		&i.CanCleanSlidingWindow,
+		&i.CanReadPartitionSettings,
+		&i.FixedWindowOwner,
+		&i.OwnsFixedWindow,
+	)
+	return i, err
+}
+
 const cleanupTables = `-- name: CleanupTables :one
 
 SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_window_exists,

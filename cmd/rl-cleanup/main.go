@@ -57,16 +57,23 @@ type config struct {
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	cfg, code, ok := parseFlags(args, stderr)
-	if !ok {
-		return code
+	out := &output{stdout: stdout, stderr: stderr, json: wantsJSON(args)}
+	cfg, err := parseFlags(args)
+	if errors.Is(err, flag.ErrHelp) {
+		fmt.Fprint(stderr, usageText)
+		_, fs := defineFlags(&config{})
+		fs.SetOutput(stderr)
+		fs.PrintDefaults()
+		return cli.ExitOK
+	}
+	if err != nil {
+		return out.fail(cli.ExitUsage, err.Error()+"; run `rl-cleanup --help` for usage", nil)
 	}
 
 	connString, _ := cli.ConnString(cfg.databaseURL)
 	pcfg, err := cli.ParseConfig(connString, "rl-cleanup")
 	if err != nil {
-		fmt.Fprintln(stderr, "rl-cleanup:", err)
-		return cli.ExitUsage
+		return out.fail(cli.ExitUsage, err.Error(), nil)
 	}
 	settings := map[string]string{
 		"lock_timeout":      fmt.Sprint(cfg.opts.LockTimeout.Milliseconds()),
@@ -77,8 +84,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	conn, err := cli.Connect(ctx, pcfg, settings)
 	if err != nil {
-		fmt.Fprintln(stderr, "rl-cleanup:", err)
-		return cli.ExitError
+		return out.fail(cli.ExitError, err.Error(), nil)
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -99,16 +105,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		case errors.Is(err, cleanup.ErrPlainLayout), errors.Is(err, cleanup.ErrInvalidOptions):
 			code = cli.ExitUsage
 			msg = err.Error()
-		case errors.Is(err, cleanup.ErrNotMigrated):
+		case errors.Is(err, cleanup.ErrNotMigrated), errors.Is(err, cleanup.ErrPermission):
 			msg = err.Error()
+		case errors.Is(err, context.Canceled):
+			msg = "interrupted before any work was done; nothing changed"
 		}
-		fmt.Fprintln(stderr, "rl-cleanup:", msg)
 		if res.Batches == 0 && (res.Partitions == nil || len(res.Partitions.Dropped) == 0) {
-			return code
+			return out.fail(code, msg, nil)
 		}
-		// Part of the work was done: say what.
+		// Part of the work was done: say what, with the error.
+		return out.fail(code, msg, &res)
 	}
-	if cfg.output == "json" {
+	if out.json {
 		if perr := cli.PrintJSON(stdout, res); perr != nil {
 			fmt.Fprintln(stderr, "rl-cleanup:", perr)
 			return cli.ExitError
@@ -116,99 +124,210 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	} else {
 		printText(stdout, res)
 	}
-	if err != nil {
-		return cli.ExitError
-	}
 	return cli.ExitOK
 }
 
-// parseFlags parses and validates the command line. It returns ok=false with
-// the exit code to use when the program must stop (also for --help).
-func parseFlags(args []string, stderr io.Writer) (cfg config, code int, ok bool) {
-	fs := flag.NewFlagSet("rl-cleanup", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	fs.Usage = func() {
-		fmt.Fprint(stderr, usageText)
-		fs.PrintDefaults()
+// output writes results and errors in the chosen format.
+type output struct {
+	stdout, stderr io.Writer
+	json           bool
+}
+
+// failure is the JSON object printed on an error: the error and the exit
+// code, and, when part of the work was done before it, the result so far.
+type failure struct {
+	*cleanup.Result
+	Error    string `json:"error"`
+	ExitCode int    `json:"exit_code"`
+}
+
+// fail reports an error as one line on stderr, or, with --output json, as
+// one JSON object on stdout; res, when not nil, is the work done before it.
+// It returns code.
+func (o *output) fail(code int, msg string, res *cleanup.Result) int {
+	if o.json {
+		_ = cli.PrintJSON(o.stdout, failure{Result: res, Error: msg, ExitCode: code})
+		return code
 	}
+	if res != nil {
+		printText(o.stdout, *res)
+	}
+	fmt.Fprintln(o.stderr, "rl-cleanup: "+msg)
+	return code
+}
+
+// wantsJSON reports whether the command line asks for JSON output, looked
+// up before parsing so that errors in any flag are reported as JSON too.
+func wantsJSON(args []string) bool {
+	json := false
+	for i, arg := range args {
+		if arg == "--" {
+			break
+		}
+		switch {
+		case arg == "--output=json" || arg == "-output=json":
+			json = true
+		case (arg == "--output" || arg == "-output") && i+1 < len(args):
+			json = args[i+1] == "json"
+		case strings.HasPrefix(arg, "--output=") || strings.HasPrefix(arg, "-output="):
+			json = false
+		}
+	}
+	return json
+}
+
+// Largest values the duration flags accept: PostgreSQL's lock_timeout and
+// statement_timeout hold at most 2147483647 ms (about 24 days).
+const (
+	maxTimeout  = 2147483647 * time.Millisecond
+	maxHorizon  = 366 * 24 * time.Hour
+	maxPause    = time.Hour
+	maxDuration = 7 * 24 * time.Hour
+)
+
+// flags holds the raw flag values before validation.
+type flags struct {
+	mode        string
+	partitions  bool
+	batchSize   int
+	maxDuration time.Duration
+	horizon     time.Duration
+	lockTimeout time.Duration
+	stmtTimeout time.Duration
+	batchPause  time.Duration
+	maxGrace    time.Duration
+}
+
+// defineFlags defines rl-cleanup's flags on a set that prints nothing:
+// run reports errors as one line.
+func defineFlags(cfg *config) (*flags, *flag.FlagSet) {
+	f := &flags{}
+	fs := flag.NewFlagSet("rl-cleanup", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
 	fs.StringVar(&cfg.databaseURL, "database-url", "", "PostgreSQL connection URL (default $DATABASE_URL, else the PG* variables)")
 	fs.StringVar(&cfg.schema, "schema", "", "schema holding pgrl's tables (default: the connection's search_path)")
-	mode := fs.String("mode", "delete", "delete: delete dead rows in batches; partitions: drop past partitions and create upcoming ones (partitioned layout only)")
-	partitions := fs.Bool("partitions", false, "same as --mode partitions")
-	batchSize := fs.Int("batch-size", cleanup.DefaultBatchSize, "rows deleted per statement")
-	maxDuration := fs.Duration("max-duration", 0, "stop between batches after this long, e.g. 2m (default: until done)")
-	horizon := fs.Duration("horizon", cleanup.DefaultHorizon, "partition mode: create partitions this far ahead")
-	lockTimeout := fs.Duration("lock-timeout", cleanup.DefaultLockTimeout, "longest wait for any lock (the session's lock_timeout)")
-	stmtTimeout := fs.Duration("statement-timeout", cleanup.DefaultStatementTimeout, "longest any one statement may run (the session's statement_timeout)")
-	batchPause := fs.Duration("batch-pause", 0, "sleep between batches, to leave more of the server to checks")
+	fs.StringVar(&f.mode, "mode", "delete", "delete: delete dead rows in batches; partitions: drop past partitions and create upcoming ones (partitioned layout only)")
+	fs.BoolVar(&f.partitions, "partitions", false, "same as --mode partitions")
+	fs.IntVar(&f.batchSize, "batch-size", cleanup.DefaultBatchSize, "rows deleted per statement (1 to 1000000)")
+	fs.DurationVar(&f.maxDuration, "max-duration", 0, "stop between batches after this long, e.g. 2m (default: until done; at most 168h)")
+	fs.DurationVar(&f.horizon, "horizon", cleanup.DefaultHorizon, "partition mode: create partitions this far ahead (at most 8784h)")
+	fs.DurationVar(&f.lockTimeout, "lock-timeout", cleanup.DefaultLockTimeout, "longest wait for any lock (the session's lock_timeout; 1ms to 596h)")
+	fs.DurationVar(&f.stmtTimeout, "statement-timeout", cleanup.DefaultStatementTimeout, "longest any one statement may run (the session's statement_timeout; 1ms to 596h)")
+	fs.DurationVar(&f.batchPause, "batch-pause", 0, "sleep between batches, to leave more of the server to checks (at most 1h)")
+	fs.DurationVar(&f.maxGrace, "max-grace", cleanup.DefaultMaxGrace, "longest an open transaction holds cleanup back: rows it can still read are kept this long at most")
 	fs.BoolVar(&cfg.opts.DryRun, "dry-run", false, "count what would be deleted, dropped and created; change nothing")
 	fs.BoolVar(&cfg.opts.Vacuum, "vacuum", false, "VACUUM each table rows were deleted from (autovacuum does this otherwise)")
-	fs.StringVar(&cfg.output, "output", "text", "text or json (one JSON object on stdout)")
+	fs.StringVar(&cfg.output, "output", "text", "text or json (one JSON object on stdout, also for errors)")
 	fs.DurationVar(&cfg.progress, "progress-every", 5*time.Second, "how often long runs report progress on stderr")
+	return f, fs
+}
 
+// parseError rewrites the flag package's error for a value that does not
+// parse into a line that names the fix.
+func parseError(fs *flag.FlagSet, err error) error {
+	msg := strings.Replace(err.Error(), " -", " --", 1)
+	var name string
+	if _, rest, ok := strings.Cut(err.Error(), " for flag -"); ok {
+		name, _, _ = strings.Cut(rest, ":")
+	}
+	fl := fs.Lookup(name)
+	if fl == nil {
+		return errors.New(msg)
+	}
+	switch fl.Value.(flag.Getter).Get().(type) {
+	case time.Duration:
+		return fmt.Errorf("--%s: not a duration (%s); use a number with a unit, such as 500ms, 30s, 5m or 24h", name, strings.TrimPrefix(msg, "invalid value "))
+	case int:
+		return fmt.Errorf("--%s: not a whole number in range (%s); use a number such as %s", name, strings.TrimPrefix(msg, "invalid value "), fl.DefValue)
+	}
+	return errors.New(msg)
+}
+
+// parseFlags parses and validates the command line. It returns
+// flag.ErrHelp for --help, and otherwise an error of one line that names
+// the fix.
+func parseFlags(args []string) (config, error) {
+	var cfg config
+	f, fs := defineFlags(&cfg)
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			return cfg, cli.ExitOK, false
+			return cfg, err
 		}
-		return cfg, cli.ExitUsage, false
+		return cfg, parseError(fs, err)
 	}
-	usage := func(format string, a ...any) (config, int, bool) {
-		fmt.Fprintf(stderr, "rl-cleanup: "+format+"\n", a...)
-		return cfg, cli.ExitUsage, false
+	usage := func(format string, a ...any) (config, error) {
+		return cfg, fmt.Errorf(format, a...)
 	}
 	if fs.NArg() > 0 {
-		return usage("unexpected argument %q; rl-cleanup takes only flags (see --help)", fs.Arg(0))
+		return usage("unexpected argument %q; rl-cleanup takes only flags", fs.Arg(0))
 	}
 	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	fs.Visit(func(fl *flag.Flag) { set[fl.Name] = true })
 
-	m, err := cleanup.ParseMode(*mode)
+	m, err := cleanup.ParseMode(f.mode)
 	if err != nil {
-		return usage("--mode %q is not a mode; use --mode delete or --mode partitions", *mode)
+		return usage("--mode %q is not a mode; use --mode delete or --mode partitions", f.mode)
 	}
-	if *partitions {
+	if f.partitions {
 		if set["mode"] && m != cleanup.ModePartitions {
-			return usage("--partitions contradicts --mode %s; pass one of them", *mode)
+			return usage("--partitions contradicts --mode %s; pass one of them", f.mode)
 		}
 		m = cleanup.ModePartitions
 	}
-	if *batchSize <= 0 || *batchSize > 1_000_000 {
-		return usage("--batch-size %d is out of range; use a number from 1 to 1000000, such as %d", *batchSize, cleanup.DefaultBatchSize)
+	within := func(name string, v, lo, hi time.Duration, example string) error {
+		if v < lo || v > hi {
+			return fmt.Errorf("--%s %s is out of range; use a duration from %s to %s, such as %s", name, v, lo, hi, example)
+		}
+		return nil
 	}
-	if set["max-duration"] && *maxDuration <= 0 {
-		return usage("--max-duration %s must be positive, such as 2m (omit it to run until done)", *maxDuration)
-	}
-	if *horizon <= 0 {
-		return usage("--horizon %s must be positive, such as 24h", *horizon)
-	}
-	if *lockTimeout < time.Millisecond {
-		return usage("--lock-timeout %s must be at least 1ms, such as 1s", *lockTimeout)
-	}
-	if *stmtTimeout < time.Millisecond {
-		return usage("--statement-timeout %s must be at least 1ms, such as 30s", *stmtTimeout)
-	}
-	if *batchPause < 0 {
-		return usage("--batch-pause %s must not be negative", *batchPause)
-	}
-	if cfg.progress <= 0 {
+	switch {
+	case set["database-url"] && strings.TrimSpace(cfg.databaseURL) == "":
+		return usage("--database-url is empty; pass a URL such as postgres://user@host/db, or omit the flag to use $DATABASE_URL")
+	case set["schema"] && strings.TrimSpace(cfg.schema) == "":
+		return usage("--schema is empty; name the schema holding pgrl's tables, or omit the flag")
+	case f.batchSize <= 0 || f.batchSize > 1_000_000:
+		return usage("--batch-size %d is out of range; use a number from 1 to 1000000, such as %d", f.batchSize, cleanup.DefaultBatchSize)
+	case set["max-duration"] && f.maxDuration <= 0:
+		return usage("--max-duration %s must be positive, such as 2m (omit it to run until done)", f.maxDuration)
+	case f.horizon <= 0:
+		return usage("--horizon %s must be positive, such as 24h", f.horizon)
+	case f.lockTimeout < time.Millisecond:
+		return usage("--lock-timeout %s must be at least 1ms, such as 1s", f.lockTimeout)
+	case f.stmtTimeout < time.Millisecond:
+		return usage("--statement-timeout %s must be at least 1ms, such as 30s", f.stmtTimeout)
+	case f.batchPause < 0:
+		return usage("--batch-pause %s must not be negative; use 0 for no pause, or a pause such as 10ms", f.batchPause)
+	case f.maxGrace <= 0:
+		return usage("--max-grace %s must be positive, such as 15m", f.maxGrace)
+	case cfg.progress <= 0:
 		return usage("--progress-every %s must be positive, such as 5s", cfg.progress)
+	}
+	for _, e := range []error{
+		within("max-duration", f.maxDuration, 0, maxDuration, "2m"),
+		within("horizon", f.horizon, time.Nanosecond, maxHorizon, "24h"),
+		within("lock-timeout", f.lockTimeout, time.Millisecond, maxTimeout, "1s"),
+		within("statement-timeout", f.stmtTimeout, time.Millisecond, maxTimeout, "30s"),
+		within("batch-pause", f.batchPause, 0, maxPause, "10ms"),
+	} {
+		if e != nil {
+			return cfg, e
+		}
 	}
 	switch cfg.output {
 	case "text", "json":
 	default:
 		return usage("--output %q is not a format; use --output text or --output json", cfg.output)
 	}
-	if set["schema"] && strings.TrimSpace(cfg.schema) == "" {
-		return usage("--schema is empty; name the schema holding pgrl's tables, or omit the flag")
-	}
 	cfg.opts.Mode = m
-	cfg.opts.BatchSize = *batchSize
-	cfg.opts.MaxDuration = *maxDuration
-	cfg.opts.Horizon = *horizon
-	cfg.opts.LockTimeout = *lockTimeout
-	cfg.opts.StatementTimeout = *stmtTimeout
-	cfg.opts.BatchPause = *batchPause
-	return cfg, cli.ExitOK, true
+	cfg.opts.BatchSize = f.batchSize
+	cfg.opts.MaxDuration = f.maxDuration
+	cfg.opts.Horizon = f.horizon
+	cfg.opts.LockTimeout = f.lockTimeout
+	cfg.opts.StatementTimeout = f.stmtTimeout
+	cfg.opts.BatchPause = f.batchPause
+	cfg.opts.MaxGrace = f.maxGrace
+	return cfg, nil
 }
 
 func printText(w io.Writer, res cleanup.Result) {
