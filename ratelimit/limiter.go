@@ -207,7 +207,8 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, n int64) (Decisio
 	}
 }
 
-// allowDB asks PostgreSQL, healing a missing partition once.
+// allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
+// missing partition and asks once more.
 func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
 	if l.shards != nil {
 		d, err := l.pickShard(n).allowDB(ctx, key, n)
@@ -220,7 +221,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 		return l.take(ctx, l.db, key, n)
 	}
 	d, err := take()
-	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+	if err != nil && l.cfg.CreatePartitions && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
@@ -255,7 +256,7 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) 
 		return Decision{}, err
 	}
 	d, err := l.take(ctx, tx, key, n)
-	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+	if err != nil && l.cfg.CreatePartitions && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// The failed statement has aborted the caller's transaction; create
 		// the partition outside it so that a retry succeeds.
 		if herr := l.heal(ctx, l.db); herr != nil {
@@ -499,6 +500,8 @@ func mapErr(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch {
+		case isMissingPartition(pgErr):
+			return fmt.Errorf("%w (%s)", ErrNoPartition, pgErr.Message)
 		case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
 			return fmt.Errorf("%w (%s)", ErrNotMigrated, pgErr.Message)
 		case pgErr.Code == "25006",

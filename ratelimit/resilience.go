@@ -160,7 +160,7 @@ func callerErr(ctx context.Context) error {
 // isConfigError reports errors that a failure policy must not hide: they
 // mean the setup is wrong, not that the database is briefly unavailable.
 func isConfigError(err error) bool {
-	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly)
+	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrNoPartition)
 }
 
 // fallback answers a check the database could not, by the failure policy.

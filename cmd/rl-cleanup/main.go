@@ -24,6 +24,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/ident"
 )
 
 func main() { cli.Main(run) }
@@ -210,6 +211,11 @@ func parseFlags(args []string, stderr io.Writer) (cfg config, code int, ok bool)
 	}
 	if set["schema"] && strings.TrimSpace(cfg.schema) == "" {
 		return usage("--schema is empty; name the schema holding pgrl's tables, or omit the flag")
+	}
+	if set["schema"] {
+		if err := ident.Check("--schema", cfg.schema); err != nil {
+			return usage("%v", err)
+		}
 	}
 	cfg.opts.Mode = m
 	cfg.opts.BatchSize = *batchSize
