@@ -144,3 +144,4 @@ $$;
 DROP FUNCTION IF EXISTS pgrl_fixed_window_create_partitions(regclass, timestamptz, timestamptz, integer);
 DROP FUNCTION IF EXISTS pgrl_fixed_window_partitions_needed(timestamptz, timestamptz, bigint);
 DROP FUNCTION IF EXISTS pgrl_fixed_window_partition_bounds(regclass);
+DROP FUNCTION IF EXISTS pgrl_copy_privileges(regclass, regclass);

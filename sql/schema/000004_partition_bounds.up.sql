@@ -41,6 +41,36 @@ AS $$
        AND pg_get_expr(c.relpartbound, c.oid) <> 'DEFAULT'
 $$;
 
+-- pgrl_copy_privileges gives table to_table the owner and the grants of
+-- from_table, so that a layout switch, which replaces pgrl_fixed_window by a
+-- new table, keeps the application role's rights (GRANT ... TO app) and the
+-- owner (the migration role) even when someone else runs the switch.
+CREATE FUNCTION pgrl_copy_privileges(from_table regclass, to_table regclass)
+RETURNS void
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+AS $$
+DECLARE
+    old_owner oid;
+    g         record;
+BEGIN
+    SELECT relowner INTO old_owner FROM pg_catalog.pg_class WHERE oid = from_table;
+    IF old_owner <> (SELECT relowner FROM pg_catalog.pg_class WHERE oid = to_table) THEN
+        EXECUTE format('ALTER TABLE %s OWNER TO %I', to_table, pg_catalog.pg_get_userbyid(old_owner));
+    END IF;
+    FOR g IN
+        SELECT a.grantee, a.privilege_type, a.is_grantable
+          FROM pg_catalog.pg_class c, LATERAL aclexplode(c.relacl) AS a
+         WHERE c.oid = from_table AND a.grantee <> old_owner
+    LOOP
+        EXECUTE format('GRANT %s ON TABLE %s TO %s%s', g.privilege_type, to_table,
+                       CASE WHEN g.grantee = 0 THEN 'PUBLIC'
+                            ELSE quote_ident(pg_catalog.pg_get_userbyid(g.grantee)) END,
+                       CASE WHEN g.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+    END LOOP;
+END
+$$;
+
 -- pgrl_fixed_window_partitions_needed is how many partitions of width
 -- step_seconds (aligned on multiples of it) cover [from_ts, to_ts].
 CREATE FUNCTION pgrl_fixed_window_partitions_needed(from_ts timestamptz, to_ts timestamptz, step_seconds bigint)
@@ -115,6 +145,13 @@ BEGIN
             'autovacuum_vacuum_threshold = 1000, autovacuum_analyze_scale_factor = 0.05, '
             'autovacuum_vacuum_cost_delay = 0)',
             nsp, part, parent);
+        -- The partition belongs to the table's owner, whoever made it (a
+        -- cleanup role that is a member of the owner role, for instance).
+        IF (SELECT relowner FROM pg_catalog.pg_class WHERE oid = parent)
+           <> (SELECT oid FROM pg_catalog.pg_roles WHERE rolname = current_user) THEN
+            EXECUTE format('ALTER TABLE %I.%I OWNER TO %I', nsp, part,
+                           pg_catalog.pg_get_userbyid((SELECT relowner FROM pg_catalog.pg_class WHERE oid = parent)));
+        END IF;
         EXECUTE format('ALTER TABLE %s ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
             parent, nsp, part, s, e);
         created := created + 1;
@@ -192,6 +229,8 @@ BEGIN
             '  autovacuum_vacuum_cost_delay = 0)', nsp);
         EXECUTE format('COMMENT ON TABLE %I.pgrl_fixed_window IS %L', nsp,
             'pgrl fixed-window counters: one row per key per window');
+        PERFORM pgrl_copy_privileges(format('%I.pgrl_fixed_window_converting', nsp)::regclass,
+                                     format('%I.pgrl_fixed_window', nsp)::regclass);
         EXECUTE format(
             'INSERT INTO %I.pgrl_fixed_window (key, expires_at, count, allowed) '
             'SELECT key, expires_at, count, allowed FROM %I.pgrl_fixed_window_converting '
@@ -245,6 +284,8 @@ BEGIN
         ') PARTITION BY RANGE (expires_at)', nsp);
     EXECUTE format('COMMENT ON TABLE %I.pgrl_fixed_window_next IS %L', nsp,
         'pgrl fixed-window counters: one row per key per window, partitioned by expires_at');
+    PERFORM pgrl_copy_privileges(format('%I.pgrl_fixed_window', nsp)::regclass,
+                                 format('%I.pgrl_fixed_window_next', nsp)::regclass);
     PERFORM pgrl_fixed_window_create_partitions(format('%I.pgrl_fixed_window_next', nsp)::regclass,
                                                 statement_timestamp(), horizon, 64);
 
