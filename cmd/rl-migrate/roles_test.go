@@ -21,7 +21,9 @@ func TestLongIdentifiersAreUsageErrors(t *testing.T) {
 	admin := dbtest.Admin(t)
 	prefix := strings.Repeat("x", 55) + dbtest.NewSchema(t)[10:18] // 63 bytes, unique
 	one, two := prefix+"_app_one", prefix+"_app_two"
-	t.Cleanup(func() { _, _ = admin.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{prefix}.Sanitize()+" CASCADE") })
+	t.Cleanup(func() {
+		_, _ = admin.Exec(context.Background(), "DROP SCHEMA IF EXISTS "+pgx.Identifier{prefix}.Sanitize()+" CASCADE")
+	})
 
 	for _, args := range [][]string{
 		{"--database-url", dbtest.URL(), "--schema", one, "up"},
