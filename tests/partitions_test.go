@@ -339,3 +339,11 @@ func TestPartitionTwoSchemasAtOnce(t *testing.T) {
 		require.NoError(t, err)
 	}
 }
+
+// The packages that bound partition creation agree on the bound and on the
+// default lookahead.
+func TestPartitionBoundsAgree(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, migration.MaxPartitions, cleanup.MaxPartitionsAhead)
+	require.Equal(t, migration.DefaultPartitionLookahead, cleanup.DefaultHorizon)
+}

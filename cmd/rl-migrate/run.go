@@ -54,7 +54,7 @@ Flags:
                            libpq variables PGHOST, PGPORT, PGUSER, PGPASSWORD, ...)
   --schema NAME            schema for pgrl's tables and the migrations table, created
                            if missing (default: the connection's current schema,
-                           usually public)
+                           usually public); at most 63 bytes
   --migrations-table NAME  migrations table (default pgrl_schema_migrations; never
                            golang-migrate's schema_migrations, which is your app's)
   --lock-timeout D         lock_timeout for every statement: DDL fails instead of
