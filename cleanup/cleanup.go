@@ -99,6 +99,9 @@ var (
 	ErrInvalidOptions = errors.New("invalid cleanup options")
 	// ErrNotMigrated: pgrl's tables are missing from the search_path.
 	ErrNotMigrated = errors.New("pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)")
+	// ErrPermission: the database user may not use the schema on its
+	// search_path that holds pgrl's tables; the message names the grant.
+	ErrPermission = errors.New("permission problem")
 	// ErrPlainLayout: ModePartitions was asked for, but pgrl_fixed_window uses
 	// the plain layout.
 	ErrPlainLayout = errors.New("pgrl_fixed_window is not partitioned; run `rl-migrate layout partitioned` first, or use delete mode")
@@ -322,6 +325,9 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		return res, err
 	}
 	if !tables.FixedWindowExists || !tables.TokenBucketExists || !tables.SlidingWindowExists || !tables.PartitionSettingsExists {
+		if err := r.missingUsage(); err != nil {
+			return res, err
+		}
 		return res, ErrNotMigrated
 	}
 	if opts.Mode == ModePartitions {
@@ -370,6 +376,26 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		"batches", res.Batches, "stopped_early", res.StoppedEarly,
 		"elapsed", time.Since(start))
 	return res, err
+}
+
+// missingUsage tells a schema on the search_path that exists but that the
+// user may not use (its tables then look missing) from tables that are
+// really missing.
+func (r *runner) missingUsage() error {
+	var user, schema string
+	err := r.conn.QueryRow(r.ctx, `SELECT current_user::text, n.nspname::text
+		  FROM unnest(string_to_array(current_setting('search_path'), ',')) AS p(name)
+		  JOIN pg_catalog.pg_namespace AS n ON n.nspname = trim(both ' "' FROM p.name)
+		 WHERE NOT has_schema_privilege(n.oid, 'USAGE')
+		 LIMIT 1`).Scan(&user, &schema)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	return fmt.Errorf("%w: the database user %s lacks USAGE on schema %s, so pgrl's tables there are out of its sight; GRANT USAGE ON SCHEMA %s TO %s (and the table rights in docs/SECURITY.md), or run as the owner",
+		ErrPermission, user, schema, pgx.Identifier{schema}.Sanitize(), pgx.Identifier{user}.Sanitize())
 }
 
 func (o *Options) validate() error {

@@ -200,3 +200,18 @@ func TestRolesCleanupRoleBothModes(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, ratelimit.StorePostgres, d.Store)
 }
+
+// A cleanup role without USAGE on the schema is told which grant is missing,
+// not to run the migrations.
+func TestRolesCleanupWithoutUsageNamesTheGrant(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rs := newRoleSetup(t)
+	conn, err := pgx.Connect(ctx, dbtest.URLAsWithSchema(rs.cleaner, rs.schema))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = cleanup.RunConn(ctx, conn, cleanup.Options{})
+	require.ErrorIs(t, err, cleanup.ErrPermission)
+	require.Contains(t, err.Error(), "GRANT USAGE ON SCHEMA")
+	require.NotContains(t, err.Error(), "rl-migrate up")
+}
