@@ -82,6 +82,14 @@ const (
 	DefaultMaxGrace         = 15 * time.Minute
 )
 
+// MaxPartitionsAhead is the most partitions of pgrl_fixed_window that a
+// ModePartitions run keeps from now to now + Horizon; a horizon that would
+// need more is refused with ErrInvalidOptions. Every partition is a relation
+// that a query on the whole table locks, and the lock table is shared by
+// every database of the server. Partitions are made in transactions of at
+// most this many. It equals migration.MaxPartitions.
+const MaxPartitionsAhead = 64
+
 // Table names, as they appear in Result and in progress reports.
 const (
 	TableFixedWindow   = "pgrl_fixed_window"
@@ -121,7 +129,10 @@ type Options struct {
 	// DryRun counts what would be deleted, created and dropped, and changes
 	// nothing.
 	DryRun bool
-	// Horizon is how far ahead of now ModePartitions creates partitions.
+	// Horizon is how far ahead of now ModePartitions creates partitions:
+	// at least the longest fixed window of any limiter plus the time between
+	// two runs, so that every check finds its partition. It may span at most
+	// MaxPartitionsAhead - 1 partition widths (ErrInvalidOptions otherwise).
 	// Defaults to DefaultHorizon (24h). Must not be negative.
 	Horizon time.Duration
 	// LockTimeout is the session's lock_timeout: the longest any statement
@@ -357,6 +368,13 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		if !tables.FixedWindowPartitioned {
 			return res, ErrPlainLayout
 		}
+		step, err := r.q.FixedWindowPartitionSeconds(r.ctx, conn)
+		if err != nil {
+			return res, fmt.Errorf("read partition width: %w", err)
+		}
+		if err := checkHorizon(opts.Horizon, time.Duration(step)*time.Second); err != nil {
+			return res, err
+		}
 		res.Partitions = &Partitions{Dropped: []string{}, LeftoversDropped: []string{}}
 	}
 	r.tables = tables
@@ -455,6 +473,25 @@ func (o *Options) validate() error {
 		return fmt.Errorf("%w: max grace %s is negative; use a positive duration such as 15m", ErrInvalidOptions, o.MaxGrace)
 	}
 	return nil
+}
+
+// checkHorizon refuses a horizon that needs more than MaxPartitionsAhead
+// partitions of width.
+func checkHorizon(horizon, width time.Duration) error {
+	if width <= 0 {
+		return nil
+	}
+	n := int64(horizon / width)
+	if horizon%width != 0 {
+		n++
+	}
+	if n+1 <= MaxPartitionsAhead {
+		return nil
+	}
+	minWidth := (horizon + time.Duration(MaxPartitionsAhead-2)) / time.Duration(MaxPartitionsAhead-1)
+	minWidth = ((minWidth + time.Second - 1) / time.Second) * time.Second
+	return fmt.Errorf("%w: horizon %s needs %d partitions of %s, more than the %d allowed: shorten the horizon to at most %s, or widen the partitions (rl-migrate layout partitioned --partition-width %s or wider)",
+		ErrInvalidOptions, horizon, n+1, width, MaxPartitionsAhead, width*time.Duration(MaxPartitionsAhead-1), minWidth)
 }
 
 func (o *Options) setDefaults() {
@@ -682,11 +719,18 @@ func (r *runner) partitions() error {
 		}
 		p.Created = n
 	} else {
-		n, err := r.q.FixedWindowEnsurePartitionsAhead(r.ctx, r.conn, r.opts.Horizon.Microseconds())
-		if err != nil {
-			return fmt.Errorf("create partitions ahead: %w", err)
+		// Each call is its own short transaction and makes at most
+		// MaxPartitionsAhead partitions; call again until none are missing.
+		for {
+			n, err := r.q.FixedWindowEnsurePartitionsAhead(r.ctx, r.conn, r.opts.Horizon.Microseconds())
+			if err != nil {
+				return fmt.Errorf("create partitions ahead: %w", err)
+			}
+			p.Created += int(n)
+			if n < MaxPartitionsAhead || r.stopped() {
+				break
+			}
 		}
-		p.Created = int(n)
 	}
 
 	parts, err := r.q.FixedWindowPartitions(r.ctx, r.conn)
@@ -768,7 +812,9 @@ func (r *runner) detach(parent, part string, concurrently bool) error {
 }
 
 // missingAhead counts the partitions that creating ahead would add, for a
-// dry run.
+// dry run, the way pgrl_fixed_window_create_partitions makes them: ranges
+// already covered are skipped, and a new partition ends at the next multiple
+// of the width or where an existing one begins.
 func (r *runner) missingAhead() (int, error) {
 	step, err := r.q.FixedWindowPartitionSeconds(r.ctx, r.conn)
 	if err != nil {
@@ -781,17 +827,28 @@ func (r *runner) missingAhead() (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("list partitions: %w", err)
 	}
-	have := make(map[string]bool, len(parts))
-	for _, p := range parts {
-		have[p.PartitionName] = true
-	}
-	from := r.tables.Now.Unix()
-	to := r.tables.Now.Add(r.opts.Horizon).Unix()
+	to := r.tables.Now.Add(r.opts.Horizon)
+	s := time.Unix(floorDiv(r.tables.Now.Unix(), step)*step, 0)
 	n := 0
-	for s := floorDiv(from, step) * step; s <= floorDiv(to, step)*step; s += step {
-		if !have[PartitionName(time.Unix(s, 0))] {
-			n++
+	for !s.After(to) {
+		covered := false
+		for _, p := range parts {
+			if !p.IsDefault && !p.LowerBound.After(s) && p.UpperBound.After(s) {
+				s, covered = p.UpperBound, true
+				break
+			}
 		}
+		if covered {
+			continue
+		}
+		e := time.Unix((floorDiv(s.Unix(), step)+1)*step, 0)
+		for _, p := range parts {
+			if !p.IsDefault && p.LowerBound.After(s) && p.LowerBound.Before(e) {
+				e = p.LowerBound
+			}
+		}
+		n++
+		s = e
 	}
 	return n, nil
 }

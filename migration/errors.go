@@ -97,3 +97,45 @@ func previous(v uint) uint {
 	}
 	return p
 }
+
+// ErrInvalidConfig is matched (with errors.Is) by every error New and
+// NewWithConnConfig return for a Config field they refuse, and by the errors
+// SetLayout and Grant return for arguments they refuse. Nothing was done.
+var ErrInvalidConfig = errors.New("invalid pgrl migration config")
+
+// ErrPermission is matched (with errors.Is) by every *PermissionError.
+var ErrPermission = errors.New("pgrl migration: missing privilege")
+
+// ErrTooManyPartitions is matched (with errors.Is) by the error SetLayout
+// returns when the partition width is too narrow for the lookahead or for the
+// live windows: more than MaxPartitions partitions would be needed.
+var ErrTooManyPartitions = errors.New("pgrl migration: too many partitions")
+
+// configError is an ErrInvalidConfig with a message naming the fix.
+type configError struct{ msg string }
+
+func (e *configError) Error() string        { return "pgrl migration: " + e.msg }
+func (e *configError) Is(target error) bool { return target == ErrInvalidConfig }
+
+func invalidConfig(format string, args ...any) error {
+	return &configError{fmt.Sprintf(format, args...)}
+}
+
+// PermissionError reports that the database user lacks a privilege an
+// operation needs, and the statement that grants it.
+type PermissionError struct {
+	// User is the database user the migrator connected as.
+	User string
+	// Need says what the operation needs, e.g. "CREATE on schema app".
+	Need string
+	// Fix is the statement (or action) that gives it.
+	Fix string
+}
+
+// Error names the missing privilege and the grant.
+func (e *PermissionError) Error() string {
+	return fmt.Sprintf("permission problem: the database user %s lacks %s; %s", e.User, e.Need, e.Fix)
+}
+
+// Is reports whether target is ErrPermission.
+func (e *PermissionError) Is(target error) bool { return target == ErrPermission }

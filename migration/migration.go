@@ -24,6 +24,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"strings"
 	"sync"
 	"time"
@@ -36,6 +37,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 
+	"github.com/pgrl/pgrl/internal/ident"
 	"github.com/pgrl/pgrl/sql/schema"
 )
 
@@ -51,6 +53,18 @@ const DefaultLockWait = time.Minute
 
 // DefaultPartitionWidth is the partition width SetLayout uses when given zero.
 const DefaultPartitionWidth = time.Hour
+
+// DefaultPartitionLookahead is how far ahead SetLayout makes partitions when
+// Config.PartitionLookahead is zero. It matches rl-cleanup's default
+// --horizon, so that one width suits both.
+const DefaultPartitionLookahead = 24 * time.Hour
+
+// MaxPartitions is the most partitions SetLayout makes in its transaction:
+// the partitions covering now to now + the lookahead (and, when switching
+// from the plain layout, the live windows' ends). Every partition is a lock
+// its transaction holds, and the lock table is shared by every database of
+// the server. A width with lookahead / width > MaxPartitions - 1 is refused.
+const MaxPartitions = 64
 
 // Layouts accepted by SetLayout.
 const (
@@ -85,6 +99,19 @@ type Config struct {
 	// of the application, another rl-migrate) to finish before giving up
 	// with ErrLockWait. Defaults to 1 minute.
 	LockWait time.Duration
+
+	// PartitionLookahead is how far ahead of now SetLayout makes
+	// partitions in the partitioned layout: at least the longest
+	// fixed-window limit's window, so that every check finds its partition.
+	// rl-cleanup --partitions keeps them coming. Defaults to
+	// DefaultPartitionLookahead (24h).
+	PartitionLookahead time.Duration
+
+	// GrantTo names roles (the application's) that Up and UpTo grant the
+	// rights checks need, after migrating, also when nothing was pending:
+	// USAGE on Schema, SELECT, INSERT, UPDATE, DELETE on the counter tables
+	// and EXECUTE on the functions checks call. See Grant.
+	GrantTo []string
 
 	// Logger receives one line per migration applied or reverted.
 	// Defaults to discarding logs.
@@ -123,11 +150,27 @@ func NewWithConnConfig(connCfg *pgx.ConnConfig, cfg Config) (*Migrator, error) {
 		cfg.Table = DefaultTable
 	}
 	if cfg.Table == pgxmigrate.DefaultMigrationsTable {
-		return nil, fmt.Errorf("pgrl migration: %q is golang-migrate's default table, most likely your application's own; keep the default %q or pick another name",
+		return nil, invalidConfig("%q is golang-migrate's default table, most likely your application's own; keep the default %q or pick another name",
 			cfg.Table, DefaultTable)
 	}
-	if cfg.LockTimeout < 0 || cfg.LockWait < 0 {
-		return nil, errors.New("pgrl migration: LockTimeout and LockWait must not be negative")
+	if err := ident.Check("migrations table", cfg.Table); err != nil {
+		return nil, invalidConfig("%v", err)
+	}
+	if cfg.Schema != "" {
+		if err := ident.Check("schema", cfg.Schema); err != nil {
+			return nil, invalidConfig("%v", err)
+		}
+	}
+	for _, r := range cfg.GrantTo {
+		if err := ident.Check("role to grant to", r); err != nil {
+			return nil, invalidConfig("%v", err)
+		}
+	}
+	if cfg.LockTimeout < 0 || cfg.LockWait < 0 || cfg.PartitionLookahead < 0 {
+		return nil, invalidConfig("LockTimeout, LockWait and PartitionLookahead must not be negative")
+	}
+	if cfg.PartitionLookahead == 0 {
+		cfg.PartitionLookahead = DefaultPartitionLookahead
 	}
 	if cfg.LockTimeout == 0 {
 		cfg.LockTimeout = DefaultLockTimeout
@@ -209,8 +252,15 @@ type Status struct {
 }
 
 // Up applies every pending migration. Nothing pending is success.
+//
+// With Config.GrantTo set it then grants those roles the application's
+// rights (see Grant), also when nothing was pending.
 func (m *Migrator) Up(ctx context.Context) (Result, error) {
-	return m.run(ctx, true, Up, func(mg *migrate.Migrate, _ uint) error { return mg.Up() })
+	res, err := m.run(ctx, needCreate, Up, func(mg *migrate.Migrate, _ uint) error { return mg.Up() })
+	if err != nil {
+		return res, err
+	}
+	return res, m.Grant(ctx, m.cfg.GrantTo...)
 }
 
 // UpTo applies the pending migrations up to and including version. It
@@ -219,12 +269,16 @@ func (m *Migrator) UpTo(ctx context.Context, version uint) (Result, error) {
 	if _, err := Lookup(version); err != nil {
 		return Result{}, err
 	}
-	return m.run(ctx, true, Up, func(mg *migrate.Migrate, current uint) error {
+	res, err := m.run(ctx, needCreate, Up, func(mg *migrate.Migrate, current uint) error {
 		if current > version {
 			return fmt.Errorf("the database is at version %d, past %d: `up` never reverts; use `rl-migrate down` to go back", current, version)
 		}
 		return mg.Migrate(version)
 	})
+	if err != nil {
+		return res, err
+	}
+	return res, m.Grant(ctx, m.cfg.GrantTo...)
 }
 
 // Down reverts the newest steps applied migrations (fewer when fewer are
@@ -233,7 +287,7 @@ func (m *Migrator) Down(ctx context.Context, steps int) (Result, error) {
 	if steps < 1 {
 		return Result{}, fmt.Errorf("pgrl migration: steps must be at least 1, got %d", steps)
 	}
-	return m.run(ctx, false, Down, func(mg *migrate.Migrate, current uint) error {
+	return m.run(ctx, needOwner, Down, func(mg *migrate.Migrate, current uint) error {
 		n := 0
 		for _, a := range Available() {
 			if a.Version <= current {
@@ -251,7 +305,7 @@ func (m *Migrator) Down(ctx context.Context, steps int) (Result, error) {
 // DownAll reverts every applied migration, removing all of pgrl's tables and
 // functions (and their rows). The migrations table stays, empty.
 func (m *Migrator) DownAll(ctx context.Context) (Result, error) {
-	return m.run(ctx, false, Down, func(mg *migrate.Migrate, _ uint) error { return mg.Down() })
+	return m.run(ctx, needOwner, Down, func(mg *migrate.Migrate, _ uint) error { return mg.Down() })
 }
 
 // Force records version as the current one and clears the dirty flag,
@@ -265,7 +319,7 @@ func (m *Migrator) Force(ctx context.Context, version uint) error {
 		}
 		target = int(version)
 	}
-	return m.withLock(ctx, true, func(conn *pgx.Conn, schemaName string) error {
+	return m.withLock(ctx, needCreate, func(conn *pgx.Conn, schemaName string) error {
 		mg, _, closeFn, err := m.open(schemaName)
 		if err != nil {
 			return err
@@ -288,28 +342,50 @@ func (m *Migrator) Status(ctx context.Context) (Status, error) {
 	if err != nil {
 		return Status{}, err
 	}
+	if err := checkAccess(ctx, conn, schemaName, needUsage); err != nil {
+		return Status{}, err
+	}
 	return m.status(ctx, conn, schemaName)
 }
 
 // SetLayout switches pgrl_fixed_window between LayoutPlain and
 // LayoutPartitioned (with partitions width wide; zero means
 // DefaultPartitionWidth) by calling pgrl_fixed_window_set_layout, which
-// copies the live rows. It holds an ACCESS EXCLUSIVE lock on
-// pgrl_fixed_window while it works, so checks on fixed-window limits wait
-// for it; it fails after Config.LockTimeout rather than queue behind a long
-// transaction. It returns the layout in place afterwards.
+// copies the live rows, and makes the partitions from now to now +
+// Config.PartitionLookahead. It returns the layout in place afterwards.
+//
+// Switching to partitioned builds the new table and its partitions first and
+// then holds an ACCESS EXCLUSIVE lock on pgrl_fixed_window only while it
+// copies the live rows, so checks on fixed-window limits wait about as long
+// as that copy takes; it fails after Config.LockTimeout rather than queue
+// behind a long transaction. Changing the width of a partitioned table takes
+// no table lock: existing partitions keep their ranges and new ones start
+// where they end.
+//
+// No transaction makes more than MaxPartitions partitions: a width for which
+// the lookahead (or, from the plain layout, the live windows) would need
+// more is refused with a *PartitionCountError, and nothing changes.
 func (m *Migrator) SetLayout(ctx context.Context, layout string, width time.Duration) (string, error) {
 	if layout != LayoutPlain && layout != LayoutPartitioned {
-		return "", fmt.Errorf("unknown layout %q: use %s or %s", layout, LayoutPlain, LayoutPartitioned)
+		return "", invalidConfig("unknown layout %q: use %s or %s", layout, LayoutPlain, LayoutPartitioned)
 	}
 	if width == 0 {
 		width = DefaultPartitionWidth
 	}
 	if width < time.Second {
-		return "", fmt.Errorf("partition width %s is shorter than one second", width)
+		return "", invalidConfig("partition width %s is shorter than one second", width)
+	}
+	if width%time.Second != 0 {
+		return "", invalidConfig("partition width %s is not a whole number of seconds", width)
+	}
+	lookahead := m.cfg.PartitionLookahead
+	if layout == LayoutPartitioned {
+		if n := PartitionsNeeded(lookahead, width); n > MaxPartitions {
+			return "", &PartitionCountError{Width: width, Lookahead: lookahead, Needed: n}
+		}
 	}
 	var out string
-	err := m.withLock(ctx, false, func(conn *pgx.Conn, schemaName string) error {
+	err := m.withLock(ctx, needOwner, func(conn *pgx.Conn, schemaName string) error {
 		st, err := m.status(ctx, conn, schemaName)
 		if err != nil {
 			return err
@@ -317,29 +393,212 @@ func (m *Migrator) SetLayout(ctx context.Context, layout string, width time.Dura
 		if st.Dirty {
 			return &DirtyError{Version: st.Version, Table: qualified(schemaName, m.cfg.Table)}
 		}
-		if st.Version < 2 {
-			return fmt.Errorf("%w: schema %s is at version %d and the layout functions arrive with version 2; run `rl-migrate up` first",
+		if st.Version < 4 {
+			return fmt.Errorf("%w: schema %s is at version %d and this layout switch needs version 4; run `rl-migrate up` first",
 				ErrNotMigrated, schemaName, st.Version)
 		}
-		return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
 				return err
 			}
-			return tx.QueryRow(ctx, "SELECT pgrl_fixed_window_set_layout($1, make_interval(secs => $2))",
-				layout, width.Seconds()).Scan(&out)
+			return tx.QueryRow(ctx, "SELECT pgrl_fixed_window_set_layout($1, make_interval(secs => $2), make_interval(secs => $3))",
+				layout, width.Seconds(), lookahead.Seconds()).Scan(&out)
 		})
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "22023" && strings.Contains(pgErr.Message, "partitions") {
+			// The live windows reach further than MaxPartitions partitions.
+			return &PartitionCountError{Width: width, Lookahead: lookahead, Detail: pgErr.Message + " (" + pgErr.Hint + ")"}
+		}
+		return err
 	})
 	if err != nil {
 		return "", err
 	}
-	m.cfg.Logger.Info("pgrl_fixed_window layout set", "layout", out, "partition_width", width.String())
+	m.cfg.Logger.Info("pgrl_fixed_window layout set", "layout", out, "partition_width", width.String(), "lookahead", lookahead.String())
 	return out, nil
 }
 
+// PartitionsNeeded is how many partitions of the given width (aligned on
+// multiples of it) it takes to cover now to now + lookahead, at most.
+func PartitionsNeeded(lookahead, width time.Duration) int64 {
+	if width <= 0 {
+		return math.MaxInt64
+	}
+	n := int64(lookahead / width)
+	if lookahead%width != 0 {
+		n++
+	}
+	return n + 1
+}
+
+// MinPartitionWidth is the narrowest width, in whole seconds, for which a
+// lookahead needs at most MaxPartitions partitions.
+func MinPartitionWidth(lookahead time.Duration) time.Duration {
+	secs := int64(math.Ceil(lookahead.Seconds() / float64(MaxPartitions-1)))
+	return time.Duration(max(secs, 1)) * time.Second
+}
+
+// PartitionCountError reports a partition width too narrow for the
+// lookahead or the live windows: more than MaxPartitions partitions would be
+// made in one transaction. Nothing was changed.
+type PartitionCountError struct {
+	// Width is the partition width asked for.
+	Width time.Duration
+	// Lookahead is how far ahead partitions were to be made.
+	Lookahead time.Duration
+	// Needed is how many partitions the lookahead needs (0 when the live
+	// windows were the problem; Detail says so).
+	Needed int64
+	// Detail is the database's explanation when the live windows need too
+	// many partitions.
+	Detail string
+}
+
+// Error names the widths and lookaheads that work.
+func (e *PartitionCountError) Error() string {
+	if e.Detail != "" {
+		return fmt.Sprintf("partition width %s is too narrow: %s; choose a wider --partition-width", e.Width, e.Detail)
+	}
+	return fmt.Sprintf("partition width %s with a lookahead of %s needs %d partitions, more than the %d one transaction may make: use --partition-width %s or wider, or a shorter --lookahead (at most %s at this width)",
+		e.Width, e.Lookahead, e.Needed, MaxPartitions, MinPartitionWidth(e.Lookahead), e.Width*time.Duration(MaxPartitions-1))
+}
+
+// Is reports whether target is ErrTooManyPartitions or ErrInvalidConfig.
+func (e *PartitionCountError) Is(target error) bool {
+	return target == ErrTooManyPartitions || target == ErrInvalidConfig
+}
+
+// Grant gives each role the rights an application's checks need in the
+// migrated schema, and nothing more: USAGE on the schema; SELECT, INSERT,
+// UPDATE and DELETE on pgrl_fixed_window, pgrl_token_bucket and
+// pgrl_sliding_window; EXECUTE on pgrl_abort_unless. Partitions made later
+// need no grant of their own: PostgreSQL checks a query's rights on the
+// table it names, the partitioned parent. Granting again is harmless; Up
+// calls it with Config.GrantTo. Run it as the owner of pgrl's tables.
+func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
+	if len(roles) == 0 {
+		return nil
+	}
+	for _, r := range roles {
+		if err := ident.Check("role to grant to", r); err != nil {
+			return invalidConfig("%v", err)
+		}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	conn, schemaName, err := m.control(ctx)
+	if err != nil {
+		return err
+	}
+	return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		for _, r := range roles {
+			var exists bool
+			if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1)", r).Scan(&exists); err != nil {
+				return err
+			}
+			if !exists {
+				return invalidConfig("role %q does not exist; create it first (CREATE ROLE %s LOGIN PASSWORD '...') and run `rl-migrate up --grant-to %s` again",
+					r, pgx.Identifier{r}.Sanitize(), r)
+			}
+			stmts, err := grantStatements(ctx, tx, schemaName, r)
+			if err != nil {
+				return err
+			}
+			for _, stmt := range stmts {
+				if _, err := tx.Exec(ctx, stmt); err != nil {
+					return fmt.Errorf("%s: %w", stmt, err)
+				}
+			}
+		}
+		m.cfg.Logger.Info("granted pgrl's application rights", "schema", schemaName, "roles", strings.Join(roles, ","))
+		return nil
+	})
+}
+
+// appTables are the counter tables a check reads and writes.
+var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
+
+// appFunctions are the functions a check calls.
+var appFunctions = []string{"pgrl_abort_unless(boolean, text)"}
+
+// grantStatements returns the GRANT statements that give role the
+// application's rights on the objects present in schemaName.
+func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, role string) ([]string, error) {
+	r := pgx.Identifier{role}.Sanitize()
+	out := []string{"GRANT USAGE ON SCHEMA " + pgx.Identifier{schemaName}.Sanitize() + " TO " + r}
+	for _, t := range appTables {
+		var ok bool
+		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&ok); err != nil {
+			return nil, err
+		}
+		if ok {
+			out = append(out, "GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE "+qualified(schemaName, t)+" TO "+r)
+		}
+	}
+	for _, f := range appFunctions {
+		sig := pgx.Identifier{schemaName}.Sanitize() + "." + f
+		var ok bool
+		if err := tx.QueryRow(ctx, "SELECT to_regprocedure($1) IS NOT NULL", sig).Scan(&ok); err != nil {
+			return nil, err
+		}
+		if ok {
+			out = append(out, "GRANT EXECUTE ON FUNCTION "+sig+" TO "+r)
+		}
+	}
+	return out, nil
+}
+
+// access is what an operation needs of the database user.
+type access int
+
+const (
+	needUsage  access = iota // read: USAGE on the schema
+	needCreate               // migrate up: CREATE on the schema (or the database, to create it)
+	needOwner                // down, layout: own pgrl's tables
+)
+
+// checkAccess turns a missing privilege into a *PermissionError that names
+// the grant, before anything is tried.
+func checkAccess(ctx context.Context, conn *pgx.Conn, schemaName string, need access) error {
+	var user, db string
+	var exists, usage, create, createDB, owner bool
+	var tableOwner *string
+	err := conn.QueryRow(ctx, `SELECT current_user::text, current_database()::text,
+	       n.oid IS NOT NULL,
+	       coalesce(has_schema_privilege(n.oid, 'USAGE'), false),
+	       coalesce(has_schema_privilege(n.oid, 'CREATE'), false),
+	       has_database_privilege(current_database(), 'CREATE'),
+	       (SELECT pg_get_userbyid(c.relowner)::text FROM pg_catalog.pg_class c
+	         WHERE c.relnamespace = n.oid AND c.relname = 'pgrl_fixed_window'),
+	       coalesce((SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_catalog.pg_class c
+	         WHERE c.relnamespace = n.oid AND c.relname = 'pgrl_fixed_window'), true)
+	  FROM (SELECT 1) AS one LEFT JOIN pg_catalog.pg_namespace n ON n.nspname = $1`, schemaName).
+		Scan(&user, &db, &exists, &usage, &create, &createDB, &tableOwner, &owner)
+	if err != nil {
+		return err
+	}
+	u, s := pgx.Identifier{user}.Sanitize(), pgx.Identifier{schemaName}.Sanitize()
+	switch {
+	case !exists && need == needCreate && !createDB:
+		return &PermissionError{User: user, Need: "CREATE on database " + db + " (to create schema " + schemaName + ")",
+			Fix: "create the schema for it (CREATE SCHEMA " + s + " AUTHORIZATION " + u + ") or GRANT CREATE ON DATABASE " + pgx.Identifier{db}.Sanitize() + " TO " + u}
+	case exists && !usage:
+		return &PermissionError{User: user, Need: "USAGE on schema " + schemaName,
+			Fix: "GRANT USAGE ON SCHEMA " + s + " TO " + u + ", or run as the owner of pgrl's tables"}
+	case exists && need == needCreate && !create:
+		return &PermissionError{User: user, Need: "CREATE on schema " + schemaName + " (migrations create tables and functions)",
+			Fix: "run rl-migrate as the schema's owner (the migration role), or GRANT CREATE ON SCHEMA " + s + " TO " + u}
+	case exists && need == needOwner && !owner && tableOwner != nil:
+		return &PermissionError{User: user, Need: "ownership of " + schemaName + ".pgrl_fixed_window (owned by " + *tableOwner + ")",
+			Fix: "run as " + *tableOwner + " (the migration role), or GRANT " + pgx.Identifier{*tableOwner}.Sanitize() + " TO " + u}
+	}
+	return nil
+}
+
 // run takes the migration lock, checks the recorded version, and runs op.
-func (m *Migrator) run(ctx context.Context, create bool, dir Direction, op func(*migrate.Migrate, uint) error) (Result, error) {
+func (m *Migrator) run(ctx context.Context, need access, dir Direction, op func(*migrate.Migrate, uint) error) (Result, error) {
 	var res Result
-	err := m.withLock(ctx, create, func(conn *pgx.Conn, schemaName string) error {
+	err := m.withLock(ctx, need, func(conn *pgx.Conn, schemaName string) error {
 		res.Schema = schemaName
 		mg, drv, closeFn, err := m.open(schemaName)
 		if err != nil {
@@ -411,11 +670,14 @@ func (m *Migrator) target(dir Direction) uint {
 }
 
 // withLock runs fn holding the migration lock on the control connection.
-func (m *Migrator) withLock(ctx context.Context, create bool, fn func(*pgx.Conn, string) error) error {
+func (m *Migrator) withLock(ctx context.Context, need access, fn func(*pgx.Conn, string) error) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	conn, schemaName, err := m.control(ctx)
 	if err != nil {
+		return err
+	}
+	if err := checkAccess(ctx, conn, schemaName, need); err != nil {
 		return err
 	}
 	key := "pgrl-migrate/" + schemaName + "/" + m.cfg.Table
@@ -442,9 +704,15 @@ func (m *Migrator) withLock(ctx context.Context, create bool, fn func(*pgx.Conn,
 			_ = conn.Close(uctx)
 		}
 	}()
-	if create {
-		if _, err := conn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+	if need == needCreate {
+		var exists bool
+		if err := conn.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)", schemaName).Scan(&exists); err != nil {
 			return err
+		}
+		if !exists {
+			if _, err := conn.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+				return err
+			}
 		}
 	}
 	return fn(conn, schemaName)

@@ -213,6 +213,14 @@ type Config struct {
 	// median latency (docs/REDIS.md). Defaults to 2.
 	MaxInFlight int
 
+	// CreatePartitions lets a fixed-window check in the partitioned layout
+	// that finds no partition for its window create it (DDL, from the
+	// request path, under the application's role, which must then own
+	// pgrl's tables) and check again. Defaults to false: such a check
+	// returns ErrNoPartition instead, and partitions are made ahead by
+	// `rl-migrate layout`, rl-cleanup --partitions and EnsurePartitions.
+	CreatePartitions bool
+
 	// Cleanup, when set, deletes dead counter rows from the request path,
 	// for applications that schedule no rl-cleanup: on about one check in
 	// Cleanup.Every it starts one small batch in the background, after the

@@ -130,6 +130,9 @@
 // the right trade: writes skip the WAL and cost about half as much.
 //
 // In the partitioned layout of the fixed-window table (`rl-migrate layout
-// partitioned`), a check whose window has no partition yet creates it and is
-// retried, so checks never depend on rl-cleanup having run.
+// partitioned`), checks run no DDL: the partitions are made ahead by the
+// layout switch, rl-cleanup --partitions and EnsurePartitions. A check whose
+// window has no partition returns ErrNoPartition (a setup error, never
+// answered by the failure policy), unless Config.CreatePartitions lets it
+// create the partition and check again.
 package ratelimit

@@ -63,6 +63,15 @@ var (
 	// tables or functions (SQLSTATE 42501, or a schema without USAGE, which
 	// makes its tables look missing). The message names the grant.
 	ErrPermission = errors.New("ratelimit: permission denied on pgrl's objects")
+	// ErrNoPartition: in the partitioned layout, no partition of
+	// pgrl_fixed_window holds the end of this check's window, and the
+	// limiter does not create partitions itself (Config.CreatePartitions).
+	// It is a setup error, like ErrNotMigrated: returned to the caller,
+	// never answered by the failure policy or counted by the breaker.
+	ErrNoPartition = errors.New("ratelimit: no partition of pgrl_fixed_window holds this window's end; " +
+		"run `rl-cleanup --partitions` with a --horizon longer than your longest fixed window (from cron), " +
+		"call ratelimit.EnsurePartitions at start-up as the owner of pgrl's tables, " +
+		"or set Config.CreatePartitions")
 	// ErrPartitionMissing: in the partitioned layout, a check inside the
 	// caller's transaction found no partition for its window. The limiter
 	// has created it; retry the transaction.

@@ -241,7 +241,8 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 	return l.spreadDecision(d)
 }
 
-// allowDB asks PostgreSQL, healing a missing partition once. A spread
+// allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
+// missing partition and asks once more. A spread
 // limit's caller passes the row that decides (see allowN).
 func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
 	take := func() (Decision, error) {
@@ -251,7 +252,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 		return l.take(ctx, l.db, key, n)
 	}
 	d, err := take()
-	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+	if err != nil && l.cfg.CreatePartitions && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
@@ -289,7 +290,7 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) 
 		return Decision{}, err
 	}
 	d, err := l.take(ctx, tx, key, n)
-	if err != nil && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+	if err != nil && l.cfg.CreatePartitions && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
 		// The failed statement has aborted the caller's transaction; create
 		// the partition outside it so that a retry succeeds.
 		if herr := l.heal(ctx, l.db); herr != nil {
@@ -551,6 +552,8 @@ func mapErr(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		switch {
+		case isMissingPartition(pgErr):
+			return fmt.Errorf("%w: %w", ErrNoPartition, pgErr)
 		case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
 			return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
 		case pgErr.Code == "25006",
@@ -558,8 +561,6 @@ func mapErr(err error) error {
 			return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
 		case pgErr.Code == "42501":
 			return fmt.Errorf("%w: %s: %w", ErrPermission, missingGrant(pgErr.Message), pgErr)
-		case isMissingPartition(pgErr):
-			// The partitioned layout's own path handles it.
 		case strings.HasPrefix(pgErr.Code, "22"), strings.HasPrefix(pgErr.Code, "54"), strings.HasPrefix(pgErr.Code, "23"):
 			return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
 		}

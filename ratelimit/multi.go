@@ -261,7 +261,10 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		}
 		err := first.explain(ctx, sendErr)
 		if isConfigError(err) || isMissingPartition(sendErr) {
-			if isMissingPartition(sendErr) {
+			if isMissingPartition(sendErr) && !slices.ContainsFunc(order, func(it item) bool {
+				l := it.c.Limiter
+				return l.cfg.Algorithm == FixedWindow && !l.cfg.CreatePartitions
+			}) {
 				// Create the partitions and decide again.
 				for _, it := range order {
 					if it.c.Limiter.cfg.Algorithm == FixedWindow {

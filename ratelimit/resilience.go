@@ -161,7 +161,7 @@ func callerErr(ctx context.Context) error {
 // mean the setup or the request is wrong, not that the database is briefly
 // unavailable. They never reach the breaker or the memory fallback.
 func isConfigError(err error) bool {
-	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) ||
+	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrNoPartition) ||
 		errors.Is(err, ErrPermission) || errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrKeyTooLong)
 }
 

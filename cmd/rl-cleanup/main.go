@@ -24,6 +24,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/ident"
 )
 
 func main() { cli.Main(run) }
@@ -318,6 +319,11 @@ func parseFlags(args []string) (config, error) {
 	case "text", "json":
 	default:
 		return usage("--output %q is not a format; use --output text or --output json", cfg.output)
+	}
+	if set["schema"] {
+		if err := ident.Check("--schema", cfg.schema); err != nil {
+			return usage("%v", err)
+		}
 	}
 	cfg.opts.Mode = m
 	cfg.opts.BatchSize = f.batchSize

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/ident"
 	"github.com/pgrl/pgrl/migration"
 )
 
@@ -28,7 +29,11 @@ Usage:
   rl-migrate [flags] <command> [arguments] [flags]
 
 Commands:
-  up [N]                   apply every pending migration (or those up to version N)
+  up [N] [--grant-to ROLE] apply every pending migration (or those up to version N);
+                           --grant-to (repeatable, or a comma list) then grants each
+                           role the application's rights (USAGE on the schema, DML
+                           on the counter tables, EXECUTE on pgrl's functions), also
+                           when nothing was pending
   down [--all]             revert the newest applied migration; --all reverts every
                            one and drops pgrl's tables with all their counters
   status [--check]         show the version, applied and pending migrations and the
@@ -36,10 +41,12 @@ Commands:
   force N                  record version N as applied and clear the dirty flag,
                            running no SQL (N=0: nothing applied); for after a repair
   sql N [up|down]          print migration N's SQL (default up); needs no database
-  layout plain|partitioned [--partition-width 1h]
+  layout plain|partitioned [--partition-width 1h] [--lookahead 24h]
                            switch pgrl_fixed_window between one table and time
                            partitions, keeping live counters; holds an ACCESS
-                           EXCLUSIVE lock on that table while it copies them
+                           EXCLUSIVE lock on that table while it copies them.
+                           Makes the partitions from now to now + --lookahead (at
+                           least your longest fixed window; at most 63 widths)
   version                  print this tool's version and its newest migration
 
 Flags:
@@ -47,7 +54,7 @@ Flags:
                            libpq variables PGHOST, PGPORT, PGUSER, PGPASSWORD, ...)
   --schema NAME            schema for pgrl's tables and the migrations table, created
                            if missing (default: the connection's current schema,
-                           usually public)
+                           usually public); at most 63 bytes
   --migrations-table NAME  migrations table (default pgrl_schema_migrations; never
                            golang-migrate's schema_migrations, which is your app's)
   --lock-timeout D         lock_timeout for every statement: DDL fails instead of
@@ -74,6 +81,9 @@ Examples:
   # let rl-cleanup drop whole partitions instead of deleting rows
   rl-migrate layout partitioned --partition-width 1h
 
+  # migrate as the owner and let the application's role run checks
+  rl-migrate up --grant-to app
+
 Exit codes: 0 success or nothing to do, 1 error, 2 usage error,
 3 dirty migrations table (see force), 4 pending migrations (status --check).
 Logs go to stderr, results to stdout.
@@ -91,6 +101,16 @@ func usagef(format string, args ...any) error { return usageError{fmt.Sprintf(fo
 type exitCode int
 
 func (e exitCode) Error() string { return "exit " + strconv.Itoa(int(e)) }
+
+// roleList is a repeatable flag of comma-separated role names.
+type roleList []string
+
+func (r *roleList) String() string { return strings.Join(*r, ",") }
+
+func (r *roleList) Set(v string) error {
+	*r = append(*r, cli.SplitList(v)...)
+	return nil
+}
 
 type globals struct {
 	databaseURL string
@@ -168,6 +188,8 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 	a.g.register(sub)
 	switch cmd {
 	case "up":
+		var grantTo roleList
+		sub.Var(&grantTo, "grant-to", "")
 		pos, err := parse(sub, rest, a)
 		if err != nil {
 			return err
@@ -181,7 +203,12 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 				return err
 			}
 		}
-		return a.up(ctx, target)
+		for _, r := range grantTo {
+			if err := ident.Check("--grant-to", r); err != nil {
+				return usagef("%v", err)
+			}
+		}
+		return a.up(ctx, target, grantTo)
 	case "down":
 		all := sub.Bool("all", false, "")
 		pos, err := parse(sub, rest, a)
@@ -237,6 +264,7 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 		return a.sql(v, dir)
 	case "layout":
 		width := sub.Duration("partition-width", migration.DefaultPartitionWidth, "")
+		lookahead := sub.Duration("lookahead", migration.DefaultPartitionLookahead, "")
 		pos, err := parse(sub, rest, a)
 		if err != nil {
 			return err
@@ -244,10 +272,17 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 		if len(pos) != 1 || (pos[0] != migration.LayoutPlain && pos[0] != migration.LayoutPartitioned) {
 			return usagef("layout takes one argument: plain or partitioned")
 		}
-		if *width < time.Second {
-			return usagef("--partition-width must be at least 1s, got %s", *width)
+		if *width < time.Second || *width%time.Second != 0 {
+			return usagef("--partition-width must be a whole number of seconds, at least 1s, got %s", *width)
 		}
-		return a.layout(ctx, pos[0], *width)
+		if *lookahead <= 0 {
+			return usagef("--lookahead must be a positive duration such as 24h, got %s", *lookahead)
+		}
+		if pos[0] == migration.LayoutPartitioned && migration.PartitionsNeeded(*lookahead, *width) > migration.MaxPartitions {
+			return usageError{(&migration.PartitionCountError{Width: *width, Lookahead: *lookahead,
+				Needed: migration.PartitionsNeeded(*lookahead, *width)}).Error()}
+		}
+		return a.layout(ctx, pos[0], *width, *lookahead)
 	case "version":
 		pos, err := parse(sub, rest, a)
 		if err != nil {
@@ -306,6 +341,14 @@ func (a *app) checkGlobals() error {
 	if a.g.table == "" {
 		return usagef("--migrations-table must not be empty")
 	}
+	if err := ident.Check("--migrations-table", a.g.table); err != nil {
+		return usagef("%v", err)
+	}
+	if a.g.schema != "" {
+		if err := ident.Check("--schema", a.g.schema); err != nil {
+			return usagef("%v", err)
+		}
+	}
 	return nil
 }
 
@@ -359,6 +402,8 @@ func (a *app) finish(err error) int {
 		code = cli.ExitUsage
 	case errors.Is(err, migration.ErrDirty):
 		code = cli.ExitDirty
+	case errors.Is(err, migration.ErrInvalidConfig):
+		code = cli.ExitUsage
 	}
 	var uv *migration.UnknownVersionError
 	if errors.As(err, &uv) && !uv.InDatabase {
@@ -385,7 +430,8 @@ func explain(err error) string {
 		msg = fmt.Sprintf("migration %s %s failed and was rolled back, the database stays at version %d: %s",
 			fe.Migration, fe.Direction, fe.Version, cli.Explain(fe.Err))
 	case errors.Is(err, migration.ErrDirty), errors.Is(err, migration.ErrUnknownVersion),
-		errors.Is(err, migration.ErrLockWait), errors.Is(err, migration.ErrNotMigrated):
+		errors.Is(err, migration.ErrLockWait), errors.Is(err, migration.ErrNotMigrated),
+		errors.Is(err, migration.ErrInvalidConfig), errors.Is(err, migration.ErrPermission):
 		msg = err.Error()
 	case errors.Is(err, context.Canceled):
 		msg = "interrupted: " + err.Error() + "; run the command again to finish"
@@ -400,20 +446,24 @@ func explain(err error) string {
 	return strings.Join(strings.Fields(msg), " ")
 }
 
-func (a *app) migrator() (*migration.Migrator, error) {
+func (a *app) migrator(opts ...func(*migration.Config)) (*migration.Migrator, error) {
 	conn, source := cli.ConnString(a.g.databaseURL)
 	cfg, err := cli.ParseConfig(conn, "rl-migrate")
 	if err != nil {
 		return nil, err
 	}
 	a.log.Debug("connection", "from", source)
-	return migration.NewWithConnConfig(cfg, migration.Config{
+	mc := migration.Config{
 		Schema:      a.g.schema,
 		Table:       a.g.table,
 		LockTimeout: a.g.lockTimeout,
 		LockWait:    a.g.lockWait,
 		Logger:      a.log,
-	})
+	}
+	for _, o := range opts {
+		o(&mc)
+	}
+	return migration.NewWithConnConfig(cfg, mc)
 }
 
 type resultOut struct {
@@ -447,13 +497,13 @@ func names(ms []migration.Migration) string {
 	return strings.Join(parts, ", ")
 }
 
-func (a *app) up(ctx context.Context, target uint) error {
+func (a *app) up(ctx context.Context, target uint, grantTo []string) error {
 	if target != 0 {
 		if _, err := migration.Lookup(target); err != nil {
 			return err
 		}
 	}
-	m, err := a.migrator()
+	m, err := a.migrator(func(c *migration.Config) { c.GrantTo = grantTo })
 	if err != nil {
 		return err
 	}
@@ -582,8 +632,8 @@ func (a *app) sql(v uint, dir migration.Direction) error {
 	return err
 }
 
-func (a *app) layout(ctx context.Context, layout string, width time.Duration) error {
-	m, err := a.migrator()
+func (a *app) layout(ctx context.Context, layout string, width, lookahead time.Duration) error {
+	m, err := a.migrator(func(c *migration.Config) { c.PartitionLookahead = lookahead })
 	if err != nil {
 		return err
 	}

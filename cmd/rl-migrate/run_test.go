@@ -285,9 +285,9 @@ func TestAppSchemaMigrationsUntouched(t *testing.T) {
 	require.NoError(t, admin.QueryRow(ctx, "SELECT string_agg(version || ':' || dirty, ',') FROM "+app).Scan(&got))
 	require.Equal(t, "42:false", got)
 
-	// Pointing rl-migrate at the app's table is refused.
+	// Pointing rl-migrate at the app's table is a usage error.
 	_, stderr, code = runBin(t, db(s, "--migrations-table", "schema_migrations", "up")...)
-	require.Equal(t, cli.ExitError, code)
+	require.Equal(t, cli.ExitUsage, code)
 	require.Contains(t, oneLine(t, stderr), "golang-migrate's default table")
 }
 

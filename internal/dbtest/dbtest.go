@@ -14,6 +14,7 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io/fs"
+	"net/url"
 	"os"
 	"sort"
 	"strings"
@@ -197,3 +198,57 @@ func URLWithSchema(schemaName string) string {
 	}
 	return u + sep + "search_path=" + schemaName
 }
+
+// NewRole creates a role that can log in with a password and has no
+// privilege at all (beyond what PostgreSQL gives PUBLIC), and returns its
+// name. When the test ends it drops what the role owns and the role. Use
+// URLAs to connect as it.
+func NewRole(t testing.TB) string {
+	t.Helper()
+	admin := Admin(t)
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "pgrl_role_" + hex.EncodeToString(b[:])
+	ctx := context.Background()
+	if _, err := admin.Exec(ctx, "CREATE ROLE "+pgx.Identifier{name}.Sanitize()+" LOGIN PASSWORD "+quote(rolePassword(name))); err != nil {
+		t.Fatalf("create role %s: %v", name, err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		id := pgx.Identifier{name}.Sanitize()
+		for _, stmt := range []string{"DROP OWNED BY " + id + " CASCADE", "DROP ROLE " + id} {
+			if _, err := admin.Exec(ctx, stmt); err != nil {
+				t.Logf("%s: %v", stmt, err)
+			}
+		}
+	})
+	return name
+}
+
+// URLAs returns the test database URL with the user (and password) of a
+// role made by NewRole.
+func URLAs(role string) string {
+	u, err := url.Parse(URL())
+	if err != nil || u.Scheme == "" {
+		return URL() + " user=" + role + " password=" + rolePassword(role)
+	}
+	u.User = url.UserPassword(role, rolePassword(role))
+	return u.String()
+}
+
+// URLAsWithSchema is URLAs with search_path set to the schema.
+func URLAsWithSchema(role, schemaName string) string {
+	u, err := url.Parse(URLAs(role))
+	if err != nil {
+		return URLAs(role)
+	}
+	q := u.Query()
+	q.Set("search_path", schemaName)
+	u.RawQuery = q.Encode()
+	return u.String()
+}
+
+func rolePassword(role string) string { return "pw-" + role }
+
+func quote(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
