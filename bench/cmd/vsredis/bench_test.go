@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/loadtest"
 )
 
 // EnvRedisAddr points the tests at a Redis server; bench/test.sh starts one
@@ -74,7 +75,7 @@ func TestBenchmarkEndToEnd(t *testing.T) {
 		if c.PgrlP50Us <= 0 || c.PgrlP50Us > c.PgrlP99Us || c.RedisRateP50Us <= 0 || c.RedisRateP50Us > c.RedisRateP99Us {
 			t.Errorf("%+v: percentiles out of order", c)
 		}
-		if want := ratio(c.PgrlOpsPerSec, c.RedisRateOpsPerSec); abs(c.Ratio-want) > 0.01 {
+		if want := loadtest.Ratio(c.PgrlOpsPerSec, c.RedisRateOpsPerSec); abs(c.Ratio-want) > 0.01 {
 			t.Errorf("%+v: ratio %v is not pgrl/redis_rate (%v)", c, c.Ratio, want)
 		}
 		// Every check went out in a statement, alone or batched.
