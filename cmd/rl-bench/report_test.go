@@ -2,15 +2,11 @@ package main
 
 import (
 	"bytes"
-	"flag"
-	"os"
-	"path/filepath"
 	"testing"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/golden"
 )
-
-var update = flag.Bool("update", false, "rewrite the golden files in testdata")
 
 // fixedReport is a report with every field set, so that the golden files
 // pin the whole of both output formats.
@@ -43,24 +39,6 @@ func fixedReport() Report {
 	return r
 }
 
-// golden compares got with testdata/name, or rewrites it with -update.
-func golden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -run %s -update to write it)", err, t.Name())
-	}
-	if !bytes.Equal(got, want) {
-		t.Errorf("%s changed:\n--- got\n%s\n--- want\n%s", name, got, want)
-	}
-}
-
 func TestReportFormatsUnchanged(t *testing.T) {
 	r := fixedReport()
 	if r.TargetsMet || len(r.TargetMisses) != 3 {
@@ -73,6 +51,6 @@ func TestReportFormatsUnchanged(t *testing.T) {
 	if err := cli.PrintJSON(&js, r); err != nil {
 		t.Fatal(err)
 	}
-	golden(t, "report.txt", text.Bytes())
-	golden(t, "report.json", js.Bytes())
+	golden.Check(t, "report.txt", text.Bytes())
+	golden.Check(t, "report.json", js.Bytes())
 }

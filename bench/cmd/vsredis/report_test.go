@@ -2,13 +2,10 @@ package main
 
 import (
 	"bytes"
-	"flag"
-	"os"
-	"path/filepath"
 	"testing"
-)
 
-var update = flag.Bool("update", false, "rewrite the golden files in testdata")
+	"github.com/pgrl/pgrl/internal/golden"
+)
 
 // fixedReport is a report with every field set, so that the golden files
 // pin the whole of both output formats.
@@ -44,24 +41,6 @@ func fixedReport() Report {
 	return r
 }
 
-// golden compares got with testdata/name, or rewrites it with -update.
-func golden(t *testing.T, name string, got []byte) {
-	t.Helper()
-	path := filepath.Join("testdata", name)
-	if *update {
-		if err := os.WriteFile(path, got, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	want, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatalf("%v (run go test -run %s -update to write it)", err, t.Name())
-	}
-	if !bytes.Equal(got, want) {
-		t.Errorf("%s changed:\n--- got\n%s\n--- want\n%s", name, got, want)
-	}
-}
-
 func TestReportFormatsUnchanged(t *testing.T) {
 	r := fixedReport()
 	if r.TargetsMet || len(r.TargetMisses) != 1 {
@@ -74,6 +53,6 @@ func TestReportFormatsUnchanged(t *testing.T) {
 	if err := printJSON(&js, r); err != nil {
 		t.Fatal(err)
 	}
-	golden(t, "report.txt", text.Bytes())
-	golden(t, "report.json", js.Bytes())
+	golden.Check(t, "report.txt", text.Bytes())
+	golden.Check(t, "report.json", js.Bytes())
 }
