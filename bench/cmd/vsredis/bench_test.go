@@ -13,30 +13,31 @@ import (
 	"github.com/pgrl/pgrl/internal/loadtest"
 )
 
-// EnvRedisAddr points the tests at a Redis server; bench/test.sh starts one
-// and sets it when none answers at the default address.
+// EnvRedisAddr points the tests at a Redis server they may write to (in
+// database 15); bench/test.sh starts one and sets it.
 const EnvRedisAddr = "PGRL_TEST_REDIS_ADDR"
 
 // testRedisDB is the Redis database the tests write to, away from the
 // default database 0.
 const testRedisDB = "15"
 
-// redisAddr returns the address of the test Redis. When nothing answers
-// there the test fails under CI=true (CI must run it) and is skipped
-// elsewhere, saying how to run it.
+// redisAddr returns the address of the test Redis: $PGRL_TEST_REDIS_ADDR,
+// else 127.0.0.1:6379. When nothing answers there the test fails if the
+// address was given or CI=true (there the test must run), and is skipped
+// otherwise, saying how to run it.
 func redisAddr(t *testing.T) string {
 	t.Helper()
-	addr := os.Getenv(EnvRedisAddr)
-	if addr == "" {
-		addr = "127.0.0.1:6379"
+	addr, given := os.LookupEnv(EnvRedisAddr)
+	if !given || addr == "" {
+		addr, given = "127.0.0.1:6379", false
 	}
 	c, err := net.DialTimeout("tcp", addr, 2*time.Second)
 	if err == nil {
 		_ = c.Close()
 		return addr
 	}
-	msg := "no Redis at " + addr + " (" + err.Error() + "): run bench/test.sh, which starts one, or set " + EnvRedisAddr
-	if os.Getenv("CI") == "true" {
+	msg := "no Redis at " + addr + " (" + err.Error() + "): run bash bench/test.sh, which starts one, or set " + EnvRedisAddr
+	if given || os.Getenv("CI") == "true" {
 		t.Fatal(msg)
 	}
 	t.Skip(msg)
