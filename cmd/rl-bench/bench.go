@@ -5,11 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"runtime"
 	"slices"
 	"strconv"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -18,6 +16,7 @@ import (
 
 	"github.com/pgrl/pgrl/gen"
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/loadtest"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -36,9 +35,6 @@ const sliceTarget = 100 * time.Millisecond
 // populateBatch is how many statements one round trip carries when every
 // key is touched before the measurement.
 const populateBatch = 1000
-
-// checkFunc runs one check of key number k.
-type checkFunc func(ctx context.Context, k int) error
 
 // workload is one algorithm's two paths over a set of keys.
 type workload struct {
@@ -75,7 +71,7 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 
 // raw returns the raw path: the generated statement, with the parameters the
 // library derives from the same Config, through db.
-func (w workload) raw(db gen.DBTX) checkFunc {
+func (w workload) raw(db gen.DBTX) loadtest.Check {
 	q := gen.New()
 	windowUs := w.cfg.Window.Microseconds()
 	switch w.algorithm {
@@ -105,7 +101,7 @@ func (w workload) raw(db gen.DBTX) checkFunc {
 }
 
 // library returns the library path: Limiter.AllowN on db.
-func (w workload) library(db ratelimit.DB) (checkFunc, error) {
+func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
 	l, err := ratelimit.New(db, w.cfg)
 	if err != nil {
 		return nil, err
@@ -159,92 +155,6 @@ type discardRow struct{}
 
 func (discardRow) Scan(...any) error { return nil }
 
-// pathStats accumulates one path's measurements in a case.
-type pathStats struct {
-	latencies []int64 // nanoseconds
-	elapsed   time.Duration
-}
-
-func (p *pathStats) opsPerSec() float64 {
-	if p.elapsed <= 0 {
-		return 0
-	}
-	return float64(len(p.latencies)) / p.elapsed.Seconds()
-}
-
-// percentileUs returns the q-quantile (0..1) of the latencies in
-// microseconds; the latencies must be sorted.
-func (p *pathStats) percentileUs(q float64) float64 {
-	if len(p.latencies) == 0 {
-		return 0
-	}
-	i := min(int(q*float64(len(p.latencies))), len(p.latencies)-1)
-	return float64(p.latencies[i]) / 1e3
-}
-
-// runner drives callers goroutines, each with its own key sequence.
-type runner struct {
-	callers int
-	nkeys   int
-	rngs    []*rand.Rand
-	buf     [][]int64
-}
-
-func newRunner(callers, nkeys int) *runner {
-	r := &runner{callers: callers, nkeys: nkeys, rngs: make([]*rand.Rand, callers), buf: make([][]int64, callers)}
-	for i := range callers {
-		r.rngs[i] = rand.New(rand.NewPCG(uint64(i)+1, uint64(nkeys)))
-	}
-	return r
-}
-
-// slice runs check from every caller for d, appending the latencies to st
-// when it is not nil.
-func (r *runner) slice(ctx context.Context, d time.Duration, check checkFunc, st *pathStats) error {
-	var wg sync.WaitGroup
-	errs := make([]error, r.callers)
-	start := time.Now()
-	deadline := start.Add(d)
-	for w := range r.callers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng, lat := r.rngs[w], r.buf[w][:0]
-			for {
-				t0 := time.Now()
-				if !t0.Before(deadline) {
-					break
-				}
-				k := 0
-				if r.nkeys > 1 {
-					k = rng.IntN(r.nkeys)
-				}
-				if err := check(ctx, k); err != nil {
-					errs[w] = err
-					break
-				}
-				lat = append(lat, time.Since(t0).Nanoseconds())
-			}
-			r.buf[w] = lat
-		}()
-	}
-	wg.Wait()
-	elapsed := time.Since(start)
-	if err := errors.Join(errs...); err != nil {
-		return err
-	}
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	if st != nil {
-		st.elapsed += elapsed
-		for _, lat := range r.buf {
-			st.latencies = append(st.latencies, lat...)
-		}
-	}
-	return nil
-}
-
 // openPool opens a pool of n connections on the benchmark's schema and
 // establishes all of them.
 func openPool(ctx context.Context, connString, schema string, n int) (*pgxpool.Pool, error) {
@@ -267,55 +177,34 @@ func runCase(ctx context.Context, o options, connString string, w workload, call
 		return Case{}, err
 	}
 	defer pool.Close()
-	raw := w.raw(pool)
-	lib, err := w.library(pool)
+	libCheck, err := w.library(pool)
 	if err != nil {
 		return Case{}, err
 	}
-	r := newRunner(callers, nkeys)
-	if o.warmup > 0 {
-		if err := r.slice(ctx, o.warmup/2, raw, nil); err != nil {
-			return Case{}, fmt.Errorf("raw: %w", err)
-		}
-		if err := r.slice(ctx, o.warmup/2, lib, nil); err != nil {
-			return Case{}, fmt.Errorf("library: %w", err)
-		}
+	raw := &loadtest.Path{Name: "raw", Check: w.raw(pool)}
+	lib := &loadtest.Path{Name: "library", Check: libCheck}
+	plan := loadtest.Plan{Callers: callers, Keys: nkeys, Warmup: o.warmup, Duration: o.duration, Slice: sliceTarget}
+	// The two paths alternate which goes first, so that neither always runs
+	// right after the other.
+	if err := loadtest.Run(ctx, plan, raw, lib); err != nil {
+		return Case{}, err
 	}
-	n := max(int(o.duration/sliceTarget), 1)
-	sliceLen := o.duration / time.Duration(n)
-	var rawSt, libSt pathStats
-	for i := range n {
-		// Alternate which path goes first, so that neither always runs
-		// right after the other.
-		first, firstSt, second, secondSt := raw, &rawSt, lib, &libSt
-		if i%2 == 1 {
-			first, firstSt, second, secondSt = lib, &libSt, raw, &rawSt
-		}
-		if err := r.slice(ctx, sliceLen, first, firstSt); err != nil {
-			return Case{}, err
-		}
-		if err := r.slice(ctx, sliceLen, second, secondSt); err != nil {
-			return Case{}, err
-		}
-	}
-	slices.Sort(rawSt.latencies)
-	slices.Sort(libSt.latencies)
 	c := Case{
 		Algorithm:        string(w.algorithm),
 		Callers:          callers,
 		Keys:             nkeys,
-		RawChecks:        len(rawSt.latencies),
-		LibraryChecks:    len(libSt.latencies),
-		RawOpsPerSec:     round(rawSt.opsPerSec(), 1),
-		LibraryOpsPerSec: round(libSt.opsPerSec(), 1),
-		RawP50Us:         round(rawSt.percentileUs(0.50), 1),
-		LibraryP50Us:     round(libSt.percentileUs(0.50), 1),
-		RawP99Us:         round(rawSt.percentileUs(0.99), 1),
-		LibraryP99Us:     round(libSt.percentileUs(0.99), 1),
+		RawChecks:        raw.Checks(),
+		LibraryChecks:    lib.Checks(),
+		RawOpsPerSec:     loadtest.Round(raw.OpsPerSec(), 1),
+		LibraryOpsPerSec: loadtest.Round(lib.OpsPerSec(), 1),
+		RawP50Us:         loadtest.Round(raw.PercentileUs(0.50), 1),
+		LibraryP50Us:     loadtest.Round(lib.PercentileUs(0.50), 1),
+		RawP99Us:         loadtest.Round(raw.PercentileUs(0.99), 1),
+		LibraryP99Us:     loadtest.Round(lib.PercentileUs(0.99), 1),
 	}
-	c.ThroughputRatio = ratio(libSt.opsPerSec(), rawSt.opsPerSec())
-	c.P50Ratio = ratio(libSt.percentileUs(0.50), rawSt.percentileUs(0.50))
-	c.P99Ratio = ratio(libSt.percentileUs(0.99), rawSt.percentileUs(0.99))
+	c.ThroughputRatio = loadtest.Ratio(lib.OpsPerSec(), raw.OpsPerSec())
+	c.P50Ratio = loadtest.Ratio(lib.PercentileUs(0.50), raw.PercentileUs(0.50))
+	c.P99Ratio = loadtest.Ratio(lib.PercentileUs(0.99), raw.PercentileUs(0.99))
 	return c, nil
 }
 
@@ -398,22 +287,4 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 	rep.HotUpdateRatio, rep.TableUpdates = hotRatios(before, after)
 	rep.TargetsMet, rep.TargetMisses = rep.Targets.check(rep)
 	return rep, nil
-}
-
-func ratio(a, b float64) float64 {
-	if b == 0 {
-		return 0
-	}
-	return round(a/b, 3)
-}
-
-func round(x float64, digits int) float64 {
-	p := 1.0
-	for range digits {
-		p *= 10
-	}
-	if x >= 0 {
-		return float64(int64(x*p+0.5)) / p
-	}
-	return -float64(int64(-x*p+0.5)) / p
 }

@@ -6,11 +6,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"os"
-	"runtime/pprof"
 	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/loadtest"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -100,17 +99,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return cli.ExitUsage
 	}
 	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
+		stop, err := loadtest.StartCPUProfile(o.cpuProfile)
 		if err != nil {
 			fmt.Fprintf(stderr, "rl-bench: %v\n", err)
 			return cli.ExitError
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			fmt.Fprintf(stderr, "rl-bench: %v\n", err)
-			return cli.ExitError
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	conn, source := cli.ConnString(o.databaseURL)
 	fmt.Fprintf(stderr, "rl-bench: connection from %s, schema %s\n", source, o.schema)

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/pgrl/pgrl/internal/loadtest"
 )
 
 // tableCounters are one table's update counters from pg_stat_user_tables.
@@ -79,7 +81,7 @@ func hotRatios(before, after map[string]tableCounters) (map[string]float64, map[
 			continue
 		}
 		counts[name] = d
-		ratios[name] = round(float64(d.HotUpdates)/float64(d.Updates), 4)
+		ratios[name] = loadtest.Round(float64(d.HotUpdates)/float64(d.Updates), 4)
 	}
 	return ratios, counts
 }

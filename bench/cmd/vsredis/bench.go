@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"runtime"
 	"slices"
@@ -24,6 +23,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/loadtest"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -54,9 +54,6 @@ const (
 	pathUncoalesced = "pgrl_uncoalesced"
 )
 
-// checkFunc runs one check of key number k.
-type checkFunc func(ctx context.Context, k int) error
-
 // countingDB passes pgrl's statements to the pool and counts them: the
 // library sends a lone check with QueryRow and a coalesced batch with Query.
 type countingDB struct {
@@ -79,121 +76,66 @@ func (d *countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.
 	return d.pool.QueryRow(ctx, sql, args...)
 }
 
-// path is one way of deciding checks, with what it measured.
+// path is one way of deciding checks, with what it measured besides
+// latency: it is its own loadtest.Meter.
 type path struct {
-	name  string
-	check checkFunc
-	db    *countingDB // pgrl paths only
-
-	latencies []int64 // nanoseconds
-	elapsed   time.Duration
-	cpu       time.Duration // client CPU (user + system) while it ran
-	busy      cpuSample     // machine CPU while it ran
-	server    time.Duration // CPU of the store's server processes while it ran
-	single    int64
-	many      int64
-}
-
-func (p *path) opsPerSec() float64 {
-	if p.elapsed <= 0 {
-		return 0
-	}
-	return float64(len(p.latencies)) / p.elapsed.Seconds()
-}
-
-// percentileUs returns the q-quantile (0..1) of the sorted latencies in
-// microseconds.
-func (p *path) percentileUs(q float64) float64 {
-	if len(p.latencies) == 0 {
-		return 0
-	}
-	i := min(int(q*float64(len(p.latencies))), len(p.latencies)-1)
-	return float64(p.latencies[i]) / 1e3
-}
-
-// runner drives callers goroutines, each with its own key sequence.
-type runner struct {
+	loadtest.Path
+	db *countingDB // pgrl paths only
 	// serverCPU reads the CPU time used so far by the server processes
-	// that p talks to: the pool's PostgreSQL backends, or redis-server.
-	serverCPU func(ctx context.Context, p *path) time.Duration
+	// that the path talks to: the pool's PostgreSQL backends, or
+	// redis-server.
+	serverCPU func(ctx context.Context) time.Duration
 
-	callers int
-	nkeys   int
-	rngs    []*rand.Rand
-	buf     [][]int64
+	cpu    time.Duration // client CPU (user + system) while it ran
+	busy   cpuSample     // machine CPU while it ran
+	server time.Duration // CPU of the store's server processes while it ran
+	single int64
+	many   int64
+
+	start reading // at the start of the current slice
 }
 
-func newRunner(callers, nkeys int) *runner {
-	r := &runner{callers: callers, nkeys: nkeys, rngs: make([]*rand.Rand, callers), buf: make([][]int64, callers)}
-	for i := range callers {
-		r.rngs[i] = rand.New(rand.NewPCG(uint64(i)+1, uint64(nkeys)))
+// reading is what a path's meter reads at the start and end of a slice.
+type reading struct {
+	server, cpu  time.Duration
+	busy         cpuSample
+	single, many int64
+}
+
+func newPath(name string, check loadtest.Check, db *countingDB) *path {
+	p := &path{db: db}
+	p.Path = loadtest.Path{Name: name, Check: check, Meter: p}
+	return p
+}
+
+func (p *path) read(ctx context.Context) reading {
+	r := reading{server: p.serverCPU(ctx)}
+	if p.db != nil {
+		r.single, r.many = p.db.single.Load(), p.db.many.Load()
 	}
+	r.cpu = processCPU()
+	r.busy = readCPU()
 	return r
 }
 
-// slice runs p's check from every caller for d, and records the latencies
-// and costs when measure is set.
-func (r *runner) slice(ctx context.Context, d time.Duration, p *path, measure bool) error {
-	server0 := r.serverCPU(ctx, p)
-	var wg sync.WaitGroup
-	errs := make([]error, r.callers)
-	var single0, many0 int64
-	if p.db != nil {
-		single0, many0 = p.db.single.Load(), p.db.many.Load()
+// Start implements loadtest.Meter.
+func (p *path) Start(ctx context.Context) { p.start = p.read(ctx) }
+
+// Stop implements loadtest.Meter: it adds what was used since Start.
+func (p *path) Stop(ctx context.Context, measured bool) {
+	cpu := processCPU() - p.start.cpu
+	busy := readCPU().sub(p.start.busy)
+	server := p.serverCPU(ctx) - p.start.server
+	if !measured {
+		return
 	}
-	cpu0 := processCPU()
-	busy0 := readCPU()
-	start := time.Now()
-	deadline := start.Add(d)
-	for w := range r.callers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng, lat := r.rngs[w], r.buf[w][:0]
-			for {
-				t0 := time.Now()
-				if !t0.Before(deadline) {
-					break
-				}
-				k := 0
-				if r.nkeys > 1 {
-					k = rng.IntN(r.nkeys)
-				}
-				if err := p.check(ctx, k); err != nil {
-					errs[w] = err
-					break
-				}
-				lat = append(lat, time.Since(t0).Nanoseconds())
-			}
-			r.buf[w] = lat
-		}()
-	}
-	wg.Wait()
-	elapsed := time.Since(start)
-	cpu := processCPU() - cpu0
-	busy := readCPU().sub(busy0)
-	server := r.serverCPU(ctx, p) - server0
-	if err := errors.Join(errs...); err != nil {
-		return fmt.Errorf("%s: %w", p.name, err)
-	}
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	if !measure {
-		return nil
-	}
-	p.elapsed += elapsed
 	p.cpu += cpu
 	p.busy = p.busy.add(busy)
 	p.server += server
 	if p.db != nil {
-		p.single += p.db.single.Load() - single0
-		p.many += p.db.many.Load() - many0
+		p.single += p.db.single.Load() - p.start.single
+		p.many += p.db.many.Load() - p.start.many
 	}
-	for _, lat := range r.buf {
-		p.latencies = append(p.latencies, lat...)
-	}
-	return nil
 }
 
 // keyName is the key both limiters see for key number k.
@@ -215,7 +157,7 @@ func pgrlConfig(o options, disableCoalescing bool) ratelimit.Config {
 	}
 }
 
-func pgrlCheck(l *ratelimit.Limiter, keys []string) checkFunc {
+func pgrlCheck(l *ratelimit.Limiter, keys []string) loadtest.Check {
 	return func(ctx context.Context, k int) error {
 		d, err := l.Allow(ctx, keys[k])
 		if err != nil {
@@ -228,7 +170,7 @@ func pgrlCheck(l *ratelimit.Limiter, keys []string) checkFunc {
 	}
 }
 
-func redisCheck(l *redis_rate.Limiter, keys []string) checkFunc {
+func redisCheck(l *redis_rate.Limiter, keys []string) loadtest.Check {
 	return func(ctx context.Context, k int) error {
 		res, err := l.Allow(ctx, keys[k], redisLimit)
 		if err != nil {
@@ -311,8 +253,8 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		return Case{}, err
 	}
 	paths := []*path{
-		{name: pathPgrl, check: pgrlCheck(lib, keys), db: db},
-		{name: pathRedis, check: redisCheck(redis_rate.NewLimiter(rdb), keys)},
+		newPath(pathPgrl, pgrlCheck(lib, keys), db),
+		newPath(pathRedis, redisCheck(redis_rate.NewLimiter(rdb), keys), nil),
 	}
 	if o.compareCoalescing {
 		udb := &countingDB{pool: pool}
@@ -320,7 +262,7 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		if err != nil {
 			return Case{}, err
 		}
-		paths = append(paths, &path{name: pathUncoalesced, check: pgrlCheck(ulib, keys), db: udb})
+		paths = append(paths, newPath(pathUncoalesced, pgrlCheck(ulib, keys), udb))
 	}
 
 	for _, v := range o.variants {
@@ -344,41 +286,28 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		if err != nil {
 			return Case{}, err
 		}
-		paths = append(paths, &path{name: v.name, check: pgrlCheck(vlib, keys), db: vdb})
+		paths = append(paths, newPath(v.name, pgrlCheck(vlib, keys), vdb))
 	}
 
-	r := newRunner(callers, nkeys)
+	// The pools are all open: their backends are all there is to measure.
 	backends, err := backendPIDs(ctx, pool)
 	if err != nil {
 		return Case{}, err
 	}
-	r.serverCPU = func(ctx context.Context, p *path) time.Duration {
+	run := make([]*loadtest.Path, len(paths))
+	for i, p := range paths {
 		if p.db != nil {
-			return procCPU(backends)
+			p.serverCPU = func(context.Context) time.Duration { return procCPU(backends) }
+		} else {
+			p.serverCPU = func(ctx context.Context) time.Duration { return redisCPU(ctx, rdb) }
 		}
-		return redisCPU(ctx, rdb)
+		run[i] = &p.Path
 	}
-	if o.warmup > 0 {
-		for _, p := range paths {
-			if err := r.slice(ctx, o.warmup/time.Duration(len(paths)), p, false); err != nil {
-				return Case{}, err
-			}
-		}
-	}
-	n := max(int(o.duration/sliceTarget), 1)
-	sliceLen := o.duration / time.Duration(n)
-	for i := range n {
-		// Rotate which path goes first, so that none always runs right
-		// after another.
-		for j := range paths {
-			p := paths[(i+j)%len(paths)]
-			if err := r.slice(ctx, sliceLen, p, true); err != nil {
-				return Case{}, err
-			}
-		}
-	}
-	for _, p := range paths {
-		slices.Sort(p.latencies)
+	// The paths take turns going first, so that none always runs right
+	// after another.
+	plan := loadtest.Plan{Callers: callers, Keys: nkeys, Warmup: o.warmup, Duration: o.duration, Slice: sliceTarget}
+	if err := loadtest.Run(ctx, plan, run...); err != nil {
+		return Case{}, err
 	}
 	pg, rd := paths[0], paths[1]
 	c := Case{
@@ -386,15 +315,15 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		Keys:                nkeys,
 		PgConns:             pgConnsFor(o, callers),
 		RedisConns:          redisConnsFor(callers),
-		PgrlOpsPerSec:       round(pg.opsPerSec(), 1),
-		RedisRateOpsPerSec:  round(rd.opsPerSec(), 1),
-		Ratio:               ratio(pg.opsPerSec(), rd.opsPerSec()),
-		PgrlP50Us:           round(pg.percentileUs(0.50), 1),
-		PgrlP99Us:           round(pg.percentileUs(0.99), 1),
-		RedisRateP50Us:      round(rd.percentileUs(0.50), 1),
-		RedisRateP99Us:      round(rd.percentileUs(0.99), 1),
-		PgrlChecks:          len(pg.latencies),
-		RedisRateChecks:     len(rd.latencies),
+		PgrlOpsPerSec:       loadtest.Round(pg.OpsPerSec(), 1),
+		RedisRateOpsPerSec:  loadtest.Round(rd.OpsPerSec(), 1),
+		Ratio:               loadtest.Ratio(pg.OpsPerSec(), rd.OpsPerSec()),
+		PgrlP50Us:           loadtest.Round(pg.PercentileUs(0.50), 1),
+		PgrlP99Us:           loadtest.Round(pg.PercentileUs(0.99), 1),
+		RedisRateP50Us:      loadtest.Round(rd.PercentileUs(0.50), 1),
+		RedisRateP99Us:      loadtest.Round(rd.PercentileUs(0.99), 1),
+		PgrlChecks:          pg.Checks(),
+		RedisRateChecks:     rd.Checks(),
 		PgrlStatements:      pg.single + pg.many,
 		PgrlBatchStatements: pg.many,
 		PgrlAvgBatch:        batchAvg(pg),
@@ -402,19 +331,19 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 		RedisClientCPUUsOp:  cpuPerOp(rd),
 		PgrlServerCPUUsOp:   serverPerOp(pg),
 		RedisServerCPUUsOp:  serverPerOp(rd),
-		PgrlMachineBusy:     round(pg.busy.busyShare(), 3),
-		RedisMachineBusy:    round(rd.busy.busyShare(), 3),
+		PgrlMachineBusy:     loadtest.Round(pg.busy.busyShare(), 3),
+		RedisMachineBusy:    loadtest.Round(rd.busy.busyShare(), 3),
 	}
 	for _, p := range paths[2:] {
-		if p.name == pathUncoalesced {
+		if p.Name == pathUncoalesced {
 			continue
 		}
 		c.Variants = append(c.Variants, Variant{
-			Name:           p.name,
-			OpsPerSec:      round(p.opsPerSec(), 1),
-			RatioVsRedis:   ratio(p.opsPerSec(), rd.opsPerSec()),
-			P50Us:          round(p.percentileUs(0.50), 1),
-			P99Us:          round(p.percentileUs(0.99), 1),
+			Name:           p.Name,
+			OpsPerSec:      loadtest.Round(p.OpsPerSec(), 1),
+			RatioVsRedis:   loadtest.Ratio(p.OpsPerSec(), rd.OpsPerSec()),
+			P50Us:          loadtest.Round(p.PercentileUs(0.50), 1),
+			P99Us:          loadtest.Round(p.PercentileUs(0.99), 1),
 			AvgBatch:       batchAvg(p),
 			ClientCPUUsOp:  cpuPerOp(p),
 			ServerCPUUsOp:  serverPerOp(p),
@@ -424,15 +353,15 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 	if o.compareCoalescing {
 		u := paths[2]
 		c.Uncoalesced = &Uncoalesced{
-			OpsPerSec:     round(u.opsPerSec(), 1),
-			P50Us:         round(u.percentileUs(0.50), 1),
-			P99Us:         round(u.percentileUs(0.99), 1),
-			Checks:        len(u.latencies),
+			OpsPerSec:     loadtest.Round(u.OpsPerSec(), 1),
+			P50Us:         loadtest.Round(u.PercentileUs(0.50), 1),
+			P99Us:         loadtest.Round(u.PercentileUs(0.99), 1),
+			Checks:        u.Checks(),
 			ClientCPUUsOp: cpuPerOp(u),
 			ServerCPUUsOp: serverPerOp(u),
-			MachineBusy:   round(u.busy.busyShare(), 3),
-			GainOps:       ratio(pg.opsPerSec(), u.opsPerSec()),
-			P50Ratio:      ratio(pg.percentileUs(0.50), u.percentileUs(0.50)),
+			MachineBusy:   loadtest.Round(u.busy.busyShare(), 3),
+			GainOps:       loadtest.Ratio(pg.OpsPerSec(), u.OpsPerSec()),
+			P50Ratio:      loadtest.Ratio(pg.PercentileUs(0.50), u.PercentileUs(0.50)),
 		}
 	}
 	return c, nil
@@ -441,23 +370,23 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 // batchAvg is the average number of checks per statement that pgrl sent.
 func batchAvg(p *path) float64 {
 	if st := p.single + p.many; st > 0 {
-		return round(float64(len(p.latencies))/float64(st), 2)
+		return loadtest.Round(float64(p.Checks())/float64(st), 2)
 	}
 	return 0
 }
 
 func cpuPerOp(p *path) float64 {
-	if len(p.latencies) == 0 {
+	if p.Checks() == 0 {
 		return 0
 	}
-	return round(float64(p.cpu.Microseconds())/float64(len(p.latencies)), 2)
+	return loadtest.Round(float64(p.cpu.Microseconds())/float64(p.Checks()), 2)
 }
 
 func serverPerOp(p *path) float64 {
-	if len(p.latencies) == 0 {
+	if p.Checks() == 0 {
 		return 0
 	}
-	return round(float64(p.server.Microseconds())/float64(len(p.latencies)), 2)
+	return loadtest.Round(float64(p.server.Microseconds())/float64(p.Checks()), 2)
 }
 
 // backendPIDs returns the process ids of the server backends of the case's
@@ -530,7 +459,7 @@ func populate(ctx context.Context, o options, keys []string) error {
 	if err != nil {
 		return err
 	}
-	checks := []checkFunc{pgrlCheck(lib, keys), redisCheck(redis_rate.NewLimiter(rdb), keys)}
+	checks := []loadtest.Check{pgrlCheck(lib, keys), redisCheck(redis_rate.NewLimiter(rdb), keys)}
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	errs := make([]error, populateCallers)
@@ -703,24 +632,6 @@ func (s cpuSample) busyShare() float64 {
 		return 0
 	}
 	return float64(s.busy) / float64(s.total)
-}
-
-func ratio(a, b float64) float64 {
-	if b == 0 {
-		return 0
-	}
-	return round(a/b, 3)
-}
-
-func round(x float64, digits int) float64 {
-	p := 1.0
-	for range digits {
-		p *= 10
-	}
-	if x >= 0 {
-		return float64(int64(x*p+0.5)) / p
-	}
-	return -float64(int64(-x*p+0.5)) / p
 }
 
 func variantNames(vs []variant) []string {

@@ -7,13 +7,13 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"runtime/pprof"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/loadtest"
 )
 
 // options are the parsed command line.
@@ -109,17 +109,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return cli.ExitUsage
 	}
 	if o.cpuProfile != "" {
-		f, err := os.Create(o.cpuProfile)
+		stop, err := loadtest.StartCPUProfile(o.cpuProfile)
 		if err != nil {
 			fmt.Fprintf(stderr, "vsredis: %v\n", err)
 			return cli.ExitError
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			fmt.Fprintf(stderr, "vsredis: %v\n", err)
-			return cli.ExitError
-		}
-		defer pprof.StopCPUProfile()
+		defer stop()
 	}
 	rep, err := benchmark(ctx, o, stderr)
 	if err != nil {

@@ -76,17 +76,16 @@ func draw(rep report) string {
 			maxOps = math.Max(maxOps, c.Uncoalesced.OpsPerSec)
 		}
 	}
-	top := niceCeil(maxOps)
+	top := cli.NiceCeil(maxOps)
 	groupW := series*barWidth + groupGap
 	width := max(leftAxis+len(rep.Cases)*groupW+rightPad, 720)
 	height := plotTop + plotH + bottomPad
 	y := func(v float64) float64 { return plotTop + plotH - v/top*plotH }
 
 	var b strings.Builder
-	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="11">`+"\n", width, height, width, height)
-	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
+	cli.SVGStart(&b, width, height)
 	title := fmt.Sprintf("Checks per second: pgrl (PostgreSQL %s) vs redis_rate (Redis %s), %d CPUs, %gs per path",
-		firstWord(rep.Machine.PostgresVersion), rep.Machine.RedisVersion, rep.Machine.NumCPU, rep.DurationSeconds)
+		cli.FirstWord(rep.Machine.PostgresVersion), rep.Machine.RedisVersion, rep.Machine.NumCPU, rep.DurationSeconds)
 	fmt.Fprintf(&b, `<text x="%d" y="18" font-size="13" font-weight="bold">%s</text>`+"\n", leftAxis, html.EscapeString(title))
 	for i := range series {
 		x := leftAxis + i*170
@@ -136,20 +135,6 @@ func draw(rep report) string {
 	return b.String()
 }
 
-// niceCeil rounds v up to 1, 2 or 5 times a power of ten.
-func niceCeil(v float64) float64 {
-	if v <= 0 {
-		return 1
-	}
-	p := math.Pow(10, math.Floor(math.Log10(v)))
-	for _, m := range []float64{1, 2, 5, 10} {
-		if m*p >= v {
-			return m * p
-		}
-	}
-	return 10 * p
-}
-
 func human(v float64) string {
 	switch {
 	case v >= 1e6:
@@ -158,11 +143,4 @@ func human(v float64) string {
 		return fmt.Sprintf("%gk", v/1e3)
 	}
 	return fmt.Sprintf("%g", v)
-}
-
-func firstWord(s string) string {
-	if f := strings.Fields(s); len(f) > 0 {
-		return f[0]
-	}
-	return s
 }

@@ -6,6 +6,8 @@ import (
 	"io"
 	"strings"
 	"testing"
+
+	"github.com/pgrl/pgrl/internal/golden"
 )
 
 const sample = `{"machine":{"num_cpu":2,"postgres_version":"15.20 (Debian)","redis_version":"7.0.15"},
@@ -42,10 +44,10 @@ func TestRejectsEmptyReport(t *testing.T) {
 	}
 }
 
-func TestNiceCeil(t *testing.T) {
-	for in, want := range map[float64]float64{43151: 50000, 1: 1, 0: 1, 120: 200, 18000: 20000} {
-		if got := niceCeil(in); got != want {
-			t.Errorf("niceCeil(%v) = %v, want %v", in, got, want)
-		}
+func TestChartUnchanged(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run(nil, strings.NewReader(sample), &out, &errb); code != 0 {
+		t.Fatalf("exit %d: %s", code, errb.String())
 	}
+	golden.Check(t, "sample.svg", out.Bytes())
 }

@@ -72,10 +72,9 @@ func render(r report) string {
 	width := marginLeft + n*groupW + 30
 	height := marginTop + 2*panelH + panelGap + 70
 	var b strings.Builder
-	fmt.Fprintf(&b, `<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="11">`+"\n", width, height, width, height)
-	fmt.Fprintf(&b, `<rect width="%d" height="%d" fill="white"/>`+"\n", width, height)
+	cli.SVGStart(&b, width, height)
 	title := fmt.Sprintf("rl-bench: raw statement vs library, PostgreSQL %s, %s/%s, %d CPUs, %gs per path per case",
-		firstWord(r.Machine.ServerVersion), r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds)
+		cli.FirstWord(r.Machine.ServerVersion), r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds)
 	fmt.Fprintf(&b, `<text x="%d" y="20" font-size="13" font-weight="bold">%s</text>`+"\n", marginLeft-50, html.EscapeString(title))
 
 	// Panel 1: ops/s.
@@ -84,7 +83,7 @@ func render(r report) string {
 	for _, c := range r.Cases {
 		maxOps = math.Max(maxOps, math.Max(c.RawOpsPerSec, c.LibraryOpsPerSec))
 	}
-	maxOps = niceCeil(maxOps)
+	maxOps = cli.NiceCeil(maxOps)
 	axis(&b, top, marginLeft+n*groupW, maxOps, "checks/s", func(v float64) string { return fmt.Sprintf("%.0fk", v/1000) })
 	for i, c := range r.Cases {
 		x := marginLeft + i*groupW + 10
@@ -175,25 +174,4 @@ func humanInt(n int) string {
 		return fmt.Sprintf("%dk", n/1000)
 	}
 	return fmt.Sprint(n)
-}
-
-func firstWord(s string) string {
-	if i := strings.IndexByte(s, ' '); i > 0 {
-		return s[:i]
-	}
-	return s
-}
-
-// niceCeil rounds up to 1, 2 or 5 times a power of ten.
-func niceCeil(v float64) float64 {
-	if v <= 0 {
-		return 1
-	}
-	p := math.Pow(10, math.Floor(math.Log10(v)))
-	for _, m := range []float64{1, 2, 5, 10} {
-		if v <= m*p {
-			return m * p
-		}
-	}
-	return 10 * p
 }

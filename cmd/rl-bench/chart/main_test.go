@@ -6,6 +6,8 @@ import (
 	"io"
 	"strings"
 	"testing"
+
+	"github.com/pgrl/pgrl/internal/golden"
 )
 
 const sampleReport = `{"machine":{"goos":"linux","goarch":"amd64","num_cpu":2,"server_version":"15.20 (Debian)"},
@@ -53,4 +55,12 @@ func TestChartRejectsBadInput(t *testing.T) {
 			t.Errorf("%q: exit %d, want 1", in, code)
 		}
 	}
+}
+
+func TestChartUnchanged(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run(nil, strings.NewReader(sampleReport), &out, &errb); code != 0 {
+		t.Fatalf("exit %d: %s", code, errb.String())
+	}
+	golden.Check(t, "sample.svg", out.Bytes())
 }
