@@ -3,7 +3,7 @@
 //
 // A row is dead when its fixed window has ended, when its token bucket would
 // be full again, or when its sliding-window state is older than two windows,
-// judged at the run's horizon: the database clock, held back to the start of
+// judged at the run's cutoff: the database clock, held back to the start of
 // the oldest open transaction of the database (a transaction decides at its
 // start), by at most Options.MaxGrace.
 // Run deletes dead rows in bounded batches (ModeDelete), or, for the
@@ -129,7 +129,8 @@ type Options struct {
 	// DryRun counts what would be deleted, created and dropped, and changes
 	// nothing.
 	DryRun bool
-	// Horizon is how far ahead of now ModePartitions creates partitions:
+	// Horizon is how far ahead of now ModePartitions creates partitions
+	// (it has nothing to do with Result.Cutoff):
 	// at least the longest fixed window of any limiter plus the time between
 	// two runs, so that every check finds its partition. It may span at most
 	// MaxPartitionsAhead - 1 partition widths (ErrInvalidOptions otherwise).
@@ -158,7 +159,7 @@ type Options struct {
 	// MaxGrace bounds how far open transactions hold the run back. A
 	// transaction decides at its start (now()), so rows it can still read
 	// are kept until it ends: the run removes only rows dead at the start of
-	// the oldest open transaction of the database (Result.Horizon). A
+	// the oldest open transaction of the database (Result.Cutoff). A
 	// transaction open for longer than MaxGrace (a session left idle in a
 	// transaction) holds it back no further than MaxGrace before now; a
 	// check it makes afterwards may then count from an empty row. The run
@@ -252,14 +253,14 @@ type Result struct {
 	Skipped bool `json:"skipped"`
 	// SkippedReason explains Skipped.
 	SkippedReason string `json:"skipped_reason,omitempty"`
-	// Horizon is the instant up to which rows were judged dead: the
-	// database clock, or the start of the oldest open transaction when that
-	// is earlier, but no more than Options.MaxGrace before the clock. Zero
-	// when the run stopped before computing it.
-	Horizon time.Time `json:"horizon"`
-	// HorizonHeldBy says, when Horizon is before the database clock, what
+	// Cutoff is the instant up to which rows and partitions were judged
+	// dead: the database clock, or the start of the oldest open transaction
+	// when that is earlier, but no more than Options.MaxGrace before the
+	// clock. Zero when the run stopped before computing it.
+	Cutoff time.Time `json:"cutoff"`
+	// CutoffHeldBy says, when Cutoff is before the database clock, what
 	// held it back, such as "transaction of pid 4242 open since ...".
-	HorizonHeldBy string `json:"horizon_held_by,omitempty"`
+	CutoffHeldBy string `json:"cutoff_held_by,omitempty"`
 }
 
 // SkippedAnotherRunning is Result.SkippedReason when another cleanup holds
@@ -401,7 +402,7 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		}
 	}()
 
-	if err := r.horizon(); err != nil {
+	if err := r.computeCutoff(); err != nil {
 		return res, err
 	}
 	err = r.run()
@@ -490,7 +491,7 @@ func checkHorizon(horizon, width time.Duration) error {
 	}
 	minWidth := (horizon + time.Duration(MaxPartitionsAhead-2)) / time.Duration(MaxPartitionsAhead-1)
 	minWidth = ((minWidth + time.Second - 1) / time.Second) * time.Second
-	return fmt.Errorf("%w: horizon %s needs %d partitions of %s, more than the %d allowed: shorten the horizon to at most %s, or widen the partitions (rl-migrate layout partitioned --partition-width %s or wider)",
+	return fmt.Errorf("%w: horizon %s (how far ahead partitions are created) needs %d partitions of %s, more than the %d allowed: shorten the horizon to at most %s, or widen the partitions (rl-migrate layout partitioned --partition-width %s or wider)",
 		ErrInvalidOptions, horizon, n+1, width, MaxPartitionsAhead, width*time.Duration(MaxPartitionsAhead-1), minWidth)
 }
 
@@ -534,13 +535,13 @@ type runner struct {
 	halted bool       // cancelled or out of time: do nothing more
 }
 
-// horizon computes r.cutoff, the instant up to which rows are dead: the
+// computeCutoff sets r.cutoff, the instant up to which rows are dead: the
 // database clock, held back to the start of the oldest open transaction of
 // the database (it still decides at its start), by at most MaxGrace.
-func (r *runner) horizon() error {
+func (r *runner) computeCutoff() error {
 	if r.opts.At != nil {
 		r.cutoff = r.opts.At
-		r.res.Horizon = *r.opts.At
+		r.res.Cutoff = *r.opts.At
 		return nil
 	}
 	h, err := r.q.CleanupHorizon(r.ctx, r.conn)
@@ -557,7 +558,7 @@ func (r *runner) horizon() error {
 		cutoff = floor
 		heldBy = fmt.Sprintf("%d sessions of other roles have open transactions whose start this role cannot see; "+
 			"assumed %s old (grant pg_read_all_stats to this role to see them)", h.HiddenOpen, r.opts.MaxGrace)
-		r.log.Info("cleanup horizon held back by hidden transactions", "sessions", h.HiddenOpen, "max_grace", r.opts.MaxGrace)
+		r.log.Info("cleanup cutoff held back by hidden transactions", "sessions", h.HiddenOpen, "max_grace", r.opts.MaxGrace)
 	}
 	if cutoff.Before(floor) {
 		r.log.Warn("an open transaction is older than the cleanup's max grace; rows it may still read are removed",
@@ -572,8 +573,8 @@ func (r *runner) horizon() error {
 			"prepared", h.OldestPrepared, "fix", "COMMIT PREPARED or ROLLBACK PREPARED it (see pg_prepared_xacts)")
 	}
 	r.cutoff = &cutoff
-	r.res.Horizon = cutoff
-	r.res.HorizonHeldBy = heldBy
+	r.res.Cutoff = cutoff
+	r.res.CutoffHeldBy = heldBy
 	return nil
 }
 

@@ -170,7 +170,7 @@ func TestPartitionModeDropsPastPartitionWhileChecksRun(t *testing.T) {
 	pastName := cleanup.PartitionName(pastLo)
 
 	// A check into a window whose partition was never created (ten days
-	// ahead, beyond any horizon) fails with 23514 and succeeds once healed.
+	// ahead, beyond any Options.Horizon) fails with 23514 and succeeds once healed.
 	at := time.Now().Add(240 * time.Hour)
 	_, err = q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{Key: liveKey(0), Cost: 1, MaxCount: 10, At: &at, WindowUs: hourUs})
 	var pgErr *pgconn.PgError
@@ -206,7 +206,7 @@ func TestPartitionModeDropsPastPartitionWhileChecksRun(t *testing.T) {
 	require.Equal(t, int64(1_000_000), res.Partitions.RowsDropped)
 	require.Equal(t, "concurrently", res.Partitions.Detach)
 	require.Positive(t, res.Partitions.Created, "partitions created ahead")
-	// Every hour from now to the horizon has its partition, whichever of
+	// Every hour from now to now + Horizon has its partition, whichever of
 	// them existed before the run (checks and earlier heals create some).
 	var uncovered int
 	require.NoError(t, db.QueryRow(ctx, `
@@ -215,7 +215,7 @@ func TestPartitionModeDropsPastPartitionWhileChecksRun(t *testing.T) {
 		       SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 		        WHERE i.inhparent = 'pgrl_fixed_window'::regclass
 		          AND c.relname = 'pgrl_fixed_window_' || to_char(date_trunc('hour', h) AT TIME ZONE 'UTC', 'YYYYMMDD"t"HH24MISS'))`).Scan(&uncovered))
-	require.Zero(t, uncovered, "partitions exist up to the horizon")
+	require.Zero(t, uncovered, "partitions exist up to now + Horizon")
 	require.Zero(t, res.Tables.FixedWindow.Batches, "partition mode deletes no fixed-window rows one by one")
 
 	var exists bool

@@ -100,8 +100,8 @@ func TestPartitionWidthChangeKeepsBounds(t *testing.T) {
 	require.Zero(t, final[len(final)-1].upper.Unix()%3600, "back on the hour grid")
 }
 
-// A cleanup horizon that would need more than MaxPartitionsAhead partitions
-// is refused before anything is made.
+// An Options.Horizon (how far ahead partitions are made) that would need
+// more than MaxPartitionsAhead partitions is refused before anything is made.
 func TestPartitionCleanupRefusesHorizonTooFar(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

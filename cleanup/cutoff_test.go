@@ -74,7 +74,7 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				if mode == cleanup.ModePartitions {
 					partitionTwoSeconds(t, db)
 				}
-				cfg := ratelimit.Config{Name: "horizon", Algorithm: alg, Limit: 2, Window: window}
+				cfg := ratelimit.Config{Name: "cutoff", Algorithm: alg, Limit: 2, Window: window}
 				outside, err := ratelimit.New(db, cfg)
 				require.NoError(t, err)
 				inside, err := ratelimit.New(db, cfg)
@@ -113,7 +113,7 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				res, err := cleanup.Run(ctx, db, opts)
 				require.NoError(t, err)
 				require.False(t, res.Skipped)
-				require.False(t, res.Horizon.After(txStart), "horizon %s is after the open transaction's start %s", res.Horizon, txStart)
+				require.False(t, res.Cutoff.After(txStart), "cutoff %s is after the open transaction's start %s", res.Cutoff, txStart)
 
 				d, err := inside.AllowNTx(ctx, tx, "k", 1)
 				require.NoError(t, err)
@@ -125,11 +125,11 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 
 				// Once the transaction has ended it holds nothing back. Other
 				// tests' transactions in the same database may still hold the
-				// horizon; when nothing does, the row is gone.
+				// cutoff; when nothing does, the row is gone.
 				res, err = cleanup.Run(ctx, db, opts)
 				require.NoError(t, err)
-				require.NotContains(t, res.HorizonHeldBy, fmt.Sprintf("pid %d ", txPid))
-				if res.HorizonHeldBy == "" {
+				require.NotContains(t, res.CutoffHeldBy, fmt.Sprintf("pid %d ", txPid))
+				if res.CutoffHeldBy == "" {
 					require.Zero(t, algorithmRows(t, db, alg))
 				}
 			})
@@ -158,7 +158,7 @@ func allRows(t *testing.T, db *pgxpool.Pool) int64 {
 }
 
 // TestMaxGraceBoundsAnIdleTransaction: a transaction left open holds the
-// horizon at its start, but never more than MaxGrace before the clock.
+// cutoff at its start, but never more than MaxGrace before the clock.
 func TestMaxGraceBoundsAnIdleTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -175,18 +175,18 @@ func TestMaxGraceBoundsAnIdleTransaction(t *testing.T) {
 	res, err := cleanup.Run(ctx, db, cleanup.Options{})
 	require.NoError(t, err)
 	require.Equal(t, int64(3), allRows(t, db), "rows dead only after the open transaction began are kept")
-	require.False(t, res.Horizon.After(txStart))
-	require.Contains(t, res.HorizonHeldBy, "transaction of pid")
+	require.False(t, res.Cutoff.After(txStart))
+	require.Contains(t, res.CutoffHeldBy, "transaction of pid")
 
 	res, err = cleanup.Run(ctx, db, cleanup.Options{MaxGrace: 50 * time.Millisecond})
 	require.NoError(t, err)
 	require.Zero(t, allRows(t, db), "a transaction older than MaxGrace holds nothing back")
-	require.True(t, res.Horizon.After(txStart))
-	require.Contains(t, res.HorizonHeldBy, "max grace")
+	require.True(t, res.Cutoff.After(txStart))
+	require.Contains(t, res.CutoffHeldBy, "max grace")
 }
 
 // TestOpportunisticCleanupRespectsOpenTransactions: the request-path cleanup
-// computes the same horizon as a cron run.
+// computes the same cutoff as a cron run.
 func TestOpportunisticCleanupRespectsOpenTransactions(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
