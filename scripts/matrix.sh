@@ -75,7 +75,7 @@ smoke() {
 	expect "rl-migrate status after down --all" "$out" '"version":0'
 }
 
-ran=()
+ran=() failed=()
 for major in "${majors[@]}"; do
 	[[ $major == "$skip" ]] && continue
 	start=$SECONDS
@@ -87,10 +87,15 @@ for major in "${majors[@]}"; do
 	smoke "$major" "$url" || status=1
 	bash scripts/pg.sh "$major" stop
 	if [[ $status != 0 ]]; then
-		echo "PostgreSQL $major: FAILED" >&2
-		exit 1
+		echo "PostgreSQL $major: FAILED after $((SECONDS - start)) s" >&2
+		failed+=("$major")
+		continue
 	fi
 	echo "PostgreSQL $major: passed in $((SECONDS - start)) s"
 	ran+=("$major")
 done
-echo "majors tested: ${ran[*]:-none}"
+echo "majors passed: ${ran[*]:-none}"
+if [[ ${#failed[@]} -gt 0 ]]; then
+	echo "majors FAILED: ${failed[*]}" >&2
+	exit 1
+fi
