@@ -58,7 +58,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 		return nil, err
 	}
 	l := &Limiter{shape: newShape(cfg), db: db, q: gen.New()}
-	l.breaker = &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
+	l.breaker = newBreaker(cfg)
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	fb.Observer = nil // the limiter observes its own decisions, fallbacks included

@@ -43,9 +43,13 @@ type Observer interface {
 type breaker struct {
 	threshold int64
 	cooldown  time.Duration
-	logger    *slog.Logger
-	name      string
-	observer  Observer
+	// probeLimit is how long a probe may run before another check may
+	// probe: a cool-down past the check deadline (Config.Timeout), since a
+	// probe still waiting for a stalled database has not been abandoned.
+	probeLimit time.Duration
+	logger     *slog.Logger
+	name       string
+	observer   Observer
 
 	failures  atomic.Int64
 	open      atomic.Bool
@@ -53,6 +57,13 @@ type breaker struct {
 	probeAt   atomic.Int64 // unix nanoseconds the running probe began; 0 for none
 	mu        sync.Mutex
 	since     time.Time
+}
+
+// newBreaker returns the breaker of a limiter configured by cfg (defaults
+// applied).
+func newBreaker(cfg Config) *breaker {
+	return &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown,
+		probeLimit: cfg.Timeout + cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
 }
 
 // allow reports whether a check may go to the database now.
@@ -65,10 +76,11 @@ func (b *breaker) allow(now time.Time) bool {
 	}
 	// Cool-down over: let one probe through at a time. A probe whose
 	// caller gave up (its context ended, so it recorded neither success
-	// nor failure) is forgotten after a cool-down, so the breaker cannot
-	// stay open for good.
+	// nor failure) is forgotten once it has run for a deadline and a
+	// cool-down, so the breaker cannot stay open for good; a probe that is
+	// only slow is not, or a stall would pile up a probe every cool-down.
 	p := b.probeAt.Load()
-	if p != 0 && now.UnixNano()-p < int64(b.cooldown) {
+	if p != 0 && now.UnixNano()-p < int64(b.probeLimit) {
 		return false
 	}
 	return b.probeAt.CompareAndSwap(p, now.UnixNano())

