@@ -10,32 +10,6 @@ import (
 	"time"
 )
 
-const fixedWindowEnsurePartition = `-- name: FixedWindowEnsurePartition :one
-WITH clock AS (
-    SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($1::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT timestamptz 'epoch' + ((now_us - now_us % $2::bigint) + $2::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
-)
-SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win
-`
-
-type FixedWindowEnsurePartitionParams struct {
-	At       *time.Time
-	WindowUs int64
-}
-
-// FixedWindowEnsurePartition creates, in the partitioned layout, the
-// partition that the key's current window of window_us belongs in. It returns
-// how many partitions it created (0 in the plain layout).
-func (q *Queries) FixedWindowEnsurePartition(ctx context.Context, db DBTX, arg FixedWindowEnsurePartitionParams) (int32, error) {
-	row := db.QueryRow(ctx, fixedWindowEnsurePartition, arg.At, arg.WindowUs)
-	var created int32
-	err := row.Scan(&created)
-	return created, err
-}
-
 const fixedWindowPeek = `-- name: FixedWindowPeek :one
 WITH p AS (
     SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
@@ -152,4 +126,89 @@ func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowT
 		&i.NowUs,
 	)
 	return i, err
+}
+
+const fixedWindowTakeMany = `-- name: FixedWindowTakeMany :many
+WITH p AS (
+    SELECT ts,
+           now_us, now_us - ((now_us % window_us) + window_us) % window_us + window_us AS expires_us,
+           max_count, penalty
+      FROM (SELECT ts, (extract(epoch FROM ts) * 1000000)::bigint AS now_us, window_us, max_count, penalty
+              FROM (SELECT coalesce($5::timestamptz, now()) AS ts,
+                           $6::bigint AS window_us,
+                           $3::bigint AS max_count,
+                           $4::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT ($1::bytea[])[i], timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
+       ($2::bigint[])[i], ($2::bigint[])[i] <= p.max_count
+  FROM p, generate_subscripts($1::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count <= $3::bigint - excluded.count THEN t.count + excluded.count
+                    WHEN NOT $4::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= $3::bigint - excluded.count
+RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us
+`
+
+type FixedWindowTakeManyParams struct {
+	Keys     [][]byte
+	Costs    []int64
+	MaxCount int64
+	Penalty  bool
+	At       *time.Time
+	WindowUs int64
+}
+
+type FixedWindowTakeManyRow struct {
+	KeyHex      string
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
+}
+
+// FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+// decides many checks of one limiter in one statement, one check per
+// distinct key, so that concurrent checks can share one round trip. Each row
+// gets exactly the arithmetic of the single check. Rows are inserted, and so
+// locked, in key order: concurrent batches never deadlock. Keys must be
+// distinct within one call (one statement cannot update a row twice) and
+// each cost at most max_count. Keys come back hex-encoded (key_hex), which
+// no session setting changes (bytea_output does change bytea's text form). The update arm reads each check's cost back
+// from the proposed row (excluded), since it cannot see the arrays. Windows,
+// overflow and the returned instants are as in FixedWindowTake.
+func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWindowTakeManyParams) ([]FixedWindowTakeManyRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeMany,
+		arg.Keys,
+		arg.Costs,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.At,
+		arg.WindowUs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeManyRow
+	for rows.Next() {
+		var i FixedWindowTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.Count,
+			&i.ExpiresAtUs,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }

@@ -163,3 +163,98 @@ func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWin
 	)
 	return i, err
 }
+
+const slidingWindowTakeMany = `-- name: SlidingWindowTakeMany :many
+WITH p AS (
+    SELECT n.ts, n.now_us,
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
+           n.window_us, n.max_count, n.penalty
+      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
+                   c.window_us, c.max_count, c.penalty
+              FROM (SELECT coalesce($4::timestamptz, now()) AS ts,
+                           $3::bigint AS window_us,
+                           $5::bigint AS max_count,
+                           $6::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT ($1::bytea[])[i],
+       p.window_start,
+       ($2::bigint[])[i],
+       0,
+       p.window_start + 2 * p.window_us * interval '1 microsecond',
+       ($2::bigint[])[i] <= p.max_count
+  FROM p, generate_subscripts($1::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
+               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * $3::bigint
+                           <= $5::bigint::numeric * $3::bigint
+                        OR $6::boolean
+                      THEN excluded.count ELSE 0 END, 9223372036854775807)::bigint,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       expires_at = greatest(t.window_start, excluded.window_start) + 2 * $3::bigint * interval '1 microsecond',
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $3::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($3::bigint - least(greatest((extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $3::bigint))
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * $3::bigint
+                 <= $5::bigint::numeric * $3::bigint
+RETURNING encode(key, 'hex') AS key_hex, (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM p)::bigint AS now_us
+`
+
+type SlidingWindowTakeManyParams struct {
+	Keys     [][]byte
+	Costs    []int64
+	WindowUs int64
+	At       *time.Time
+	MaxCount int64
+	Penalty  bool
+}
+
+type SlidingWindowTakeManyRow struct {
+	KeyHex        string
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
+// the rules of FixedWindowTakeMany. The update arm reads the current
+// window's start from the proposed row's window_start and the cost from its
+// count, and spells the rolled-forward counts out where it needs them, as
+// TokenBucketTakeMany does.
+func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeMany,
+		arg.Keys,
+		arg.Costs,
+		arg.WindowUs,
+		arg.At,
+		arg.MaxCount,
+		arg.Penalty,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeManyRow
+	for rows.Next() {
+		var i SlidingWindowTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}

@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // DB runs a limiter's statements: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
@@ -489,7 +490,7 @@ func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
 }
 
 func (l *Limiter) heal(ctx context.Context, db DB) error {
-	_, err := l.q.FixedWindowEnsurePartition(ctx, db, gen.FixedWindowEnsurePartitionParams{
+	_, err := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{
 		At: l.at(), WindowUs: l.windowUs,
 	})
 	return err

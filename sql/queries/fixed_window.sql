@@ -33,6 +33,40 @@ ON CONFLICT (key, expires_at) DO UPDATE
        allowed = t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
 RETURNING count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us;
 
+-- name: FixedWindowTakeMany :many
+-- FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+-- decides many checks of one limiter in one statement, one check per
+-- distinct key, so that concurrent checks can share one round trip. Each row
+-- gets exactly the arithmetic of the single check. Rows are inserted, and so
+-- locked, in key order: concurrent batches never deadlock. Keys must be
+-- distinct within one call (one statement cannot update a row twice) and
+-- each cost at most max_count. Keys come back hex-encoded (key_hex), which
+-- no session setting changes (bytea_output does change bytea's text form). The update arm reads each check's cost back
+-- from the proposed row (excluded), since it cannot see the arrays. Windows,
+-- overflow and the returned instants are as in FixedWindowTake.
+WITH p AS (
+    SELECT ts,
+           now_us, now_us - ((now_us % window_us) + window_us) % window_us + window_us AS expires_us,
+           max_count, penalty
+      FROM (SELECT ts, (extract(epoch FROM ts) * 1000000)::bigint AS now_us, window_us, max_count, penalty
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
+                           sqlc.arg(window_us)::bigint AS window_us,
+                           sqlc.arg(max_count)::bigint AS max_count,
+                           sqlc.arg(penalty)::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i], timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
+       (sqlc.arg(costs)::bigint[])[i], (sqlc.arg(costs)::bigint[])[i] <= p.max_count
+  FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - excluded.count THEN t.count + excluded.count
+                    WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= sqlc.arg(max_count)::bigint - excluded.count
+RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us;
+
 -- name: FixedWindowPeek :one
 -- FixedWindowPeek reports the key's current window without counting anything.
 WITH p AS (
@@ -50,16 +84,3 @@ SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
 -- name: FixedWindowReset :execrows
 -- FixedWindowReset forgets every window of the key.
 DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
-
--- name: FixedWindowEnsurePartition :one
--- FixedWindowEnsurePartition creates, in the partitioned layout, the
--- partition that the key's current window of window_us belongs in. It returns
--- how many partitions it created (0 in the plain layout).
-WITH clock AS (
-    SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
-)
-SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win;

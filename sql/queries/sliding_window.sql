@@ -50,6 +50,48 @@ ON CONFLICT (key) DO UPDATE
 RETURNING (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
           (SELECT now_us FROM p)::bigint AS now_us;
 
+-- name: SlidingWindowTakeMany :many
+-- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
+-- the rules of FixedWindowTakeMany. The update arm reads the current
+-- window's start from the proposed row's window_start and the cost from its
+-- count, and spells the rolled-forward counts out where it needs them, as
+-- TokenBucketTakeMany does.
+WITH p AS (
+    SELECT n.ts, n.now_us,
+           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
+           n.window_us, n.max_count, n.penalty
+      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
+                   c.window_us, c.max_count, c.penalty
+              FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
+                           sqlc.arg(window_us)::bigint AS window_us,
+                           sqlc.arg(max_count)::bigint AS max_count,
+                           sqlc.arg(penalty)::boolean AS penalty) AS c) AS n
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i],
+       p.window_start,
+       (sqlc.arg(costs)::bigint[])[i],
+       0,
+       p.window_start + 2 * p.window_us * interval '1 microsecond',
+       (sqlc.arg(costs)::bigint[])[i] <= p.max_count
+  FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
+               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * sqlc.arg(window_us)::bigint
+                           <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
+                        OR sqlc.arg(penalty)::boolean
+                      THEN excluded.count ELSE 0 END, 9223372036854775807)::bigint,
+       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
+       expires_at = greatest(t.window_start, excluded.window_start) + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
+       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - sqlc.arg(window_us)::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * (sqlc.arg(window_us)::bigint - least(greatest((extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), sqlc.arg(window_us)::bigint))
+                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + excluded.count) * sqlc.arg(window_us)::bigint
+                 <= sqlc.arg(max_count)::bigint::numeric * sqlc.arg(window_us)::bigint
+RETURNING encode(key, 'hex') AS key_hex, (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM p)::bigint AS now_us;
+
 -- name: SlidingWindowPeek :one
 -- SlidingWindowPeek reports the key's current and previous window counts as
 -- of now, rolled forward as a check would, without counting anything.

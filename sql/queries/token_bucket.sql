@@ -48,6 +48,43 @@ RETURNING ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_
           (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
           allowed;
 
+-- name: TokenBucketTakeMany :many
+-- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
+-- rules of FixedWindowTakeMany. The update arm reads the check's instant
+-- from the proposed row's updated_at and its cost as capacity minus the
+-- proposed balance (exact for integer costs). It spells the refilled
+-- balance out where it needs it, rather than in a subquery, because a
+-- subquery there runs once per row and costs more than the arithmetic.
+-- The balance and instants are returned as in TokenBucketTake.
+WITH p AS (
+    SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
+           sqlc.arg(capacity)::float8 AS capacity,
+           sqlc.arg(refill_per_us)::float8 AS refill_per_us
+)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i],
+       p.capacity - (sqlc.arg(costs)::float8[])[i],
+       p.ts,
+       p.ts + ((sqlc.arg(costs)::float8[])[i] / p.refill_per_us) * interval '1 microsecond',
+       (sqlc.arg(costs)::float8[])[i] <= p.capacity
+  FROM p, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET tokens = greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
+                         - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens) OR sqlc.arg(penalty)::boolean THEN (sqlc.arg(capacity)::float8 - excluded.tokens) ELSE 0 END,
+                         0 - sqlc.arg(capacity)::float8),
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(t.updated_at, excluded.updated_at)
+                 + ((sqlc.arg(capacity)::float8 - greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
+                                - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens) OR sqlc.arg(penalty)::boolean THEN (sqlc.arg(capacity)::float8 - excluded.tokens) ELSE 0 END,
+                                0 - sqlc.arg(capacity)::float8)) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
+       allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= (sqlc.arg(capacity)::float8 - excluded.tokens)
+RETURNING encode(key, 'hex') AS key_hex,
+          ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
+          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
+          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+          allowed;
+
 -- name: TokenBucketPeek :one
 -- TokenBucketPeek reports the key's balance now, refilled, without spending.
 -- A key never seen has a full bucket. Returned as TokenBucketTake returns

@@ -12,3 +12,16 @@ SELECT pgrl_fixed_window_ensure_partitions(
            coalesce(sqlc.narg(at)::timestamptz, statement_timestamp())
                + sqlc.arg(ahead_us)::bigint * interval '1 microsecond'
        )::integer AS created;
+
+-- name: FixedWindowEnsurePartition :one
+-- FixedWindowEnsurePartition creates, in the partitioned layout, the
+-- partition that the key's current window of window_us belongs in. It returns
+-- how many partitions it created (0 in the plain layout).
+WITH clock AS (
+    SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
+), win AS (
+    SELECT timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
+      FROM clock
+)
+SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win;

@@ -3,7 +3,7 @@
 //   sqlc v1.31.1
 // source: cleanup.sql
 
-package gen
+package sqlops
 
 import (
 	"context"

@@ -3,7 +3,7 @@
 //   sqlc v1.31.1
 // source: multi.sql
 
-package gen
+package sqlops
 
 import (
 	"context"
