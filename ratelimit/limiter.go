@@ -602,8 +602,8 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 		return err
 	}
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != "42P01" {
-		return err
+	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") {
+		return err // 42883: the schema's pgrl_ functions are hidden like its tables
 	}
 	var schema string
 	if qerr := l.db.QueryRow(ctx, schemaWithoutUsage).Scan(&schema); qerr != nil {
