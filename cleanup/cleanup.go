@@ -34,7 +34,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // Mode selects how Run removes dead fixed-window rows.
@@ -332,7 +332,7 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 	r := &runner{
 		conn:  conn,
 		opts:  opts,
-		q:     gen.New(),
+		q:     sqlops.New(),
 		stop:  ctx,
 		ctx:   context.WithoutCancel(ctx),
 		start: start,
@@ -417,7 +417,7 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 }
 
 // checkPrivileges names the first grant the role lacks for a run in mode.
-func checkPrivileges(p gen.CleanupPrivilegesRow, schema string, mode Mode) error {
+func checkPrivileges(p sqlops.CleanupPrivilegesRow, schema string, mode Mode) error {
 	role := pgx.Identifier{p.RoleName}.Sanitize()
 	for _, t := range []struct {
 		name string
@@ -524,13 +524,13 @@ func msString(d time.Duration) string {
 type runner struct {
 	conn   *pgx.Conn
 	opts   Options
-	q      *gen.Queries
+	q      *sqlops.Queries
 	stop   context.Context // cancelled: stop between batches
 	ctx    context.Context // for statements: never cancelled mid-statement
 	start  time.Time
 	res    *Result
 	log    *slog.Logger
-	tables gen.CleanupTablesRow
+	tables sqlops.CleanupTablesRow
 	cutoff *time.Time // rows and partitions dead at or before it go
 	halted bool       // cancelled or out of time: do nothing more
 }
@@ -656,11 +656,11 @@ func (r *runner) table(name string, tr *TableResult) error {
 		var err error
 		switch name {
 		case TableFixedWindow:
-			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, gen.FixedWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
+			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
 		case TableTokenBucket:
-			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, gen.TokenBucketDeleteFullBatchParams{At: r.cutoff, BatchSize: size})
+			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchParams{At: r.cutoff, BatchSize: size})
 		case TableSlidingWindow:
-			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, gen.SlidingWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
+			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
 		}
 		if err != nil {
 			return fmt.Errorf("delete dead rows of %s (batch %d): %w", name, tr.Batches+1, err)

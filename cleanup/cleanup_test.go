@@ -16,11 +16,15 @@ import (
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/gen"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 const hourUs = int64(time.Hour / time.Microsecond)
 
-var q = gen.New()
+var (
+	q   = gen.New()
+	ops = sqlops.New()
+)
 
 // insertExpired inserts n fixed-window rows whose windows ended between one
 // and two hours ago, with distinct keys, in one statement.
@@ -53,7 +57,7 @@ func takeHealing(ctx context.Context, db gen.DBTX, p gen.FixedWindowTakeParams) 
 	row, err := q.FixedWindowTake(ctx, db, p)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "23514" {
-		if _, err := q.FixedWindowEnsurePartition(ctx, db, gen.FixedWindowEnsurePartitionParams{At: p.At, WindowUs: p.WindowUs}); err != nil {
+		if _, err := ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{At: p.At, WindowUs: p.WindowUs}); err != nil {
 			return row, err
 		}
 		row, err = q.FixedWindowTake(ctx, db, p)
@@ -176,7 +180,7 @@ func TestPartitionModeDropsPastPartitionWhileChecksRun(t *testing.T) {
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, "23514", pgErr.Code)
-	created, err := q.FixedWindowEnsurePartition(ctx, db, gen.FixedWindowEnsurePartitionParams{At: &at, WindowUs: hourUs})
+	created, err := ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{At: &at, WindowUs: hourUs})
 	require.NoError(t, err)
 	require.Equal(t, int32(1), created)
 	row, err := q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{Key: liveKey(0), Cost: 1, MaxCount: 10, At: &at, WindowUs: hourUs})
@@ -229,7 +233,7 @@ func TestPartitionModeDropsPastPartitionWhileChecksRun(t *testing.T) {
 	var exists bool
 	require.NoError(t, db.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", schema+"."+pastName).Scan(&exists))
 	require.False(t, exists, "the past partition is gone")
-	parts, err := q.FixedWindowPartitions(ctx, db)
+	parts, err := ops.FixedWindowPartitions(ctx, db)
 	require.NoError(t, err)
 	for _, p := range parts {
 		require.False(t, p.Past, "partition %s is past but was kept", p.PartitionName)
@@ -324,7 +328,7 @@ func TestPartitionDryRunDropsNothing(t *testing.T) {
 	require.NoError(t, err)
 	_, err = db.Exec(ctx, `INSERT INTO pgrl_fixed_window SELECT sha256(int8send(g)), now() - interval '4 hours', 1, true FROM generate_series(1, 321) g`)
 	require.NoError(t, err)
-	before, err := q.FixedWindowPartitions(ctx, db)
+	before, err := ops.FixedWindowPartitions(ctx, db)
 	require.NoError(t, err)
 
 	res, err := cleanup.Run(ctx, db, cleanup.Options{Mode: cleanup.ModePartitions, DryRun: true, Horizon: 3 * time.Hour})
@@ -334,7 +338,7 @@ func TestPartitionDryRunDropsNothing(t *testing.T) {
 	// set_layout made the current partition and the next; three hours
 	// ahead needs two or three more, depending on where in the hour we are.
 	require.GreaterOrEqual(t, res.Partitions.Created, 2)
-	after, err := q.FixedWindowPartitions(ctx, db)
+	after, err := ops.FixedWindowPartitions(ctx, db)
 	require.NoError(t, err)
 	require.Equal(t, before, after)
 	require.Equal(t, int64(321), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
@@ -390,7 +394,7 @@ func TestSecondRunIsSkippedWhileFirstHoldsTheLock(t *testing.T) {
 	holder, err := db.Acquire(ctx)
 	require.NoError(t, err)
 	defer holder.Release()
-	locked, err := q.CleanupTryLock(ctx, holder)
+	locked, err := ops.CleanupTryLock(ctx, holder)
 	require.NoError(t, err)
 	require.True(t, locked)
 
@@ -400,7 +404,7 @@ func TestSecondRunIsSkippedWhileFirstHoldsTheLock(t *testing.T) {
 	require.Equal(t, cleanup.SkippedAnotherRunning, res.SkippedReason)
 	require.Equal(t, int64(10), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
 
-	_, err = q.CleanupUnlock(ctx, holder)
+	_, err = ops.CleanupUnlock(ctx, holder)
 	require.NoError(t, err)
 	res, err = cleanup.Run(ctx, db, cleanup.Options{})
 	require.NoError(t, err)
@@ -409,10 +413,10 @@ func TestSecondRunIsSkippedWhileFirstHoldsTheLock(t *testing.T) {
 
 	// The pool connection came back with its settings restored and the lock
 	// released: taking the lock on any connection works.
-	locked, err = q.CleanupTryLock(ctx, holder)
+	locked, err = ops.CleanupTryLock(ctx, holder)
 	require.NoError(t, err)
 	require.True(t, locked)
-	_, err = q.CleanupUnlock(ctx, holder)
+	_, err = ops.CleanupUnlock(ctx, holder)
 	require.NoError(t, err)
 }
 

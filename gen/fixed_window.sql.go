@@ -10,44 +10,20 @@ import (
 	"time"
 )
 
-const fixedWindowEnsurePartition = `-- name: FixedWindowEnsurePartition :one
-WITH clock AS (
-    SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce($1::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT timestamptz 'epoch' + ((now_us - now_us % $2::bigint) + $2::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
-)
-SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win
-`
-
-type FixedWindowEnsurePartitionParams struct {
-	At       *time.Time
-	WindowUs int64
-}
-
-// FixedWindowEnsurePartition creates, in the partitioned layout, the
-// partition that the key's current window of window_us belongs in. It returns
-// how many partitions it created (0 in the plain layout).
-func (q *Queries) FixedWindowEnsurePartition(ctx context.Context, db DBTX, arg FixedWindowEnsurePartitionParams) (int32, error) {
-	row := db.QueryRow(ctx, fixedWindowEnsurePartition, arg.At, arg.WindowUs)
-	var created int32
-	err := row.Scan(&created)
-	return created, err
-}
-
 const fixedWindowPeek = `-- name: FixedWindowPeek :one
-WITH p AS (
-    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
-      FROM (SELECT (extract(epoch FROM coalesce($2::timestamptz, now())) * 1000000)::bigint AS now_us,
-                   $3::bigint AS window_us) AS c
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($2::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, $3::bigint) AS expires_us
+      FROM clock
 )
 SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
                   WHERE t.key = $1::bytea
-                    AND t.expires_at = timestamptz 'epoch' + p.expires_us * interval '1 microsecond'), 0)::bigint AS count,
-       p.expires_us::bigint AS expires_at_us,
-       p.now_us::bigint AS now_us
-  FROM p
+                    AND t.expires_at = pgrl_from_epoch_us(win.expires_us)), 0)::bigint AS count,
+       win.expires_us::bigint AS expires_at_us,
+       win.now_us::bigint AS now_us
+  FROM win
 `
 
 type FixedWindowPeekParams struct {
@@ -84,25 +60,30 @@ func (q *Queries) FixedWindowReset(ctx context.Context, db DBTX, key []byte) (in
 }
 
 const fixedWindowTake = `-- name: FixedWindowTake :one
-WITH p AS (
-    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
-      FROM (SELECT (extract(epoch FROM coalesce($5::timestamptz, now())) * 1000000)::bigint AS now_us,
-                   $6::bigint AS window_us) AS c
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, $6::bigint) AS expires_us
+      FROM clock
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT $1::bytea,
-       timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
+       pgrl_from_epoch_us(win.expires_us),
        CASE WHEN $2::bigint <= $3::bigint OR $4::boolean
             THEN $2::bigint ELSE 0 END,
        $2::bigint <= $3::bigint
-  FROM p
+  FROM win
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= $3::bigint - $2::bigint THEN t.count + $2::bigint
+   SET count = CASE WHEN t.count <= $3::bigint - $2::bigint
+                    THEN t.count + $2::bigint
                     WHEN NOT $4::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - greatest($2::bigint, 0) THEN t.count + $2::bigint
+                    WHEN t.count <= 9223372036854775807 - greatest($2::bigint, 0)
+                    THEN t.count + $2::bigint
                     ELSE 9223372036854775807 END,
        allowed = t.count <= $3::bigint - $2::bigint
-RETURNING count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us
+RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us
 `
 
 type FixedWindowTakeParams struct {
@@ -152,4 +133,88 @@ func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowT
 		&i.NowUs,
 	)
 	return i, err
+}
+
+const fixedWindowTakeMany = `-- name: FixedWindowTakeMany :many
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, $6::bigint) AS expires_us
+      FROM clock
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT ($1::bytea[])[i], pgrl_from_epoch_us(win.expires_us),
+       ($2::bigint[])[i], ($2::bigint[])[i] <= $3::bigint
+  FROM win, generate_subscripts($1::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count <= $3::bigint - excluded.count THEN t.count + excluded.count
+                    WHEN NOT $4::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= $3::bigint - excluded.count
+RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us
+`
+
+type FixedWindowTakeManyParams struct {
+	Keys     [][]byte
+	Costs    []int64
+	MaxCount int64
+	Penalty  bool
+	At       *time.Time
+	WindowUs int64
+}
+
+type FixedWindowTakeManyRow struct {
+	KeyHex      string
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
+}
+
+// FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+// decides many checks of one limiter in one statement, one check per
+// distinct key, so that concurrent checks can share one round trip. Each row
+// gets exactly the arithmetic of the single check. Rows are inserted, and so
+// locked, in key order: concurrent batches never deadlock. Keys must be
+// distinct within one call (one statement cannot update a row twice) and
+// each cost at most max_count. Keys come back hex-encoded (key_hex), which
+// no session setting changes (bytea_output does change bytea's text form).
+// The update arm reads each check's cost back from the proposed row
+// (excluded), since it cannot see the arrays. Windows,
+// overflow and the returned instants are as in FixedWindowTake.
+func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWindowTakeManyParams) ([]FixedWindowTakeManyRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeMany,
+		arg.Keys,
+		arg.Costs,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.At,
+		arg.WindowUs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeManyRow
+	for rows.Next() {
+		var i FixedWindowTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.Count,
+			&i.ExpiresAtUs,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }

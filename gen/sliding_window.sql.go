@@ -11,30 +11,35 @@ import (
 )
 
 const slidingWindowPeek = `-- name: SlidingWindowPeek :one
-WITH p AS (
-    SELECT n.ts,
-           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
-           n.now_us, n.window_us
-      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us, c.window_us
-              FROM (SELECT coalesce($1::timestamptz, now()) AS ts,
-                           $2::bigint AS window_us) AS c) AS n
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($2::timestamptz, now()) AS ts) AS c
+), win AS MATERIALIZED (
+    -- MATERIALIZED keeps window_start a column: pgrl_sliding_window_previous
+    -- reads it twice, and PostgreSQL inlines a function only when an argument
+    -- it reads twice is cheap.
+    SELECT clock.now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, $1::bigint)) AS window_start
+      FROM clock
 ), r AS (
     SELECT t.window_start, t.count, t.prev_count
       FROM pgrl_sliding_window AS t
      WHERE t.key = $3::bytea
 )
-SELECT (extract(epoch FROM greatest(p.window_start, coalesce((SELECT r.window_start FROM r), p.window_start))) * 1000000)::bigint AS window_start_us,
-       coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.count ELSE 0 END FROM r), 0)::bigint AS count,
-       coalesce((SELECT CASE WHEN r.window_start >= p.window_start THEN r.prev_count
-                             WHEN r.window_start = p.window_start - p.window_us * interval '1 microsecond' THEN r.count
-                             ELSE 0 END FROM r), 0)::bigint AS prev_count,
-       p.now_us::bigint AS now_us
-  FROM p
+SELECT pgrl_epoch_us(greatest(win.window_start, coalesce((SELECT r.window_start FROM r), win.window_start)))
+           AS window_start_us,
+       coalesce((SELECT pgrl_sliding_window_current(r.window_start, win.window_start, r.count) FROM r), 0)::bigint
+           AS count,
+       coalesce((SELECT pgrl_sliding_window_previous(r.window_start, win.window_start, $1::bigint,
+                                                     r.count, r.prev_count)
+                   FROM r), 0)::bigint AS prev_count,
+       win.now_us::bigint AS now_us
+  FROM win
 `
 
 type SlidingWindowPeekParams struct {
-	At       *time.Time
 	WindowUs int64
+	At       *time.Time
 	Key      []byte
 }
 
@@ -48,7 +53,7 @@ type SlidingWindowPeekRow struct {
 // SlidingWindowPeek reports the key's current and previous window counts as
 // of now, rolled forward as a check would, without counting anything.
 func (q *Queries) SlidingWindowPeek(ctx context.Context, db DBTX, arg SlidingWindowPeekParams) (SlidingWindowPeekRow, error) {
-	row := db.QueryRow(ctx, slidingWindowPeek, arg.At, arg.WindowUs, arg.Key)
+	row := db.QueryRow(ctx, slidingWindowPeek, arg.WindowUs, arg.At, arg.Key)
 	var i SlidingWindowPeekRow
 	err := row.Scan(
 		&i.WindowStartUs,
@@ -73,50 +78,60 @@ func (q *Queries) SlidingWindowReset(ctx context.Context, db DBTX, key []byte) (
 }
 
 const slidingWindowTake = `-- name: SlidingWindowTake :one
-WITH p AS (
-    SELECT n.ts, n.now_us,
-           timestamptz 'epoch' + (n.now_us - ((n.now_us % n.window_us) + n.window_us) % n.window_us) * interval '1 microsecond' AS window_start,
-           n.window_us, n.cost, n.max_count, n.penalty
-      FROM (SELECT c.ts, (extract(epoch FROM c.ts) * 1000000)::bigint AS now_us,
-                   c.window_us, c.cost, c.max_count, c.penalty
-              FROM (SELECT coalesce($3::timestamptz, now()) AS ts,
-                           $2::bigint AS window_us,
-                           $4::bigint AS cost,
-                           $5::bigint AS max_count,
-                           $6::boolean AS penalty) AS c) AS n
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($6::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, $5::bigint)) AS window_start
+      FROM clock
 )
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
 SELECT $1::bytea,
-       p.window_start,
-       CASE WHEN p.cost <= p.max_count OR p.penalty THEN p.cost ELSE 0 END,
+       win.window_start,
+       CASE WHEN $2::bigint <= $3::bigint OR $4::boolean
+            THEN $2::bigint ELSE 0 END,
        0,
-       p.window_start + 2 * p.window_us * interval '1 microsecond',
-       p.cost <= p.max_count
-  FROM p
+       win.window_start + 2 * $5::bigint * interval '1 microsecond',
+       $2::bigint <= $3::bigint
+  FROM win
 ON CONFLICT (key) DO UPDATE
    SET window_start = greatest(t.window_start, excluded.window_start),
-       count = least((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric
-               + CASE WHEN (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($2::bigint - least(greatest((extract(epoch FROM coalesce($3::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $2::bigint))
-                           + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + $4::bigint) * $2::bigint
-                           <= $5::bigint::numeric * $2::bigint
-                        OR $6::boolean
-                      THEN $4::bigint ELSE 0 END, 9223372036854775807)::bigint,
-       prev_count = CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END,
-       expires_at = greatest(t.window_start, excluded.window_start) + 2 * $2::bigint * interval '1 microsecond',
-       allowed = (CASE WHEN t.window_start >= excluded.window_start THEN t.prev_count WHEN t.window_start = excluded.window_start - $2::bigint * interval '1 microsecond' THEN t.count ELSE 0 END)::numeric * ($2::bigint - least(greatest((extract(epoch FROM coalesce($3::timestamptz, now())) * 1000000)::bigint - (extract(epoch FROM greatest(t.window_start, excluded.window_start)) * 1000000)::bigint, 0), $2::bigint))
-                 + ((CASE WHEN t.window_start >= excluded.window_start THEN t.count ELSE 0 END)::numeric + $4::bigint) * $2::bigint
-                 <= $5::bigint::numeric * $2::bigint
-RETURNING (extract(epoch FROM window_start) * 1000000)::bigint AS window_start_us, count, prev_count, allowed,
-          (SELECT now_us FROM p)::bigint AS now_us
+       count = pgrl_saturating_add(
+                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                   CASE WHEN pgrl_sliding_window_allows(
+                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                              $5::bigint, t.count, t.prev_count),
+                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                                 $2::bigint, $3::bigint, $5::bigint,
+                                 pgrl_sliding_window_elapsed_us(
+                                     pgrl_epoch_us(coalesce($6::timestamptz, now())),
+                                     greatest(t.window_start, excluded.window_start), $5::bigint))
+                          OR $4::boolean
+                        THEN $2::bigint ELSE 0 END),
+       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                 $5::bigint, t.count, t.prev_count),
+       expires_at = greatest(t.window_start, excluded.window_start)
+                    + 2 * $5::bigint * interval '1 microsecond',
+       allowed = pgrl_sliding_window_allows(
+                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                  $5::bigint, t.count, t.prev_count),
+                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                     $2::bigint, $3::bigint, $5::bigint,
+                     pgrl_sliding_window_elapsed_us(
+                         pgrl_epoch_us(coalesce($6::timestamptz, now())),
+                         greatest(t.window_start, excluded.window_start), $5::bigint))
+RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us
 `
 
 type SlidingWindowTakeParams struct {
 	Key      []byte
-	WindowUs int64
-	At       *time.Time
 	Cost     int64
 	MaxCount int64
 	Penalty  bool
+	WindowUs int64
+	At       *time.Time
 }
 
 type SlidingWindowTakeRow struct {
@@ -138,8 +153,9 @@ type SlidingWindowTakeRow struct {
 // When a new window has begun the row rolls forward: count becomes prev_count
 // if the row's window was the one just before, else both restart at zero. A
 // denied check adds nothing unless penalty is set. The UPDATE arm reads the
-// current window's start from the proposed row and spells the rolled-forward
-// counts out where it needs them, as TokenBucketTake does. at pins the clock
+// current window's start from the proposed row; the rolled-forward counts,
+// the elapsed time and the comparison are the pgrl_sliding_window_*
+// functions of migration 000005, inlined by the planner. at pins the clock
 // for tests; production leaves it nil. Windows start at multiples of
 // window_us since the Unix epoch, floored (also before 1970); a penalised
 // count stops at the largest bigint. Instants are returned as microseconds
@@ -147,11 +163,11 @@ type SlidingWindowTakeRow struct {
 func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWindowTakeParams) (SlidingWindowTakeRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTake,
 		arg.Key,
-		arg.WindowUs,
-		arg.At,
 		arg.Cost,
 		arg.MaxCount,
 		arg.Penalty,
+		arg.WindowUs,
+		arg.At,
 	)
 	var i SlidingWindowTakeRow
 	err := row.Scan(
@@ -162,4 +178,108 @@ func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWin
 		&i.NowUs,
 	)
 	return i, err
+}
+
+const slidingWindowTakeMany = `-- name: SlidingWindowTakeMany :many
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, $3::bigint)) AS window_start
+      FROM clock
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT ($1::bytea[])[i],
+       win.window_start,
+       ($2::bigint[])[i],
+       0,
+       win.window_start + 2 * $3::bigint * interval '1 microsecond',
+       ($2::bigint[])[i] <= $4::bigint
+  FROM win, generate_subscripts($1::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = pgrl_saturating_add(
+                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                   CASE WHEN pgrl_sliding_window_allows(
+                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                              $3::bigint, t.count, t.prev_count),
+                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                                 excluded.count, $4::bigint, $3::bigint,
+                                 pgrl_sliding_window_elapsed_us(
+                                     pgrl_epoch_us(coalesce($5::timestamptz, now())),
+                                     greatest(t.window_start, excluded.window_start), $3::bigint))
+                          OR $6::boolean
+                        THEN excluded.count ELSE 0 END),
+       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                 $3::bigint, t.count, t.prev_count),
+       expires_at = greatest(t.window_start, excluded.window_start)
+                    + 2 * $3::bigint * interval '1 microsecond',
+       allowed = pgrl_sliding_window_allows(
+                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                  $3::bigint, t.count, t.prev_count),
+                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                     excluded.count, $4::bigint, $3::bigint,
+                     pgrl_sliding_window_elapsed_us(
+                         pgrl_epoch_us(coalesce($5::timestamptz, now())),
+                         greatest(t.window_start, excluded.window_start), $3::bigint))
+RETURNING encode(key, 'hex') AS key_hex, pgrl_epoch_us(window_start) AS window_start_us, count, prev_count,
+          allowed, (SELECT now_us FROM win)::bigint AS now_us
+`
+
+type SlidingWindowTakeManyParams struct {
+	Keys     [][]byte
+	Costs    []int64
+	WindowUs int64
+	MaxCount int64
+	At       *time.Time
+	Penalty  bool
+}
+
+type SlidingWindowTakeManyRow struct {
+	KeyHex        string
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
+// the rules of FixedWindowTakeMany. The update arm reads the current
+// window's start from the proposed row's window_start and the cost from its
+// count.
+func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeMany,
+		arg.Keys,
+		arg.Costs,
+		arg.WindowUs,
+		arg.MaxCount,
+		arg.At,
+		arg.Penalty,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeManyRow
+	for rows.Next() {
+		var i SlidingWindowTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }

@@ -11,27 +11,25 @@ import (
 )
 
 const tokenBucketPeek = `-- name: TokenBucketPeek :one
-WITH p AS (
-    SELECT coalesce($2::timestamptz, now()) AS ts,
-           $3::float8 AS capacity,
-           $4::float8 AS refill_per_us
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($4::timestamptz, now()) AS ts) AS c
 )
-SELECT ('x' || encode(float8send(coalesce(
-           (SELECT least(p.capacity,
-                         t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
-                                    * p.refill_per_us)
+SELECT pgrl_float8_bits(coalesce(
+           (SELECT pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, clock.ts),
+                                            $1::float8, $2::float8)
               FROM pgrl_token_bucket AS t
-             WHERE t.key = $1::bytea),
-           p.capacity)::float8), 'hex'))::bit(64)::bigint AS tokens_bits,
-       (extract(epoch FROM p.ts) * 1000000)::bigint AS now_us
-  FROM p
+             WHERE t.key = $3::bytea),
+           $1::float8)::float8) AS tokens_bits,
+       clock.now_us::bigint AS now_us
+  FROM clock
 `
 
 type TokenBucketPeekParams struct {
-	Key         []byte
-	At          *time.Time
 	Capacity    float64
 	RefillPerUs float64
+	Key         []byte
+	At          *time.Time
 }
 
 type TokenBucketPeekRow struct {
@@ -44,10 +42,10 @@ type TokenBucketPeekRow struct {
 // them: the balance's float8 bits and the instant in microseconds.
 func (q *Queries) TokenBucketPeek(ctx context.Context, db DBTX, arg TokenBucketPeekParams) (TokenBucketPeekRow, error) {
 	row := db.QueryRow(ctx, tokenBucketPeek,
-		arg.Key,
-		arg.At,
 		arg.Capacity,
 		arg.RefillPerUs,
+		arg.Key,
+		arg.At,
 	)
 	var i TokenBucketPeekRow
 	err := row.Scan(&i.TokensBits, &i.NowUs)
@@ -68,38 +66,40 @@ func (q *Queries) TokenBucketReset(ctx context.Context, db DBTX, key []byte) (in
 }
 
 const tokenBucketTake = `-- name: TokenBucketTake :one
-WITH p AS (
-    SELECT coalesce($6::timestamptz, now()) AS ts,
-           $4::float8 AS cost,
-           $2::float8 AS capacity,
-           $3::float8 AS refill_per_us,
-           $5::boolean AS penalty
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($6::timestamptz, now()) AS ts) AS c
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
 SELECT $1::bytea,
        f.tokens,
-       p.ts,
-       p.ts + ((p.capacity - f.tokens) / p.refill_per_us) * interval '1 microsecond',
+       clock.ts,
+       pgrl_token_bucket_full_at(clock.ts, f.tokens, $2::float8, $3::float8),
        f.allowed
-  FROM p,
+  FROM clock,
        LATERAL (
-           SELECT CASE WHEN p.cost <= p.capacity OR p.penalty THEN p.capacity - p.cost
-                       ELSE p.capacity END AS tokens,
-                  p.cost <= p.capacity AS allowed
+           SELECT CASE WHEN $4::float8 <= $2::float8 OR $5::boolean
+                       THEN $2::float8 - $4::float8
+                       ELSE $2::float8 END AS tokens,
+                  $4::float8 <= $2::float8 AS allowed
        ) AS f
 ON CONFLICT (key) DO UPDATE
-   SET tokens = greatest(least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8)
-                         - CASE WHEN least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8 OR $5::boolean THEN $4::float8 ELSE 0 END,
-                         0 - $2::float8),
+   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          $2::float8, $3::float8,
+                                          $4::float8, $5::boolean),
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = greatest(t.updated_at, excluded.updated_at)
-                 + (($2::float8 - greatest(least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8)
-                                - CASE WHEN least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8 OR $5::boolean THEN $4::float8 ELSE 0 END,
-                                0 - $2::float8)) / $3::float8) * interval '1 microsecond',
-       allowed = least($2::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * $3::float8) >= $4::float8
-RETURNING ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
-          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
-          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+       full_at = pgrl_token_bucket_full_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                               $2::float8, $3::float8,
+                                               $4::float8, $5::boolean),
+                     $2::float8, $3::float8),
+       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          $2::float8, $3::float8)
+                 >= $4::float8
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_epoch_us(updated_at) AS updated_at_us,
+          pgrl_epoch_us(full_at) AS full_at_us,
           allowed
 `
 
@@ -124,9 +124,9 @@ type TokenBucketTakeRow struct {
 // a first check inserts a full bucket minus cost, every later one is the
 // UPDATE arm of the same upsert. The balance never exceeds capacity. A denied
 // check spends nothing, unless penalty is set: then it is charged anyway and
-// the balance may fall as low as -capacity, never lower. The UPDATE arm
-// spells the refilled balance out where it needs it: a subquery there would
-// be set up and run for every row, which costs more than the arithmetic.
+// the balance may fall as low as -capacity, never lower. The refill, the
+// charge and the time the bucket is full again are the pgrl_token_bucket_*
+// functions of migration 000005, which the planner inlines.
 // refill_per_us is tokens per microsecond. The balance is returned as the
 // bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
 // as microseconds since the Unix epoch: exact, and shaped by no session
@@ -151,4 +151,94 @@ func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketT
 		&i.Allowed,
 	)
 	return i, err
+}
+
+const tokenBucketTakeMany = `-- name: TokenBucketTakeMany :many
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($6::timestamptz, now()) AS ts) AS c
+)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT ($1::bytea[])[i],
+       $2::float8 - ($3::float8[])[i],
+       clock.ts,
+       clock.ts + (($3::float8[])[i] / $4::float8) * interval '1 microsecond',
+       ($3::float8[])[i] <= $2::float8
+  FROM clock, generate_subscripts($1::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          $2::float8, $4::float8,
+                                          $2::float8 - excluded.tokens, $5::boolean),
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_full_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                               $2::float8, $4::float8,
+                                               $2::float8 - excluded.tokens,
+                                               $5::boolean),
+                     $2::float8, $4::float8),
+       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          $2::float8, $4::float8)
+                 >= $2::float8 - excluded.tokens
+RETURNING encode(key, 'hex') AS key_hex,
+          pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_epoch_us(updated_at) AS updated_at_us,
+          pgrl_epoch_us(full_at) AS full_at_us,
+          allowed
+`
+
+type TokenBucketTakeManyParams struct {
+	Keys        [][]byte
+	Capacity    float64
+	Costs       []float64
+	RefillPerUs float64
+	Penalty     bool
+	At          *time.Time
+}
+
+type TokenBucketTakeManyRow struct {
+	KeyHex      string
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
+// rules of FixedWindowTakeMany. The update arm reads the check's instant
+// from the proposed row's updated_at and its cost as capacity minus the
+// proposed balance (exact for integer costs).
+// The balance and instants are returned as in TokenBucketTake.
+func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakeMany,
+		arg.Keys,
+		arg.Capacity,
+		arg.Costs,
+		arg.RefillPerUs,
+		arg.Penalty,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakeManyRow
+	for rows.Next() {
+		var i TokenBucketTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }

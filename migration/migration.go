@@ -471,7 +471,8 @@ func (e *PartitionCountError) Is(target error) bool {
 // Grant gives each role the rights an application's checks need in the
 // migrated schema, and nothing more: USAGE on the schema; SELECT, INSERT,
 // UPDATE and DELETE on pgrl_fixed_window, pgrl_token_bucket and
-// pgrl_sliding_window; EXECUTE on pgrl_abort_unless. Partitions made later
+// pgrl_sliding_window; EXECUTE on pgrl_abort_unless and the arithmetic
+// functions the checks inline (appFunctions). Partitions made later
 // need no grant of their own: PostgreSQL checks a query's rights on the
 // table it names, the partitioned parent. Granting again is harmless; Up
 // calls it with Config.GrantTo. Run it as the owner of pgrl's tables.
@@ -518,8 +519,27 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 // appTables are the counter tables a check reads and writes.
 var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
 
-// appFunctions are the functions a check calls.
-var appFunctions = []string{"pgrl_abort_unless(boolean, text)"}
+// appFunctions are the functions a check calls: pgrl_abort_unless, and the
+// named-arithmetic functions of migration 000005, which the planner inlines
+// only for a user who may execute them (without EXECUTE a check fails with
+// 42501).
+var appFunctions = []string{
+	"pgrl_abort_unless(boolean, text)",
+	"pgrl_epoch_us(timestamptz)",
+	"pgrl_from_epoch_us(bigint)",
+	"pgrl_elapsed_us(timestamptz, timestamptz)",
+	"pgrl_window_start_us(bigint, bigint)",
+	"pgrl_window_end_us(bigint, bigint)",
+	"pgrl_float8_bits(float8)",
+	"pgrl_token_bucket_refill(float8, bigint, float8, float8)",
+	"pgrl_token_bucket_balance(float8, bigint, float8, float8, float8, boolean)",
+	"pgrl_token_bucket_full_at(timestamptz, float8, float8, float8)",
+	"pgrl_sliding_window_current(timestamptz, timestamptz, bigint)",
+	"pgrl_sliding_window_previous(timestamptz, timestamptz, bigint, bigint, bigint)",
+	"pgrl_sliding_window_elapsed_us(bigint, timestamptz, bigint)",
+	"pgrl_sliding_window_allows(bigint, bigint, bigint, bigint, bigint, bigint)",
+	"pgrl_saturating_add(bigint, bigint)",
+}
 
 // grantStatements returns the GRANT statements that give role the
 // application's rights on the objects present in schemaName.

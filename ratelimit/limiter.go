@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // DB runs a limiter's statements: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
@@ -489,7 +490,7 @@ func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
 }
 
 func (l *Limiter) heal(ctx context.Context, db DB) error {
-	_, err := l.q.FixedWindowEnsurePartition(ctx, db, gen.FixedWindowEnsurePartitionParams{
+	_, err := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{
 		At: l.at(), WindowUs: l.windowUs,
 	})
 	return err
@@ -601,8 +602,8 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 		return err
 	}
 	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != "42P01" {
-		return err
+	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") {
+		return err // 42883: the schema's pgrl_ functions are hidden like its tables
 	}
 	var schema string
 	if qerr := l.db.QueryRow(ctx, schemaWithoutUsage).Scan(&schema); qerr != nil {

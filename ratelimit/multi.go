@@ -11,7 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // Check is one limit of a multi-limit decision.
@@ -204,7 +204,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 	var vote *deferred
 	if mode == AllOrNothing {
 		// Empty arrays, not nil ones: pgx sends nil as NULL.
-		p := gen.MultiRequireAllowedParams{
+		p := sqlops.MultiRequireAllowedParams{
 			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
 			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{},
 			At: first.at(),
@@ -226,7 +226,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		}
 		vote = newDeferred()
 		stmts = append(stmts, vote)
-		go func() { _, _ = first.q.MultiRequireAllowed(cctx, vote, p) }()
+		go func() { _, _ = sqlops.New().MultiRequireAllowed(cctx, vote, p) }()
 	}
 
 	b := &pgx.Batch{}

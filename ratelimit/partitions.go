@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // maxPartitionsAhead is the most partitions one call of
@@ -32,7 +32,7 @@ func EnsurePartitions(ctx context.Context, db DB, limiters ...*Limiter) error {
 	if db == nil {
 		return ErrNilDB
 	}
-	q := gen.New()
+	q := sqlops.New()
 	var width time.Duration
 	for _, l := range limiters {
 		if l == nil || l.cfg.Algorithm != FixedWindow {
@@ -58,7 +58,7 @@ func EnsurePartitions(ctx context.Context, db DB, limiters ...*Limiter) error {
 				((l.cfg.Window/(maxPartitionsAhead-1))/time.Second+1)*time.Second)
 		}
 		for {
-			created, err := q.FixedWindowEnsurePartitionsFrom(ctx, db, gen.FixedWindowEnsurePartitionsFromParams{
+			created, err := q.FixedWindowEnsurePartitionsFrom(ctx, db, sqlops.FixedWindowEnsurePartitionsFromParams{
 				At: l.at(), AheadUs: l.cfg.Window.Microseconds(),
 			})
 			if err != nil {

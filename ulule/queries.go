@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // window is the state of one key's current fixed window, on the database's
@@ -37,7 +38,7 @@ func incrementWindow(ctx context.Context, db DB, key []byte, count, windowUs int
 	if err != nil && isMissingPartition(err) {
 		// Partitioned layout and no partition for this window yet: create
 		// it and count again. Nothing was counted by the failed statement.
-		if _, perr := queries.FixedWindowEnsurePartition(ctx, db, gen.FixedWindowEnsurePartitionParams{WindowUs: windowUs}); perr != nil {
+		if _, perr := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{WindowUs: windowUs}); perr != nil {
 			return window{}, perr
 		}
 		r, err = queries.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{

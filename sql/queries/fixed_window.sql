@@ -13,53 +13,80 @@
 -- decides: the transaction's start, which for a check sent on its own is
 -- the statement's, and which gives every check of one multi-limit batch the
 -- same instant.
-WITH p AS (
-    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
-      FROM (SELECT (extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint AS now_us,
-                   sqlc.arg(window_us)::bigint AS window_us) AS c
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint) AS expires_us
+      FROM clock
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT sqlc.arg(key)::bytea,
-       timestamptz 'epoch' + p.expires_us * interval '1 microsecond',
+       pgrl_from_epoch_us(win.expires_us),
        CASE WHEN sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
             THEN sqlc.arg(cost)::bigint ELSE 0 END,
        sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
-  FROM p
+  FROM win
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint THEN t.count + sqlc.arg(cost)::bigint
+   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
+                    THEN t.count + sqlc.arg(cost)::bigint
                     WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - greatest(sqlc.arg(cost)::bigint, 0) THEN t.count + sqlc.arg(cost)::bigint
+                    WHEN t.count <= 9223372036854775807 - greatest(sqlc.arg(cost)::bigint, 0)
+                    THEN t.count + sqlc.arg(cost)::bigint
                     ELSE 9223372036854775807 END,
        allowed = t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
-RETURNING count, (SELECT expires_us FROM p)::bigint AS expires_at_us, allowed, (SELECT now_us FROM p)::bigint AS now_us;
+RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us;
+
+-- name: FixedWindowTakeMany :many
+-- FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+-- decides many checks of one limiter in one statement, one check per
+-- distinct key, so that concurrent checks can share one round trip. Each row
+-- gets exactly the arithmetic of the single check. Rows are inserted, and so
+-- locked, in key order: concurrent batches never deadlock. Keys must be
+-- distinct within one call (one statement cannot update a row twice) and
+-- each cost at most max_count. Keys come back hex-encoded (key_hex), which
+-- no session setting changes (bytea_output does change bytea's text form).
+-- The update arm reads each check's cost back from the proposed row
+-- (excluded), since it cannot see the arrays. Windows,
+-- overflow and the returned instants are as in FixedWindowTake.
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint) AS expires_us
+      FROM clock
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i], pgrl_from_epoch_us(win.expires_us),
+       (sqlc.arg(costs)::bigint[])[i], (sqlc.arg(costs)::bigint[])[i] <= sqlc.arg(max_count)::bigint
+  FROM win, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - excluded.count THEN t.count + excluded.count
+                    WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
+                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= sqlc.arg(max_count)::bigint - excluded.count
+RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us;
 
 -- name: FixedWindowPeek :one
 -- FixedWindowPeek reports the key's current window without counting anything.
-WITH p AS (
-    SELECT c.now_us, c.now_us - ((c.now_us % c.window_us) + c.window_us) % c.window_us + c.window_us AS expires_us
-      FROM (SELECT (extract(epoch FROM coalesce(sqlc.narg(at)::timestamptz, now())) * 1000000)::bigint AS now_us,
-                   sqlc.arg(window_us)::bigint AS window_us) AS c
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint) AS expires_us
+      FROM clock
 )
 SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
                   WHERE t.key = sqlc.arg(key)::bytea
-                    AND t.expires_at = timestamptz 'epoch' + p.expires_us * interval '1 microsecond'), 0)::bigint AS count,
-       p.expires_us::bigint AS expires_at_us,
-       p.now_us::bigint AS now_us
-  FROM p;
+                    AND t.expires_at = pgrl_from_epoch_us(win.expires_us)), 0)::bigint AS count,
+       win.expires_us::bigint AS expires_at_us,
+       win.now_us::bigint AS now_us
+  FROM win;
 
 -- name: FixedWindowReset :execrows
 -- FixedWindowReset forgets every window of the key.
 DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
-
--- name: FixedWindowEnsurePartition :one
--- FixedWindowEnsurePartition creates, in the partitioned layout, the
--- partition that the key's current window of window_us belongs in. It returns
--- how many partitions it created (0 in the plain layout).
-WITH clock AS (
-    SELECT (extract(epoch FROM ts) * 1000000)::bigint AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS n
-), win AS (
-    SELECT timestamptz 'epoch' + ((now_us - now_us % sqlc.arg(window_us)::bigint) + sqlc.arg(window_us)::bigint) * interval '1 microsecond' AS expires_at
-      FROM clock
-)
-SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win;

@@ -4,9 +4,9 @@
 -- a first check inserts a full bucket minus cost, every later one is the
 -- UPDATE arm of the same upsert. The balance never exceeds capacity. A denied
 -- check spends nothing, unless penalty is set: then it is charged anyway and
--- the balance may fall as low as -capacity, never lower. The UPDATE arm
--- spells the refilled balance out where it needs it: a subquery there would
--- be set up and run for every row, which costs more than the arithmetic.
+-- the balance may fall as low as -capacity, never lower. The refill, the
+-- charge and the time the bucket is full again are the pgrl_token_bucket_*
+-- functions of migration 000005, which the planner inlines.
 -- refill_per_us is tokens per microsecond. The balance is returned as the
 -- bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
 -- as microseconds since the Unix epoch: exact, and shaped by no session
@@ -14,58 +14,97 @@
 -- Elapsed time is clamped at zero, so a check that waited on the row lock and
 -- sees a newer updated_at than its own clock never refills backwards. at pins
 -- the clock for tests; production leaves it nil.
-WITH p AS (
-    SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
-           sqlc.arg(cost)::float8 AS cost,
-           sqlc.arg(capacity)::float8 AS capacity,
-           sqlc.arg(refill_per_us)::float8 AS refill_per_us,
-           sqlc.arg(penalty)::boolean AS penalty
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
 SELECT sqlc.arg(key)::bytea,
        f.tokens,
-       p.ts,
-       p.ts + ((p.capacity - f.tokens) / p.refill_per_us) * interval '1 microsecond',
+       clock.ts,
+       pgrl_token_bucket_full_at(clock.ts, f.tokens, sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
        f.allowed
-  FROM p,
+  FROM clock,
        LATERAL (
-           SELECT CASE WHEN p.cost <= p.capacity OR p.penalty THEN p.capacity - p.cost
-                       ELSE p.capacity END AS tokens,
-                  p.cost <= p.capacity AS allowed
+           SELECT CASE WHEN sqlc.arg(cost)::float8 <= sqlc.arg(capacity)::float8 OR sqlc.arg(penalty)::boolean
+                       THEN sqlc.arg(capacity)::float8 - sqlc.arg(cost)::float8
+                       ELSE sqlc.arg(capacity)::float8 END AS tokens,
+                  sqlc.arg(cost)::float8 <= sqlc.arg(capacity)::float8 AS allowed
        ) AS f
 ON CONFLICT (key) DO UPDATE
-   SET tokens = greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
-                         - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8 OR sqlc.arg(penalty)::boolean THEN sqlc.arg(cost)::float8 ELSE 0 END,
-                         0 - sqlc.arg(capacity)::float8),
+   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                          sqlc.arg(cost)::float8, sqlc.arg(penalty)::boolean),
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = greatest(t.updated_at, excluded.updated_at)
-                 + ((sqlc.arg(capacity)::float8 - greatest(least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8)
-                                - CASE WHEN least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8 OR sqlc.arg(penalty)::boolean THEN sqlc.arg(cost)::float8 ELSE 0 END,
-                                0 - sqlc.arg(capacity)::float8)) / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
-       allowed = least(sqlc.arg(capacity)::float8, t.tokens + greatest((extract(epoch FROM excluded.updated_at - t.updated_at) * 1000000)::bigint, 0)::float8 * sqlc.arg(refill_per_us)::float8) >= sqlc.arg(cost)::float8
-RETURNING ('x' || encode(float8send(tokens), 'hex'))::bit(64)::bigint AS tokens_bits,
-          (extract(epoch FROM updated_at) * 1000000)::bigint AS updated_at_us,
-          (extract(epoch FROM full_at) * 1000000)::bigint AS full_at_us,
+       full_at = pgrl_token_bucket_full_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                               sqlc.arg(cost)::float8, sqlc.arg(penalty)::boolean),
+                     sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8)
+                 >= sqlc.arg(cost)::float8
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_epoch_us(updated_at) AS updated_at_us,
+          pgrl_epoch_us(full_at) AS full_at_us,
+          allowed;
+
+-- name: TokenBucketTakeMany :many
+-- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
+-- rules of FixedWindowTakeMany. The update arm reads the check's instant
+-- from the proposed row's updated_at and its cost as capacity minus the
+-- proposed balance (exact for integer costs).
+-- The balance and instants are returned as in TokenBucketTake.
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i],
+       sqlc.arg(capacity)::float8 - (sqlc.arg(costs)::float8[])[i],
+       clock.ts,
+       clock.ts + ((sqlc.arg(costs)::float8[])[i] / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
+       (sqlc.arg(costs)::float8[])[i] <= sqlc.arg(capacity)::float8
+  FROM clock, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                          sqlc.arg(capacity)::float8 - excluded.tokens, sqlc.arg(penalty)::boolean),
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_full_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                               sqlc.arg(capacity)::float8 - excluded.tokens,
+                                               sqlc.arg(penalty)::boolean),
+                     sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8)
+                 >= sqlc.arg(capacity)::float8 - excluded.tokens
+RETURNING encode(key, 'hex') AS key_hex,
+          pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_epoch_us(updated_at) AS updated_at_us,
+          pgrl_epoch_us(full_at) AS full_at_us,
           allowed;
 
 -- name: TokenBucketPeek :one
 -- TokenBucketPeek reports the key's balance now, refilled, without spending.
 -- A key never seen has a full bucket. Returned as TokenBucketTake returns
 -- them: the balance's float8 bits and the instant in microseconds.
-WITH p AS (
-    SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts,
-           sqlc.arg(capacity)::float8 AS capacity,
-           sqlc.arg(refill_per_us)::float8 AS refill_per_us
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
 )
-SELECT ('x' || encode(float8send(coalesce(
-           (SELECT least(p.capacity,
-                         t.tokens + greatest((extract(epoch FROM p.ts - t.updated_at) * 1000000)::bigint, 0)::float8
-                                    * p.refill_per_us)
+SELECT pgrl_float8_bits(coalesce(
+           (SELECT pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, clock.ts),
+                                            sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8)
               FROM pgrl_token_bucket AS t
              WHERE t.key = sqlc.arg(key)::bytea),
-           p.capacity)::float8), 'hex'))::bit(64)::bigint AS tokens_bits,
-       (extract(epoch FROM p.ts) * 1000000)::bigint AS now_us
-  FROM p;
+           sqlc.arg(capacity)::float8)::float8) AS tokens_bits,
+       clock.now_us::bigint AS now_us
+  FROM clock;
 
 -- name: TokenBucketReset :execrows
 -- TokenBucketReset forgets the key's bucket: its next check finds it full.

@@ -3,12 +3,39 @@
 //   sqlc v1.31.1
 // source: partitions.sql
 
-package gen
+package sqlops
 
 import (
 	"context"
 	"time"
 )
+
+const fixedWindowEnsurePartition = `-- name: FixedWindowEnsurePartition :one
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($1::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT pgrl_from_epoch_us(pgrl_window_end_us(clock.now_us, $2::bigint)) AS expires_at
+      FROM clock
+)
+SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win
+`
+
+type FixedWindowEnsurePartitionParams struct {
+	At       *time.Time
+	WindowUs int64
+}
+
+// FixedWindowEnsurePartition creates, in the partitioned layout, the
+// partition that the key's current window of window_us belongs in (windows
+// floored as FixedWindowTake floors them, also before 1970). It returns how
+// many partitions it created (0 in the plain layout).
+func (q *Queries) FixedWindowEnsurePartition(ctx context.Context, db DBTX, arg FixedWindowEnsurePartitionParams) (int32, error) {
+	row := db.QueryRow(ctx, fixedWindowEnsurePartition, arg.At, arg.WindowUs)
+	var created int32
+	err := row.Scan(&created)
+	return created, err
+}
 
 const fixedWindowEnsurePartitionsFrom = `-- name: FixedWindowEnsurePartitionsFrom :one
 

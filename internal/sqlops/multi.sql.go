@@ -3,7 +3,7 @@
 //   sqlc v1.31.1
 // source: multi.sql
 
-package gen
+package sqlops
 
 import (
 	"context"
@@ -19,14 +19,12 @@ SELECT pgrl_abort_unless(
            'pgrl: a limit denied the request; nothing was consumed')::boolean AS ok
   FROM (
       SELECT f.allowed
-        FROM (SELECT (extract(epoch FROM coalesce($4::timestamptz, now())) * 1000000)::bigint AS now_us) AS n
+        FROM (SELECT pgrl_epoch_us(coalesce($4::timestamptz, now())) AS now_us) AS clock
        CROSS JOIN generate_subscripts($1::bytea[], 1) AS i
         JOIN pgrl_fixed_window AS f
           ON f.key = ($1::bytea[])[i]
-         AND f.expires_at = timestamptz 'epoch'
-                            + (n.now_us - ((n.now_us % ($5::bigint[])[i])
-                                           + ($5::bigint[])[i]) % ($5::bigint[])[i]
-                               + ($5::bigint[])[i]) * interval '1 microsecond'
+         AND f.expires_at = pgrl_from_epoch_us(
+                                pgrl_window_end_us(clock.now_us, ($5::bigint[])[i]))
       UNION ALL
       SELECT t.allowed FROM pgrl_token_bucket AS t WHERE t.key = ANY($2::bytea[])
       UNION ALL
@@ -47,8 +45,8 @@ type MultiRequireAllowedParams struct {
 // allowed column, written by this transaction and still locked by it) and
 // raises SQLSTATE PGRL1 unless every one was allowed, which rolls the whole
 // batch back. Fixed-window rows are found by their window, computed from
-// now() as the checks computed it (floored, also before 1970): in one transaction, now() is the same
-// instant for every statement.
+// now() as the checks computed it (floored, also before 1970): in one
+// transaction, now() is the same instant for every statement.
 func (q *Queries) MultiRequireAllowed(ctx context.Context, db DBTX, arg MultiRequireAllowedParams) (bool, error) {
 	row := db.QueryRow(ctx, multiRequireAllowed,
 		arg.FixedWindowKeys,

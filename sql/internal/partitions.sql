@@ -12,3 +12,17 @@ SELECT pgrl_fixed_window_ensure_partitions(
            coalesce(sqlc.narg(at)::timestamptz, statement_timestamp())
                + sqlc.arg(ahead_us)::bigint * interval '1 microsecond'
        )::integer AS created;
+
+-- name: FixedWindowEnsurePartition :one
+-- FixedWindowEnsurePartition creates, in the partitioned layout, the
+-- partition that the key's current window of window_us belongs in (windows
+-- floored as FixedWindowTake floors them, also before 1970). It returns how
+-- many partitions it created (0 in the plain layout).
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+), win AS (
+    SELECT pgrl_from_epoch_us(pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint)) AS expires_at
+      FROM clock
+)
+SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::integer AS created FROM win;

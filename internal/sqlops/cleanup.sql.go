@@ -3,7 +3,7 @@
 //   sqlc v1.31.1
 // source: cleanup.sql
 
-package gen
+package sqlops
 
 import (
 	"context"
@@ -74,17 +74,25 @@ SELECT current_user::text AS role_name,
                     AND EXISTS (SELECT 1 FROM pg_catalog.pg_class AS c
                                  WHERE c.relnamespace = n.oid AND c.relname = 'pgrl_fixed_window')
                     AND (n.nspname = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
-                         OR quote_ident(n.nspname) = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
-                         OR '"' || replace(n.nspname, '"', '""') || '"' = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
-                         OR (n.nspname = session_user AND '"$user"' = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))))
+                         OR quote_ident(n.nspname)
+                            = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
+                         OR '"' || replace(n.nspname, '"', '""') || '"'
+                            = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
+                         OR (n.nspname = session_user
+                             AND '"$user"'
+                                 = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))))
                   ORDER BY n.nspname LIMIT 1), '')::text AS no_usage_schema,
        coalesce(has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'SELECT')
-                AND has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'DELETE'), true)::boolean AS can_clean_fixed_window,
+                AND has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'DELETE'), true)::boolean
+           AS can_clean_fixed_window,
        coalesce(has_table_privilege(to_regclass('pgrl_token_bucket'::text), 'SELECT')
-                AND has_table_privilege(to_regclass('pgrl_token_bucket'::text), 'DELETE'), true)::boolean AS can_clean_token_bucket,
+                AND has_table_privilege(to_regclass('pgrl_token_bucket'::text), 'DELETE'), true)::boolean
+           AS can_clean_token_bucket,
        coalesce(has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'SELECT')
-                AND has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'DELETE'), true)::boolean AS can_clean_sliding_window,
-       coalesce(has_table_privilege(to_regclass('pgrl_partition_settings'::text), 'SELECT'), true)::boolean AS can_read_partition_settings,
+                AND has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'DELETE'), true)::boolean
+           AS can_clean_sliding_window,
+       coalesce(has_table_privilege(to_regclass('pgrl_partition_settings'::text), 'SELECT'), true)::boolean
+           AS can_read_partition_settings,
        coalesce((SELECT pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class AS c
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS fixed_window_owner,
        coalesce((SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_catalog.pg_class AS c

@@ -1,0 +1,222 @@
+package gen
+
+import (
+	"context"
+	"errors"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/sqlops"
+	"github.com/pgrl/pgrl/sql/schema"
+)
+
+// helperMigration is the migration that adds the named-arithmetic functions.
+const helperMigration = "000005_named_arithmetic.up.sql"
+
+// helperNames lists the functions helperMigration creates, read from the
+// file itself so that a helper added there is checked here too.
+func helperNames(t *testing.T) []string {
+	t.Helper()
+	b, err := schema.FS.ReadFile(helperMigration)
+	require.NoError(t, err)
+	var names []string
+	for _, m := range regexp.MustCompile(`(?m)^CREATE FUNCTION (\w+)\(`).FindAllStringSubmatch(string(b), -1) {
+		names = append(names, m[1])
+	}
+	require.GreaterOrEqual(t, len(names), 10, "helpers not found in %s", helperMigration)
+	return names
+}
+
+// call is one statement a generated method sent.
+type call struct {
+	name string
+	sql  string
+	args []any
+}
+
+var errRecorded = errors.New("recorded, not run")
+
+// recorder is a DBTX that records the statement a generated method sends
+// instead of running it.
+type recorder struct{ calls *[]call }
+
+func (r recorder) add(sql string, args []any) {
+	name := strings.TrimPrefix(strings.SplitN(sql, "\n", 2)[0], "-- name: ")
+	*r.calls = append(*r.calls, call{name: strings.Fields(name)[0], sql: sql, args: args})
+}
+
+func (r recorder) Exec(_ context.Context, sql string, args ...interface{}) (pgconn.CommandTag, error) {
+	r.add(sql, args)
+	return pgconn.CommandTag{}, errRecorded
+}
+
+func (r recorder) Query(_ context.Context, sql string, args ...interface{}) (pgx.Rows, error) {
+	r.add(sql, args)
+	return nil, errRecorded
+}
+
+func (r recorder) QueryRow(_ context.Context, sql string, args ...interface{}) pgx.Row {
+	r.add(sql, args)
+	return errRow{}
+}
+
+type errRow struct{}
+
+func (errRow) Scan(...any) error { return errRecorded }
+
+// everyQuery sends every query that computes with the helpers (each
+// algorithm's take, batch take and peek, and the two internal queries that
+// compute a fixed window) to db, twice: the second take of a key runs the
+// UPDATE arm of its upsert.
+func everyQuery(ctx context.Context, db DBTX) {
+	q, ops := New(), sqlops.New()
+	at := time.Date(2024, 5, 6, 7, 8, 9, 123456000, time.UTC)
+	keys, costs, fcosts := [][]byte{[]byte("a"), []byte("b")}, []int64{1, 2}, []float64{1, 2}
+	for i := range 2 {
+		ts := at.Add(time.Duration(i) * 1500 * time.Millisecond)
+		_, _ = q.FixedWindowTake(ctx, db, FixedWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = q.FixedWindowTakeMany(ctx, db, FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = q.FixedWindowPeek(ctx, db, FixedWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
+		_, _ = q.TokenBucketTake(ctx, db, TokenBucketTakeParams{Key: keys[0], Cost: 1, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = q.TokenBucketTakeMany(ctx, db, TokenBucketTakeManyParams{Keys: keys, Costs: fcosts, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = q.SlidingWindowTakeMany(ctx, db, SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
+		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{At: &ts, WindowUs: 1e6})
+		_, _ = ops.MultiRequireAllowed(ctx, db, sqlops.MultiRequireAllowedParams{
+			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
+			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{}, At: &ts,
+		})
+	}
+}
+
+// TestHelpersAreInlined proves that the planner inlines every helper of
+// migration 000005 into every query that uses it: EXPLAIN (VERBOSE) of each
+// query names none of them, and running each query, under custom and
+// generic plans, calls none of them (track_functions counts every call of a
+// function that was not inlined). A control function that cannot be inlined
+// (it has a SET clause) shows that both checks see a call when there is one.
+func TestHelpersAreInlined(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, schemaName := dbtest.Pool(t, dbtest.WithExecMode(pgx.QueryExecModeCacheStatement))
+	helpers := helperNames(t)
+
+	var calls []call
+	everyQuery(ctx, recorder{&calls})
+	require.Len(t, calls, 22)
+
+	// The control: a copy of a helper that cannot be inlined.
+	_, err := pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
+		LANGUAGE sql IMMUTABLE SET search_path FROM CURRENT
+		AS $$ SELECT pgrl_window_end_us(now_us, window_us) $$`)
+	require.NoError(t, err)
+	control := "SELECT pgrl_not_inlined(pgrl_epoch_us(now()), $1::bigint)"
+
+	explain := func(tx pgx.Tx, sql string, args ...any) string {
+		rows, err := tx.Query(ctx, "EXPLAIN (VERBOSE) "+sql, args...)
+		require.NoError(t, err)
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err, sql)
+		return strings.Join(lines, "\n")
+	}
+	t.Run("explain", func(t *testing.T) {
+		tx, err := pool.Begin(ctx)
+		require.NoError(t, err)
+		defer func() { _ = tx.Rollback(ctx) }()
+		plan := explain(tx, control, int64(1e6))
+		require.Contains(t, plan, "pgrl_not_inlined", "the control must show its call")
+		for _, c := range calls {
+			plan := explain(tx, c.sql, c.args...)
+			for _, h := range helpers {
+				require.NotContains(t, plan, h, "%s: %s is not inlined:\n%s", c.name, h, plan)
+			}
+		}
+	})
+
+	for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+		t.Run("calls/"+mode, func(t *testing.T) {
+			tx, err := pool.Begin(ctx)
+			require.NoError(t, err)
+			defer func() { _ = tx.Rollback(ctx) }()
+			_, err = tx.Exec(ctx, "SET LOCAL track_functions = 'all'")
+			require.NoError(t, err)
+			_, err = tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+mode)
+			require.NoError(t, err)
+			called := func() map[string]int64 {
+				rows, err := tx.Query(ctx, `SELECT funcname::text, calls FROM pg_stat_xact_user_functions
+					WHERE schemaname = $1 AND calls > 0`, schemaName)
+				require.NoError(t, err)
+				got := map[string]int64{}
+				for rows.Next() {
+					var name string
+					var n int64
+					require.NoError(t, rows.Scan(&name, &n))
+					got[name] = n
+				}
+				require.NoError(t, rows.Err())
+				return got
+			}
+
+			// Each query runs as a prepared statement, several times, so
+			// that force_generic_plan really plans it generically.
+			for range 3 {
+				_, err := tx.Exec(ctx, control, int64(1e6))
+				require.NoError(t, err)
+			}
+			require.Positive(t, called()["pgrl_not_inlined"], "track_functions must count the control's calls")
+
+			var ran []call
+			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
+			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
+			require.Len(t, ran, 44)
+			got := called()
+			for _, h := range helpers {
+				require.Zero(t, got[h], "%s was called %d times instead of inlined (%s)", h, got[h], mode)
+			}
+		})
+	}
+}
+
+// runner is a DBTX that runs each statement on tx and fails the test when
+// one fails.
+type runner struct {
+	tx  pgx.Tx
+	t   *testing.T
+	ran *[]call
+}
+
+func (r runner) Exec(ctx context.Context, sql string, args ...interface{}) (pgconn.CommandTag, error) {
+	*r.ran = append(*r.ran, call{sql: sql})
+	tag, err := r.tx.Exec(ctx, sql, args...)
+	require.NoError(r.t, err, sql)
+	return tag, err
+}
+
+func (r runner) Query(ctx context.Context, sql string, args ...interface{}) (pgx.Rows, error) {
+	*r.ran = append(*r.ran, call{sql: sql})
+	rows, err := r.tx.Query(ctx, sql, args...)
+	require.NoError(r.t, err, sql)
+	// Read every row now, so that the statement has run when Query returns,
+	// and give the caller an empty result.
+	_, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) ([]any, error) { return row.Values() })
+	require.NoError(r.t, err, sql)
+	return r.tx.Query(ctx, "SELECT 1 WHERE false")
+}
+
+func (r runner) QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row {
+	*r.ran = append(*r.ran, call{sql: sql})
+	rows, err := r.tx.Query(ctx, sql, args...)
+	require.NoError(r.t, err, sql)
+	_, err = pgx.CollectRows(rows, func(row pgx.CollectableRow) ([]any, error) { return row.Values() })
+	require.NoError(r.t, err, sql)
+	return errRow{}
+}
