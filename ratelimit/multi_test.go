@@ -86,7 +86,7 @@ func TestAllowAllBadInputs(t *testing.T) {
 	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k", Cost: -1})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Key: "k"})
-	require.ErrorIs(t, err, ratelimit.ErrNilDB)
+	require.ErrorIs(t, err, ratelimit.ErrNilLimiter)
 
 	// Nothing was consumed by any refused call.
 	d, err := a.Peek(ctx, "k")

@@ -109,8 +109,11 @@ func TestResilienceBadConfig(t *testing.T) {
 		{"unknown policy", func(c *ratelimit.Config) { c.OnFailure = ratelimit.FailurePolicy(42) }, ratelimit.ErrInvalidPolicy},
 		{"negative fallback limit", func(c *ratelimit.Config) { c.FallbackLimit = -1 }, ratelimit.ErrInvalidLimit},
 		{"negative timeout", func(c *ratelimit.Config) { c.Timeout = -time.Second }, ratelimit.ErrInvalidTimeout},
-		{"negative breaker threshold", func(c *ratelimit.Config) { c.BreakerThreshold = -1 }, ratelimit.ErrInvalidTimeout},
+		{"negative breaker threshold", func(c *ratelimit.Config) { c.BreakerThreshold = -1 }, ratelimit.ErrInvalidOption},
 		{"negative breaker cooldown", func(c *ratelimit.Config) { c.BreakerCooldown = -time.Millisecond }, ratelimit.ErrInvalidTimeout},
+		{"negative max batch", func(c *ratelimit.Config) { c.MaxBatch = -1 }, ratelimit.ErrInvalidOption},
+		{"negative max in flight", func(c *ratelimit.Config) { c.MaxInFlight = -1 }, ratelimit.ErrInvalidOption},
+		{"negative spread", func(c *ratelimit.Config) { c.Spread = -1 }, ratelimit.ErrInvalidOption},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := ok
