@@ -297,7 +297,7 @@ func TestAnyBytesAreAKeyAndNoRawKeyIsStored(t *testing.T) {
 	big := strings.Repeat("x", 1<<20) + "needle-1mb"
 	keys := []string{"", "\x00", "a\x00b", "\xff\xfe\xfd", "user@example.com", "203.0.113.7", big}
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "keys", Algorithm: alg, Limit: 2, Window: time.Minute})
+		l := newLimiter(t, pool, ratelimit.Config{Name: "keys", Algorithm: alg, Limit: 2, Window: time.Minute, Now: pinned(base)})
 		for _, k := range keys {
 			for i := range 3 {
 				d, err := l.Allow(ctx, k)
@@ -332,7 +332,7 @@ func TestTxRollbackRefunds(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour})
+		l := newLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour, Now: pinned(base)})
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		d, err := l.AllowNTx(ctx, tx, "k", 2)
@@ -383,7 +383,7 @@ func TestTxChecksAreObserved(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	obs := &recordingObserver{}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs})
+	l := newLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs, Now: pinned(base)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = l.AllowNTx(ctx, tx, "k", 1)

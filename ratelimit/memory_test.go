@@ -345,7 +345,7 @@ func TestMemoryLRUBound(t *testing.T) {
 	require.True(t, d.Allowed, "the least recent key was evicted and starts afresh")
 
 	// Fewer keys than shards: the cap still holds.
-	small := newMemory(t, ratelimit.Config{Name: "small", Limit: 1, Window: time.Hour}, ratelimit.MemoryOptions{MaxKeys: 3})
+	small := newMemory(t, ratelimit.Config{Name: "small", Limit: 1, Window: time.Hour, Now: pinned(base)}, ratelimit.MemoryOptions{MaxKeys: 3})
 	for i := range 100 {
 		_, err := small.Allow(ctx, strconv.Itoa(i))
 		require.NoError(t, err)

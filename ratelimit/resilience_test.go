@@ -42,7 +42,7 @@ func TestShadowModeNeverDenies(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
 		logs := &logBuffer{}
-		l := newLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour,
+		l := newLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, Now: pinned(base),
 			Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 		for i := range 2 {
 			d, err := l.Allow(ctx, "k")
@@ -76,13 +76,13 @@ func TestShadowModeInMultiLimit(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	logs := &logBuffer{}
-	shadow := newLimiter(t, pool, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour,
+	shadow := newLimiter(t, pool, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour, Now: pinned(base),
 		Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	real := newLimiter(t, pool, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour})
+	real := newLimiter(t, pool, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour, Now: pinned(base)})
 	// One voting limit of each algorithm: see TestMultiSingleAlgorithmConsumes
 	// in package tests for decisions that lack one.
-	perIP := newLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour})
-	global := newLimiter(t, pool, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
+	perIP := newLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour, Now: pinned(base)})
+	global := newLimiter(t, pool, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: pinned(base)})
 	for i := range 3 {
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: shadow, Key: "k"},
 			ratelimit.Check{Limiter: real, Key: "k"}, ratelimit.Check{Limiter: perIP, Key: "k"}, ratelimit.Check{Limiter: global, Key: "k"})

@@ -24,7 +24,7 @@ func TestSpreadAccuracy(t *testing.T) {
 	for _, alg := range ratelimit.Algorithms {
 		const limit, spread = 100, 8
 		l := newLimiter(t, pool, ratelimit.Config{Name: "global-" + string(alg), Algorithm: alg, Limit: limit,
-			Window: time.Hour, Spread: spread, DenyCacheSize: -1})
+			Window: time.Hour, Spread: spread, DenyCacheSize: -1, Now: pinned(base)})
 		var admitted, firstDeny atomic.Int64
 		var attempts atomic.Int64
 		var wg sync.WaitGroup
