@@ -323,6 +323,13 @@ func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string) (Decision, 
 
 // Reset forgets everything counted for key under this limiter (in
 // PostgreSQL, in this process's memory fallback and in its deny cache).
+//
+// Reset returns no Decision: afterwards the key is in the state of a key
+// never seen (Used 0, Remaining Limit, or Burst for the token bucket,
+// Allowed true), known without asking the database, and a Decision built
+// by Reset would lack what only a check knows (ResetAt on the database's
+// clock). Peek reports it in full if you need it. Keeping the signature
+// also keeps existing callers compiling.
 func (l *Limiter) Reset(ctx context.Context, key string) error {
 	if err := l.cfg.checkKey(key); err != nil {
 		return err

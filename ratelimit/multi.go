@@ -82,6 +82,7 @@ type batcher interface {
 // transaction unless all allowed, so a denied request consumes nothing;
 // limiters in shadow mode are left out of that vote. When the database
 // fails, each check is answered by its own limiter's failure policy.
+// AllowAllTx does the same inside the caller's transaction.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
 	return observeAll(checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
 }
