@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -25,8 +26,8 @@ func TestUsedCountsPastTheLimit(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
 		for _, penalty := range []bool{false, true} {
-			l := newLimiter(t, pool, ratelimit.Config{Name: "used", Algorithm: alg, Limit: 3, Window: time.Minute,
-				Penalty: penalty, Now: pinned(base)})
+			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "used", Algorithm: alg, Limit: 3, Window: time.Minute,
+				Penalty: penalty, Now: testkit.Pinned(base)})
 			m, err := ratelimit.NewMemory(l.Config(), ratelimit.MemoryOptions{})
 			require.NoError(t, err)
 			key := string(alg) + map[bool]string{false: "", true: "-penalty"}[penalty]
@@ -58,22 +59,22 @@ func TestUsedAfterPartialRefillAndSlide(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	c := &clock{t: base}
-	tb := newLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 4, Window: time.Minute, Now: c.now})
-	sw := newLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 4, Window: time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 4, Window: time.Minute, Now: c.Now})
+	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 4, Window: time.Minute, Now: c.Now})
 	_, err := tb.AllowN(ctx, "k", 4)
 	require.NoError(t, err)
 	_, err = sw.AllowN(ctx, "k", 4)
 	require.NoError(t, err)
-	c.add(time.Minute + 20*time.Second) // bucket: 4*80/60 > 4, full; sliding: prev 4 weighs 4*40/60 = 2.67
+	c.Add(time.Minute + 20*time.Second) // bucket: 4*80/60 > 4, full; sliding: prev 4 weighs 4*40/60 = 2.67
 	d, err := sw.Peek(ctx, "k")
 	require.NoError(t, err)
 	require.Equal(t, int64(3), d.Used)
 	require.Equal(t, int64(1), d.Remaining)
-	c.set(base.Add(5 * time.Minute))
+	c.Set(base.Add(5 * time.Minute))
 	_, err = tb.AllowN(ctx, "k", 4)
 	require.NoError(t, err)
-	c.add(20 * time.Second) // 4/60 per second: 1.33 tokens back
+	c.Add(20 * time.Second) // 4/60 per second: 1.33 tokens back
 	d, err = tb.Peek(ctx, "k")
 	require.NoError(t, err)
 	require.Equal(t, int64(3), d.Used)
@@ -84,7 +85,7 @@ func TestAllowTx(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	l := newLimiter(t, pool, ratelimit.Config{Name: "tx", Limit: 2, Window: time.Minute, Now: pinned(base)})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	d, err := l.AllowTx(ctx, tx, "k")
@@ -106,8 +107,8 @@ func TestAllowAllTx(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	perIP := newLimiter(t, pool, ratelimit.Config{Name: "ip", Limit: 5, Window: time.Minute, Now: pinned(base)})
-	perUser := newLimiter(t, pool, ratelimit.Config{Name: "user", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Minute, Now: pinned(base)})
+	perIP := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "ip", Limit: 5, Window: time.Minute, Now: testkit.Pinned(base)})
+	perUser := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "user", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Minute, Now: testkit.Pinned(base)})
 	checks := []ratelimit.Check{{Limiter: perIP, Key: "ip"}, {Limiter: perUser, Key: "u"}}
 	used := func(l *ratelimit.Limiter, key string) int64 {
 		t.Helper()
@@ -153,7 +154,7 @@ func TestAllowAllTx(t *testing.T) {
 
 	// A failed decision (bad input) leaves the transaction usable too.
 	far := time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)
-	bad := newLimiter(t, pool, ratelimit.Config{Name: "bad", Limit: 5, Window: time.Minute, Now: pinned(far)})
+	bad := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad", Limit: 5, Window: time.Minute, Now: testkit.Pinned(far)})
 	tx, err = pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = ratelimit.AllowAllTx(ctx, tx, ratelimit.ConsumeAll, ratelimit.Check{Limiter: bad, Key: "k"})
@@ -183,7 +184,7 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 
 	t.Run("not migrated", func(t *testing.T) {
 		pool := dbtest.PoolOn(t, dbtest.NewSchema(t))
-		l := newLimiter(t, pool, cfg)
+		l := testkit.NewLimiter(t, pool, cfg)
 		_, err := l.Allow(ctx, "k")
 		both(err, ratelimit.ErrNotMigrated, "42P01")
 	})
@@ -192,7 +193,7 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		pool := dbtest.PoolOn(t, s, func(c *pgxpool.Config) {
 			c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
 		})
-		l := newLimiter(t, pool, cfg)
+		l := testkit.NewLimiter(t, pool, cfg)
 		_, err := l.Allow(ctx, "k")
 		both(err, ratelimit.ErrReadOnly, "25006")
 	})
@@ -203,13 +204,13 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		slow := dbtest.PoolOn(t, s, func(c *pgxpool.Config) {
 			c.ConnConfig.RuntimeParams["statement_timeout"] = "100"
 		})
-		holder := newLimiter(t, pool, cfg)
+		holder := testkit.NewLimiter(t, pool, cfg)
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		defer func() { _ = tx.Rollback(ctx) }()
 		_, err = holder.AllowTx(ctx, tx, "k")
 		require.NoError(t, err)
-		l := newLimiter(t, slow, cfg)
+		l := testkit.NewLimiter(t, slow, cfg)
 		_, err = l.Allow(ctx, "k")
 		both(err, nil, "57014")
 		require.False(t, errors.Is(err, ratelimit.ErrInvalidInput))
@@ -237,7 +238,7 @@ func TestOneSentinelPerMeaning(t *testing.T) {
 		require.NotErrorIs(t, err, ratelimit.ErrInvalidLimit)
 		require.NotErrorIs(t, err, ratelimit.ErrInvalidTimeout)
 	}
-	l := newLimiter(t, pool, ok)
+	l := testkit.NewLimiter(t, pool, ok)
 	_, err := ratelimit.AllowAll(ctx, ratelimit.MultiMode(9), ratelimit.Check{Limiter: l, Key: "k"})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidMultiMode)
 	require.NotErrorIs(t, err, ratelimit.ErrInvalidPolicy)
@@ -253,7 +254,7 @@ func TestErrNotMigratedIsSharedAcrossPackages(t *testing.T) {
 	ctx := context.Background()
 	s := dbtest.NewSchema(t)
 	pool := dbtest.PoolOn(t, s)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "nm", Limit: 5, Window: time.Minute})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "nm", Limit: 5, Window: time.Minute})
 	_, err := l.Allow(ctx, "k")
 	require.ErrorIs(t, err, migration.ErrNotMigrated)
 	require.ErrorIs(t, err, cleanup.ErrNotMigrated)

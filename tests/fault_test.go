@@ -1,7 +1,6 @@
 package tests
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -53,25 +53,6 @@ func faultPool(t testing.TB, url, appName, statementTimeout string) *pgxpool.Poo
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	return pool
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent writers, for capturing
-// slog output.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // policyCase is one failure policy and what its answer looks like while
@@ -195,7 +176,7 @@ func TestFaultServerStoppedDuringLoad(t *testing.T) {
 	const timeout = 100 * time.Millisecond
 	for _, pc := range policyCases {
 		t.Run(pc.name, func(t *testing.T) {
-			logs := &syncBuffer{}
+			logs := &testkit.LogBuffer{}
 			pool := faultPool(t, c.url(), "pgrl-fault-stop", "80ms")
 			l, err := ratelimit.New(pool, ratelimit.Config{
 				Name: "stop-" + pc.name, Limit: 1_000_000, Window: time.Hour, OnFailure: pc.policy,
@@ -562,7 +543,7 @@ func proxiedSchema(t *testing.T) (*tcpProxy, string) {
 // PostgreSQL answers again. It returns what the callers saw, how long
 // PostgreSQL took to answer after the proxy healed, and the limiter's log.
 func proxyFault(t *testing.T, p *tcpProxy, url, mode string, cfg ratelimit.Config) (*loadStats, time.Duration, string) {
-	logs := &syncBuffer{}
+	logs := &testkit.LogBuffer{}
 	pool := faultPool(t, url, "pgrl-fault-proxy", "")
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 	l, err := ratelimit.New(pool, cfg)
@@ -646,7 +627,7 @@ func TestFaultBreakerProbeAbandoned(t *testing.T) {
 	pool := faultPool(t, url, "pgrl-fault-probe", "")
 	const cooldown = 100 * time.Millisecond
 	l, err := ratelimit.New(pool, ratelimit.Config{Name: "probe", Limit: 1_000_000, Window: time.Hour, Timeout: 100 * time.Millisecond,
-		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&syncBuffer{}, nil))})
+		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
 	require.NoError(t, err)
 	ctx := context.Background()
 	d, err := l.Allow(ctx, "k")
