@@ -265,3 +265,42 @@ func TestErrNotMigratedIsSharedAcrossPackages(t *testing.T) {
 	_, err = m.SetLayout(ctx, migration.LayoutPartitioned, 0)
 	require.ErrorIs(t, err, ratelimit.ErrNotMigrated)
 }
+
+// TestPartitionMissingInTxKeepsThePgError: in the partitioned layout, a
+// check in the caller's transaction that finds no partition returns
+// ErrPartitionMissing with PostgreSQL's error inside (it used to be
+// formatted with %v, which errors.As could not find), and the retry in a new
+// transaction succeeds.
+func TestPartitionMissingInTxKeepsThePgError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	s := dbtest.NewSchema(t)
+	pool := dbtest.PoolOn(t, s)
+	m, err := migration.New(dbtest.URLWithSchema(s), migration.Config{Schema: s})
+	require.NoError(t, err)
+	defer func() { _ = m.Close() }()
+	_, err = m.Up(ctx)
+	require.NoError(t, err)
+	_, err = m.SetLayout(ctx, migration.LayoutPartitioned, time.Hour)
+	require.NoError(t, err)
+
+	// Far ahead of the partitions made for now.
+	far := time.Date(2031, 5, 6, 7, 8, 0, 0, time.UTC)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "p", Limit: 3, Window: time.Minute, CreatePartitions: true, Now: testkit.Pinned(far)})
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }() // a failed assertion must not leave the connection busy
+	_, err = l.AllowTx(ctx, tx, "k")
+	require.ErrorIs(t, err, ratelimit.ErrPartitionMissing)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "23514", pgErr.Code)
+	require.NoError(t, tx.Rollback(ctx))
+
+	tx, err = pool.Begin(ctx)
+	require.NoError(t, err)
+	d, err := l.AllowTx(ctx, tx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.NoError(t, tx.Commit(ctx))
+}

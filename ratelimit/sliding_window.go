@@ -80,13 +80,6 @@ func slidingEstimate(prev, cur, e, w int64) int64 {
 	return satAdd(cur, int64(q))
 }
 
-// slidingRemaining is floor(limit - prev*(w-e)/w - cur), at least 0,
-// computed exactly in integers (a float64 cannot hold every bigint):
-// limit - cur - ceil(prev*(w-e)/w). All inputs are non-negative.
-func slidingRemaining(prev, cur, e, w, limit int64) int64 {
-	return max(limit-slidingEstimate(prev, cur, e, w), 0)
-}
-
 // slidingFits reports prev*(w-e) + (cur+cost)*w <= limit*w, computed exactly
 // in 128 bits as the SQL computes it in numeric. All inputs are
 // non-negative.
