@@ -34,6 +34,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
@@ -101,8 +102,10 @@ const (
 var (
 	// ErrInvalidOptions: an Options field is out of range. Nothing was done.
 	ErrInvalidOptions = errors.New("invalid cleanup options")
-	// ErrNotMigrated: pgrl's tables are missing from the search_path.
-	ErrNotMigrated = errors.New("pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)")
+	// ErrNotMigrated: pgrl's tables are missing from the search_path. It
+	// is the same value as ratelimit.ErrNotMigrated and
+	// migration.ErrNotMigrated.
+	ErrNotMigrated = notmigrated.Err
 	// ErrPermission: the role running the cleanup lacks a grant it needs
 	// (SQLSTATE 42501, or a schema without USAGE, which hides the tables).
 	// The message names the grant. Nothing was done.

@@ -15,38 +15,18 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/clientip"
 	"github.com/pgrl/pgrl/httplimit"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // base is 10.5 s into a minute: a one-minute fixed window started 10.5 s
 // ago and resets in 49.5 s, so that whole-second rounding is visible.
 var base = time.Date(2031, 3, 4, 5, 6, 10, 500_000_000, time.UTC)
-
-// clock is a settable clock for ratelimit.Config.Now.
-type clock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *clock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-func (c *clock) add(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
-
-func newLimiter(t *testing.T, db ratelimit.DB, cfg ratelimit.Config) *ratelimit.Limiter {
-	t.Helper()
-	l, err := ratelimit.New(db, cfg)
-	require.NoError(t, err)
-	return l
-}
 
 func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
@@ -143,8 +123,8 @@ func deniedBody(retryAfter int) string {
 func TestFixedWindowHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "api", Limit: 3, Window: time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "api", Limit: 3, Window: time.Minute, Now: c.Now})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil)})
 
 	const policy = `"api";q=3;w=60`
@@ -167,7 +147,7 @@ func TestFixedWindowHeaders(t *testing.T) {
 	require.Equal(t, 3, *reached)
 
 	// 49 s later, 0.5 s remain: Retry-After rounds up to 1, never 0.
-	c.add(49 * time.Second)
+	c.Add(49 * time.Second)
 	r = get(t, srv)
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	requireHeaders(t, r, deniedHeaders(1, map[string]string{
@@ -175,7 +155,7 @@ func TestFixedWindowHeaders(t *testing.T) {
 		"RateLimit":        `"api";r=0;t=1`,
 	}))
 	// The next window admits again.
-	c.add(time.Second)
+	c.Add(time.Second)
 	r = get(t, srv)
 	require.Equal(t, http.StatusOK, r.status)
 	requireHeaders(t, r, okHeaders(map[string]string{
@@ -187,8 +167,8 @@ func TestFixedWindowHeaders(t *testing.T) {
 func TestLegacyHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "legacy", Limit: 2, Window: time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "legacy", Limit: 2, Window: time.Minute, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil), Headers: httplimit.HeadersDraftAndLegacy})
 	reset := strconv.FormatInt(time.Date(2031, 3, 4, 5, 7, 0, 0, time.UTC).Unix(), 10)
 
@@ -219,9 +199,9 @@ func TestLegacyHeaders(t *testing.T) {
 func TestRetryAfterIsDecisionRoundedUp(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
+	c := testkit.NewClock(base)
 	// 2 tokens per 3 s: one token every 1.5 s.
-	l := newLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 2, Window: 3 * time.Second, Now: c.now, DenyCacheSize: -1})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 2, Window: 3 * time.Second, Now: c.Now, DenyCacheSize: -1})
 	var seen ratelimit.MultiDecision
 	srv, _ := server(t, httplimit.Config{
 		Limiter: l, Key: httplimit.Constant("k"),
@@ -249,7 +229,7 @@ func TestRetryAfterIsDecisionRoundedUp(t *testing.T) {
 		{1200 * time.Millisecond, 300 * time.Millisecond, 1},
 		{299 * time.Millisecond, time.Millisecond, 1},
 	} {
-		c.add(step.advance)
+		c.Add(step.advance)
 		r = get(t, srv)
 		require.Equal(t, http.StatusTooManyRequests, r.status)
 		require.Equal(t, step.retry, seen.RetryAfter())
@@ -264,9 +244,9 @@ func TestRetryAfterIsDecisionRoundedUp(t *testing.T) {
 func TestBurstPolicyWindow(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
+	c := testkit.NewClock(base)
 	// 10 per minute, bursts of 30: an empty bucket refills 30 in 3 minutes.
-	l := newLimiter(t, pool, ratelimit.Config{Name: "burst", Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 30, Window: time.Minute, Now: c.now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "burst", Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 30, Window: time.Minute, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	r := get(t, srv)
 	requireHeaders(t, r, okHeaders(map[string]string{"RateLimit-Policy": `"burst";q=30;w=180`, "RateLimit": `"burst";r=29;t=6`}))
@@ -275,8 +255,8 @@ func TestBurstPolicyWindow(t *testing.T) {
 func TestSlidingWindowHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	get(t, srv)
 	r := get(t, srv)
@@ -293,8 +273,8 @@ func TestSlidingWindowHeaders(t *testing.T) {
 
 func TestMemoryLimiterAsChecker(t *testing.T) {
 	t.Parallel()
-	c := &clock{t: base}
-	l, err := ratelimit.NewMemory(ratelimit.Config{Name: "beacon", Limit: 1, Window: time.Minute, Now: c.now}, ratelimit.MemoryOptions{})
+	c := testkit.NewClock(base)
+	l, err := ratelimit.NewMemory(ratelimit.Config{Name: "beacon", Limit: 1, Window: time.Minute, Now: c.Now}, ratelimit.MemoryOptions{})
 	require.NoError(t, err)
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil)})
 	r := get(t, srv)
@@ -311,9 +291,9 @@ func TestMemoryLimiterAsChecker(t *testing.T) {
 func TestRulesReportTheMostRestrictive(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	perClient := newLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 2, Window: time.Minute, Now: c.now})
-	global := newLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 4, Window: 10 * time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	perClient := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 2, Window: time.Minute, Now: c.Now})
+	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 4, Window: 10 * time.Minute, Now: c.Now})
 	srv, reached := server(t, httplimit.Config{
 		Rules: []httplimit.Rule{
 			{Limiter: perClient, Key: httplimit.ByHeader("X-Client")},
@@ -350,9 +330,9 @@ func TestRulesReportTheMostRestrictive(t *testing.T) {
 func TestRulesDeniedByTwo(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	short := newLimiter(t, pool, ratelimit.Config{Name: "short", Limit: 1, Window: time.Minute, Now: c.now})
-	long := newLimiter(t, pool, ratelimit.Config{Name: "long", Limit: 1, Window: time.Hour, Now: c.now})
+	c := testkit.NewClock(base)
+	short := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "short", Limit: 1, Window: time.Minute, Now: c.Now})
+	long := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "long", Limit: 1, Window: time.Hour, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{
 		Key:   httplimit.ByIP(nil),
 		Mode:  ratelimit.ConsumeAll,
@@ -371,9 +351,9 @@ func TestRulesDeniedByTwo(t *testing.T) {
 func TestRulesDeniedByPerClient(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	perClient := newLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 1, Window: time.Minute, Now: c.now})
-	global := newLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 100, Window: time.Hour, Now: c.now})
+	c := testkit.NewClock(base)
+	perClient := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 1, Window: time.Minute, Now: c.Now})
+	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 100, Window: time.Hour, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{
 		Key: httplimit.ByHeader("X-Client"),
 		Rules: []httplimit.Rule{
@@ -395,7 +375,7 @@ func TestRulesDeniedByPerClient(t *testing.T) {
 func TestSkippedKeyAndZeroCostPassThrough(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "skip", Limit: 1, Window: time.Minute})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "skip", Limit: 1, Window: time.Minute})
 	srv, reached := server(t, httplimit.Config{
 		Limiter: l, Key: httplimit.ByHeader("X-Api-Key"),
 		Cost: func(r *http.Request) int64 {
@@ -419,9 +399,9 @@ func TestSkippedKeyAndZeroCostPassThrough(t *testing.T) {
 func TestHeaderModes(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
+	c := testkit.NewClock(base)
 	for _, mode := range []httplimit.HeaderMode{httplimit.HeadersDeniedOnly, httplimit.HeadersNone} {
-		l := newLimiter(t, pool, ratelimit.Config{Name: fmt.Sprintf("mode%d", mode), Limit: 1, Window: time.Minute, Now: c.now})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: fmt.Sprintf("mode%d", mode), Limit: 1, Window: time.Minute, Now: c.Now})
 		srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Headers: mode})
 		r := get(t, srv)
 		require.Equal(t, http.StatusOK, r.status)
@@ -440,8 +420,8 @@ func TestHeaderModes(t *testing.T) {
 func TestCustomDenyHandler(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "html", Limit: 1, Window: time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "html", Limit: 1, Window: time.Minute, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{
 		Limiter: l, Key: httplimit.Constant("k"),
 		DenyHandler: func(w http.ResponseWriter, _ *http.Request, d ratelimit.MultiDecision) {
@@ -463,8 +443,8 @@ func TestCustomDenyHandler(t *testing.T) {
 func TestShadowModeAllowsWithHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "shadow", Limit: 1, Window: time.Minute, Now: c.now, Shadow: true, Logger: quietLogger()})
+	c := testkit.NewClock(base)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow", Limit: 1, Window: time.Minute, Now: c.Now, Shadow: true, Logger: quietLogger()})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	for range 3 {
 		r := get(t, srv)
@@ -474,23 +454,14 @@ func TestShadowModeAllowsWithHeaders(t *testing.T) {
 	require.Equal(t, 3, *reached)
 }
 
-// deadPool is a pool on a port where nothing listens: every check fails.
-func deadPool(t *testing.T) *pgxpool.Pool {
-	t.Helper()
-	p, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
-	require.NoError(t, err)
-	t.Cleanup(p.Close)
-	return p
-}
-
 func TestStoreErrors(t *testing.T) {
 	t.Parallel()
-	dead := deadPool(t)
+	dead := testkit.DeadPool(t)
 	ctx := context.Background()
 	_ = ctx
 
 	t.Run("fail with error: 503 by default", func(t *testing.T) {
-		l := newLimiter(t, dead, ratelimit.Config{Name: "err", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "err", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
 		srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 		r := get(t, srv)
 		require.Equal(t, http.StatusServiceUnavailable, r.status)
@@ -499,7 +470,7 @@ func TestStoreErrors(t *testing.T) {
 		require.Zero(t, *reached)
 	})
 	t.Run("custom OnError lets the request through", func(t *testing.T) {
-		l := newLimiter(t, dead, ratelimit.Config{Name: "err2", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "err2", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
 		var got error
 		var mw *httplimit.Middleware
 		mw, err := httplimit.New(httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Logger: quietLogger(),
@@ -518,7 +489,7 @@ func TestStoreErrors(t *testing.T) {
 		requireHeaders(t, r, map[string]string{"X-Limit-Skipped": "1", "Content-Length": "0"})
 	})
 	t.Run("fail open: allowed without rate-limit fields", func(t *testing.T) {
-		l := newLimiter(t, dead, ratelimit.Config{Name: "open", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailOpen, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "open", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailOpen, Logger: quietLogger()})
 		srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 		r := get(t, srv)
 		require.Equal(t, http.StatusOK, r.status)
@@ -526,7 +497,7 @@ func TestStoreErrors(t *testing.T) {
 		require.Equal(t, 1, *reached)
 	})
 	t.Run("fail closed: 429 for the breaker cooldown", func(t *testing.T) {
-		l := newLimiter(t, dead, ratelimit.Config{Name: "closed", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailClosed,
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "closed", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailClosed,
 			BreakerCooldown: 2500 * time.Millisecond, Logger: quietLogger()})
 		srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 		r := get(t, srv)
@@ -538,7 +509,7 @@ func TestStoreErrors(t *testing.T) {
 func TestCostExceedingTheLimit(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "cost", Limit: 10, Window: time.Minute})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cost", Limit: 10, Window: time.Minute})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Cost: func(*http.Request) int64 { return 11 }})
 	r := get(t, srv)
 	require.Equal(t, http.StatusRequestEntityTooLarge, r.status)
@@ -550,9 +521,9 @@ func TestCostExceedingTheLimit(t *testing.T) {
 func TestNewRejectsBadConfig(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "a", Limit: 1, Window: time.Minute})
-	l2 := newLimiter(t, pool, ratelimit.Config{Name: "b", Limit: 1, Window: time.Minute})
-	utf := newLimiter(t, pool, ratelimit.Config{Name: "connexion-é", Limit: 1, Window: time.Minute})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "a", Limit: 1, Window: time.Minute})
+	l2 := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "b", Limit: 1, Window: time.Minute})
+	utf := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "connexion-é", Limit: 1, Window: time.Minute})
 	key := httplimit.Constant("k")
 	var nilLimiter *ratelimit.Limiter
 	cases := []struct {
@@ -578,8 +549,8 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		require.Contains(t, err.Error(), c.want)
 	}
 	// A policy name is escaped as a structured-field string.
-	c := &clock{t: base}
-	q := newLimiter(t, pool, ratelimit.Config{Name: "q", Limit: 1, Window: time.Minute, Now: c.now})
+	c := testkit.NewClock(base)
+	q := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "q", Limit: 1, Window: time.Minute, Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: q, Key: key, Policy: `say "hi" \o/`})
 	require.Equal(t, `"say \"hi\" \\o/";q=1;w=60`, get(t, srv).header.Get("RateLimit-Policy"))
 }
@@ -633,7 +604,7 @@ func TestKeyFuncs(t *testing.T) {
 func TestConcurrentRequestsAdmitExactlyTheLimit(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "conc", Limit: 7, Window: time.Hour})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "conc", Limit: 7, Window: time.Hour})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil)})
 	var wg sync.WaitGroup
 	statuses := make([]int, 40)
@@ -676,7 +647,7 @@ func TestErrorsAreLogged(t *testing.T) {
 		defer mu.Unlock()
 		return buf.Write(p)
 	}), nil))
-	l := newLimiter(t, deadPool(t), ratelimit.Config{Name: "logged", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
+	l := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "logged", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Logger: logger})
 	require.Equal(t, http.StatusServiceUnavailable, get(t, srv).status)
 	mu.Lock()

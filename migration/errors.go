@@ -3,6 +3,8 @@ package migration
 import (
 	"errors"
 	"fmt"
+
+	"github.com/pgrl/pgrl/internal/notmigrated"
 )
 
 // ErrDirty is matched (with errors.Is) by every error reporting that the
@@ -19,8 +21,10 @@ var ErrUnknownVersion = errors.New("unknown pgrl migration version")
 var ErrLockWait = errors.New("timed out waiting for the pgrl migration lock")
 
 // ErrNotMigrated is matched (with errors.Is) by the error SetLayout returns
-// when the migrations it needs have not been applied.
-var ErrNotMigrated = errors.New("pgrl migrations not applied")
+// when the migrations it needs have not been applied. It is the same value
+// as ratelimit.ErrNotMigrated and cleanup.ErrNotMigrated, so errors.Is
+// matches whichever of them a caller tests against.
+var ErrNotMigrated = notmigrated.Err
 
 // DirtyError reports a dirty migrations table.
 type DirtyError struct {

@@ -66,14 +66,18 @@ const DefaultPartitionLookahead = 24 * time.Hour
 // the server. A width with lookahead / width > MaxPartitions - 1 is refused.
 const MaxPartitions = 64
 
+// Layout is how pgrl_fixed_window is stored: LayoutPlain or
+// LayoutPartitioned.
+type Layout string
+
 // Layouts accepted by SetLayout.
 const (
 	// LayoutPlain keeps pgrl_fixed_window as one UNLOGGED table; rl-cleanup
 	// deletes its dead rows in batches.
-	LayoutPlain = "plain"
+	LayoutPlain Layout = "plain"
 	// LayoutPartitioned range-partitions pgrl_fixed_window on expires_at;
 	// rl-cleanup drops whole past partitions.
-	LayoutPartitioned = "partitioned"
+	LayoutPartitioned Layout = "partitioned"
 )
 
 // Config configures a Migrator. The zero value is ready to use.
@@ -245,7 +249,7 @@ type Status struct {
 	Pending []Migration `json:"pending"`
 	// Layout is pgrl_fixed_window's layout, LayoutPlain or
 	// LayoutPartitioned, or "" when the table does not exist.
-	Layout string `json:"layout"`
+	Layout Layout `json:"layout"`
 	// PartitionWidth is the width of the partitions in the partitioned
 	// layout, else zero.
 	PartitionWidth time.Duration `json:"-"`
@@ -365,7 +369,7 @@ func (m *Migrator) Status(ctx context.Context) (Status, error) {
 // No transaction makes more than MaxPartitions partitions: a width for which
 // the lookahead (or, from the plain layout, the live windows) would need
 // more is refused with a *PartitionCountError, and nothing changes.
-func (m *Migrator) SetLayout(ctx context.Context, layout string, width time.Duration) (string, error) {
+func (m *Migrator) SetLayout(ctx context.Context, layout Layout, width time.Duration) (Layout, error) {
 	if layout != LayoutPlain && layout != LayoutPartitioned {
 		return "", invalidConfig("unknown layout %q: use %s or %s", layout, LayoutPlain, LayoutPartitioned)
 	}
@@ -402,7 +406,7 @@ func (m *Migrator) SetLayout(ctx context.Context, layout string, width time.Dura
 				return err
 			}
 			return tx.QueryRow(ctx, "SELECT pgrl_fixed_window_set_layout($1, make_interval(secs => $2), make_interval(secs => $3))",
-				layout, width.Seconds(), lookahead.Seconds()).Scan(&out)
+				string(layout), width.Seconds(), lookahead.Seconds()).Scan(&out)
 		})
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "22023" && strings.Contains(pgErr.Message, "partitions") {
@@ -415,7 +419,7 @@ func (m *Migrator) SetLayout(ctx context.Context, layout string, width time.Dura
 		return "", err
 	}
 	m.cfg.Logger.Info("pgrl_fixed_window layout set", "layout", out, "partition_width", width.String(), "lookahead", lookahead.String())
-	return out, nil
+	return Layout(out), nil
 }
 
 // PartitionsNeeded is how many partitions of the given width (aligned on

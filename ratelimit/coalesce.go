@@ -2,18 +2,13 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/hex"
 	"errors"
-	"fmt"
-	"math"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/pgrl/pgrl/gen"
 )
 
 // coalescer gathers the checks that one limiter's callers make at the same
@@ -362,60 +357,12 @@ func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
 	for i, r := range batch {
 		keys[i], costs[i] = r.skey, r.cost
 	}
-	switch l.cfg.Algorithm {
-	case TokenBucket:
-		fcosts := make([]float64, len(costs))
-		for i, n := range costs {
-			fcosts[i] = float64(n)
-		}
-		rows, err := l.q.TokenBucketTakeMany(ctx, l.db, gen.TokenBucketTakeManyParams{
-			Keys: keys, Costs: fcosts, At: l.at(), Capacity: float64(l.cfg.Burst),
-			RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
-		})
-		return decideRows(batch, rows, err, func(row gen.TokenBucketTakeManyRow) string { return row.KeyHex },
-			func(row gen.TokenBucketTakeManyRow, r *pendingCheck) Decision {
-				return l.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), r.cost)
-			})
-	case SlidingWindow:
-		rows, err := l.q.SlidingWindowTakeMany(ctx, l.db, gen.SlidingWindowTakeManyParams{
-			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
-		})
-		return decideRows(batch, rows, err, func(row gen.SlidingWindowTakeManyRow) string { return row.KeyHex },
-			func(row gen.SlidingWindowTakeManyRow, r *pendingCheck) Decision {
-				return l.slidingDecision(row.Allowed, usTime(row.WindowStartUs), row.Count, row.PrevCount, usTime(row.NowUs), r.cost)
-			})
-	default:
-		rows, err := l.q.FixedWindowTakeMany(ctx, l.db, gen.FixedWindowTakeManyParams{
-			Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
-		})
-		return decideRows(batch, rows, err, func(row gen.FixedWindowTakeManyRow) string { return row.KeyHex },
-			func(row gen.FixedWindowTakeManyRow, r *pendingCheck) Decision {
-				return l.fixedDecision(row.Allowed, row.Count, usTime(row.ExpiresAtUs), usTime(row.NowUs))
-			})
-	}
-}
-
-// decideRows gives every check of batch the decision decide makes from the
-// row of its key, which key reads (hex-encoded, as the statements return it). A statement must return one row per
-// check, each of a key of the batch.
-func decideRows[R any](batch []*pendingCheck, rows []R, err error, key func(R) string, decide func(R, *pendingCheck) Decision) error {
+	decs, err := l.alg.takeMany(ctx, l, l.db, keys, costs)
 	if err != nil {
 		return err
 	}
-	if len(rows) != len(batch) {
-		return fmt.Errorf("ratelimit: batched statement returned %d rows for %d checks", len(rows), len(batch))
-	}
-	byKey := make(map[string]*pendingCheck, len(batch))
-	for _, r := range batch {
-		byKey[r.id] = r
-	}
-	for _, row := range rows {
-		k, herr := hex.DecodeString(key(row))
-		r := byKey[string(k)]
-		if herr != nil || r == nil {
-			return errors.New("ratelimit: batched statement returned an unknown key")
-		}
-		r.d = decide(row, r)
+	for i, r := range batch {
+		r.d = decs[i]
 	}
 	return nil
 }

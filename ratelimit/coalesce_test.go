@@ -15,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -40,7 +41,7 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 			at := base.Add(30 * time.Second) // pinned: no refill, no window change
 			cfg := ratelimit.Config{Name: "coalesce", Algorithm: alg, Limit: 40, Window: time.Hour,
 				DenyCacheSize: -1, Now: func() time.Time { return at }}
-			l := newLimiter(t, pool, cfg)
+			l := testkit.NewLimiter(t, pool, cfg)
 
 			var mu sync.Mutex
 			var got []observed
@@ -87,7 +88,7 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 			replayPool, _ := dbtest.Pool(t)
 			rcfg := cfg
 			rcfg.DisableCoalescing = true
-			r := newLimiter(t, replayPool, rcfg)
+			r := testkit.NewLimiter(t, replayPool, rcfg)
 			admitted := map[string]int64{}
 			for i, o := range got {
 				d, err := r.AllowN(ctx, o.key, o.cost)
@@ -133,7 +134,7 @@ func TestCoalescingCancellation(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
 	ctx := context.Background()
-	l := newLimiter(t, pool, ratelimit.Config{Name: "cancel", Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1})
 
 	// Hold the row lock of key "busy" so that the round trip in flight
 	// waits, and the next checks queue behind it. The first check opens a
@@ -212,7 +213,7 @@ func TestCoalescingOnWrappedPool(t *testing.T) {
 	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
 	ctx := context.Background()
 	db := &tracedDB{Pool: pool}
-	l := newLimiter(t, db, ratelimit.Config{Name: "wrapped", Limit: 1_000_000, Window: time.Hour})
+	l := testkit.NewLimiter(t, db, ratelimit.Config{Name: "wrapped", Limit: 1_000_000, Window: time.Hour})
 	// Checks coalesce only while two round trips are in flight, and a queued
 	// check goes out alone after 5 ms: on a busy machine, where a round trip
 	// takes longer than that, a round of checks may coalesce none. Run rounds
@@ -241,7 +242,7 @@ func TestCoalescingOnWrappedPool(t *testing.T) {
 	conn, err := pool.Acquire(ctx)
 	require.NoError(t, err)
 	defer conn.Release()
-	single := newLimiter(t, conn.Conn(), ratelimit.Config{Name: "wrapped", Limit: 1_000_000, Window: time.Hour})
+	single := testkit.NewLimiter(t, conn.Conn(), ratelimit.Config{Name: "wrapped", Limit: 1_000_000, Window: time.Hour})
 	require.False(t, ratelimit.Coalesces(single), "a limiter on a *pgx.Conn must not coalesce")
 	require.True(t, ratelimit.Coalesces(l))
 }

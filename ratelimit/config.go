@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"log/slog"
-	"math/big"
 	"strings"
 	"time"
 
@@ -92,6 +91,26 @@ const (
 	MaxWindow = 366 * 24 * time.Hour
 )
 
+// Defaults of Config's optional fields: the value a field takes when left
+// zero.
+const (
+	// DefaultAlgorithm is Config.Algorithm when it is empty.
+	DefaultAlgorithm = FixedWindow
+	// DefaultDenyCacheSize is Config.DenyCacheSize when it is 0 and
+	// Penalty is not set (with Penalty the cache is off by default).
+	DefaultDenyCacheSize = 10_000
+	// DefaultBreakerThreshold is Config.BreakerThreshold when it is 0.
+	DefaultBreakerThreshold = 5
+	// DefaultBreakerCooldown is Config.BreakerCooldown when it is 0.
+	DefaultBreakerCooldown = 500 * time.Millisecond
+	// DefaultSpread is Config.Spread when it is 0: one row per key.
+	DefaultSpread = 1
+	// DefaultMaxBatch is Config.MaxBatch when it is 0.
+	DefaultMaxBatch = 256
+	// DefaultMaxInFlight is Config.MaxInFlight when it is 0.
+	DefaultMaxInFlight = 2
+)
+
 // Config describes one limit.
 type Config struct {
 	// Name identifies the limit, such as "login:email+ip". Keys are scoped
@@ -99,7 +118,8 @@ type Config struct {
 	// for the same key. Required.
 	Name string
 
-	// Algorithm chooses how to count. Defaults to FixedWindow.
+	// Algorithm chooses how to count. Defaults to DefaultAlgorithm
+	// (FixedWindow).
 	Algorithm Algorithm
 
 	// Limit is the most units admitted per Window (fixed and sliding
@@ -157,8 +177,9 @@ type Config struct {
 	// DenyCacheSize caps the keys the local deny cache remembers. When
 	// PostgreSQL denies a key until T, this process answers "denied" for
 	// that key without a round trip until T. Negative disables the cache.
-	// Defaults to 10,000 keys, or to disabled when Penalty is set (a cached
-	// denial is not counted, which would soften the penalty).
+	// Defaults to DefaultDenyCacheSize (10,000 keys), or to disabled when
+	// Penalty is set (a cached denial is not counted, which would soften
+	// the penalty).
 	DenyCacheSize int
 
 	// Shadow makes the limiter decide, report and log, but never deny: a
@@ -169,11 +190,13 @@ type Config struct {
 
 	// BreakerThreshold is how many consecutive failed checks open the
 	// breaker; while open, checks skip the database and the failure policy
-	// answers. Defaults to 5.
+	// answers. Defaults to DefaultBreakerThreshold (5). Negative values
+	// are refused with ErrInvalidOption.
 	BreakerThreshold int
 
 	// BreakerCooldown is how long the breaker stays open before one check
-	// probes the database again. Defaults to 500ms.
+	// probes the database again. Defaults to DefaultBreakerCooldown
+	// (500ms). Negative values are refused with ErrInvalidTimeout.
 	BreakerCooldown time.Duration
 
 	// Spread splits the limit over this many rows, for a key so hot (a
@@ -188,7 +211,8 @@ type Config struct {
 	// Limit exactly. Remaining and Peek are estimates (a row's
 	// figure times Spread; the sum over rows). The deny cache keeps each
 	// row's denials apart, so a denied row never answers for the others.
-	// Defaults to 1 (one row).
+	// Defaults to DefaultSpread (1, one row). Negative values are refused
+	// with ErrInvalidOption.
 	Spread int
 
 	// DisableCoalescing turns off the coalescing of concurrent checks. By
@@ -203,14 +227,16 @@ type Config struct {
 	DisableCoalescing bool
 
 	// MaxBatch caps the checks that one coalesced statement decides.
-	// Defaults to 256.
+	// Defaults to DefaultMaxBatch (256). Negative values are refused with
+	// ErrInvalidOption.
 	MaxBatch int
 
 	// MaxInFlight is how many of this limiter's round trips may run at once
 	// before further checks wait to be coalesced (a hot key's further
 	// checks do not wait: see DisableCoalescing). Measured on two cores,
 	// 2 gave the best throughput from 8 to 64 callers without raising the
-	// median latency (docs/REDIS.md). Defaults to 2.
+	// median latency (docs/REDIS.md). Defaults to DefaultMaxInFlight (2).
+	// Negative values are refused with ErrInvalidOption.
 	MaxInFlight int
 
 	// CreatePartitions lets a fixed-window check in the partitioned layout
@@ -246,16 +272,13 @@ type Config struct {
 
 // capacity is the most units one check can ask for.
 func (c Config) capacity() int64 {
-	if c.Algorithm == TokenBucket {
-		return c.Burst
-	}
-	return c.Limit
+	return algorithmOf(c.Algorithm).capacity(c)
 }
 
 // withDefaults fills defaults and validates.
 func (c Config) withDefaults() (Config, error) {
 	if c.Algorithm == "" {
-		c.Algorithm = FixedWindow
+		c.Algorithm = DefaultAlgorithm
 	}
 	if _, err := ParseAlgorithm(string(c.Algorithm)); err != nil {
 		return c, err
@@ -284,10 +307,8 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Burst == 0 {
 		c.Burst = c.Limit
 	}
-	if c.Algorithm == TokenBucket {
-		if err := c.checkBucket(); err != nil {
-			return c, err
-		}
+	if err := algorithmOf(c.Algorithm).validate(c); err != nil {
+		return c, err
 	}
 	switch c.OnFailure {
 	case FailToMemory, FailOpen, FailClosed, FailError:
@@ -304,36 +325,39 @@ func (c Config) withDefaults() (Config, error) {
 		return c, invalid(ErrInvalidTimeout, "%v for %q; use a positive timeout, or 0 for none", c.Timeout, c.Name)
 	}
 	if c.DenyCacheSize == 0 {
-		c.DenyCacheSize = 10_000
+		c.DenyCacheSize = DefaultDenyCacheSize
 		if c.Penalty {
 			// Penalty counts every attempt, so every attempt must reach
 			// PostgreSQL.
 			c.DenyCacheSize = -1
 		}
 	}
-	if c.BreakerThreshold < 0 || c.BreakerCooldown < 0 {
-		return c, invalid(ErrInvalidTimeout, "breaker threshold %d / cooldown %v for %q; use positive values, or 0 for the defaults", c.BreakerThreshold, c.BreakerCooldown, c.Name)
+	if c.BreakerThreshold < 0 {
+		return c, invalid(ErrInvalidOption, "BreakerThreshold %d for %q; use a positive count of failures, or 0 for %d", c.BreakerThreshold, c.Name, DefaultBreakerThreshold)
+	}
+	if c.BreakerCooldown < 0 {
+		return c, invalid(ErrInvalidTimeout, "BreakerCooldown %v for %q; use a positive duration, or 0 for %v", c.BreakerCooldown, c.Name, DefaultBreakerCooldown)
 	}
 	if c.BreakerThreshold == 0 {
-		c.BreakerThreshold = 5
+		c.BreakerThreshold = DefaultBreakerThreshold
 	}
 	if c.BreakerCooldown == 0 {
-		c.BreakerCooldown = 500 * time.Millisecond
+		c.BreakerCooldown = DefaultBreakerCooldown
 	}
 	if c.MaxBatch < 0 || c.MaxInFlight < 0 {
-		return c, invalid(ErrInvalidLimit, "MaxBatch %d / MaxInFlight %d for %q; use positive values, or 0 for the defaults", c.MaxBatch, c.MaxInFlight, c.Name)
+		return c, invalid(ErrInvalidOption, "MaxBatch %d / MaxInFlight %d for %q; use positive values, or 0 for the defaults (%d / %d)", c.MaxBatch, c.MaxInFlight, c.Name, DefaultMaxBatch, DefaultMaxInFlight)
 	}
 	if c.MaxBatch == 0 {
-		c.MaxBatch = 256
+		c.MaxBatch = DefaultMaxBatch
 	}
 	if c.MaxInFlight == 0 {
-		c.MaxInFlight = 2
+		c.MaxInFlight = DefaultMaxInFlight
 	}
 	if c.Spread < 0 {
-		return c, invalid(ErrInvalidLimit, "spread %d for %q; use 1 or more (0 means 1)", c.Spread, c.Name)
+		return c, invalid(ErrInvalidOption, "Spread %d for %q; use 1 or more (0 means %d)", c.Spread, c.Name, DefaultSpread)
 	}
 	if c.Spread == 0 {
-		c.Spread = 1
+		c.Spread = DefaultSpread
 	}
 	if c.Spread > 1 && (c.Limit < int64(c.Spread) || c.Burst < int64(c.Spread)) {
 		return c, invalid(ErrInvalidLimit, "limit %d (burst %d) for %q cannot be spread over %d rows; each row needs at least 1", c.Limit, c.Burst, c.Name, c.Spread)
@@ -342,33 +366,6 @@ func (c Config) withDefaults() (Config, error) {
 		c.Logger = slog.Default()
 	}
 	return c, nil
-}
-
-// MaxTokens is the largest token-bucket Burst (and so cost) a limiter
-// accepts: 2^53, the largest range in which a float8 balance, as PostgreSQL
-// and the memory tier keep it, counts every single token exactly.
-const MaxTokens = 1 << 53
-
-// maxRefillUs is the longest an empty token bucket may take to refill:
-// 1,000 years, in microseconds. Refill instants (twice that under penalty)
-// then stay far inside PostgreSQL's interval and timestamp ranges.
-const maxRefillUs = 1000 * 36525 * 24 * 3600 * 1_000_000 / 100
-
-// checkBucket refuses token buckets whose balance or refill times cannot be
-// computed exactly: a Burst beyond MaxTokens, or an empty bucket that takes
-// longer than 1,000 years to refill (its refill instants would leave the
-// range of PostgreSQL's intervals).
-func (c Config) checkBucket() error {
-	if c.Burst > MaxTokens {
-		return invalid(ErrInvalidBurst, "%d for %q; a token bucket holds at most %d tokens (exactly, as a float8): lower Burst (it defaults to Limit), or count in larger units", c.Burst, c.Name, int64(MaxTokens))
-	}
-	// Burst/Limit*Window <= 1,000 years, in integers that cannot overflow.
-	fill := new(big.Int).Mul(big.NewInt(c.Burst), big.NewInt(c.Window.Microseconds()))
-	most := new(big.Int).Mul(big.NewInt(c.Limit), big.NewInt(maxRefillUs))
-	if fill.Cmp(most) > 0 {
-		return invalid(ErrInvalidBurst, "burst %d at %d per %v for %q: an empty bucket would take more than 1,000 years to refill; raise Limit, shorten Window or lower Burst", c.Burst, c.Limit, c.Window, c.Name)
-	}
-	return nil
 }
 
 // checkKey refuses a key the table could not hold.

@@ -30,12 +30,33 @@ type Decision struct {
 	// Limit is the most units the limit admits at once: the window's quota,
 	// or the token bucket's capacity.
 	Limit int64
-	// Remaining is how many more units the limit would admit right now,
-	// after this check. Never negative.
+	// Used is how much of Limit this key has used after this check: for
+	// the fixed window, the units counted in the current window; for the
+	// sliding window, its estimate (the current window's count plus the
+	// previous window's, weighted by how much of it the sliding window
+	// still covers), rounded up; for the token bucket, Burst minus the
+	// balance, rounded up. Under Penalty it can exceed Limit (denied
+	// attempts count too, and a token bucket can fall to -Burst, so Used
+	// reaches 2*Burst). Remaining is max(Limit-Used, 0) for a single
+	// limit; with Spread, both are estimates (a row's figure times Spread,
+	// or the sum over rows for Peek). Zero for a decision that no store
+	// counted (Store == StorePolicy, or a deny-cache answer for a check
+	// that another limit of AllowAll denied).
+	Used int64
+	// Remaining is what a next check of this key may take right now: a
+	// check of cost Remaining or less made at the same instant would be
+	// admitted, one of more would not. Never negative, so it cannot tell
+	// "exactly at the limit" from "over it": Used can.
 	Remaining int64
 	// ResetAt is when the limit is fully available again if nothing else
-	// is counted: the end of the fixed window, the instant the token bucket
-	// is full, or the end of the sliding window's next window.
+	// is counted (Used back to 0). For the fixed window it is the end of
+	// the current window. For the token bucket it is the instant the bucket
+	// is full, Used/Limit windows away: beyond one Window when Burst
+	// exceeds Limit, and under Penalty when the balance is in debt (below
+	// zero), up to twice Burst/Limit windows. For the sliding window it can be up to
+	// two windows away: units counted in the current window still weigh in
+	// the next one, so it is the end of the next window (or of the current
+	// one when nothing was counted in it yet).
 	ResetAt time.Time
 	// RetryAfter is, for a denied check, how long until the same check
 	// could be admitted; zero when allowed. Never negative.

@@ -42,6 +42,7 @@ type denyCache struct {
 type denyEntry struct {
 	cost    int64     // the denied check's cost: answers checks costing at least this
 	limit   int64     // Decision.Limit
+	used    int64     // Decision.Used when PostgreSQL denied
 	until   time.Time // denied until this local instant
 	resetAt time.Time // Decision.ResetAt, moved to the local clock
 }
@@ -60,7 +61,7 @@ func newDenyCache(maxKeys int) *denyCache {
 // get returns the cached denial for a check of key costing cost at the
 // local instant now (time.Now(), with its monotonic reading), if one is
 // still running and covers that cost. The decision has Store
-// StoreDenyCache, Remaining 0, Now set to now and RetryAfter what is left
+// StoreDenyCache, Used as PostgreSQL reported it, Remaining 0, Now set to now and RetryAfter what is left
 // of the denial.
 func (c *denyCache) get(key string, cost int64, now time.Time) (Decision, bool) {
 	k := lookupKey(key)
@@ -86,6 +87,7 @@ func (c *denyCache) get(key string, cost int64, now time.Time) (Decision, bool) 
 	return Decision{
 		Allowed:    false,
 		Limit:      e.limit,
+		Used:       e.used,
 		Remaining:  0,
 		ResetAt:    e.resetAt,
 		RetryAfter: e.until.Sub(now),
@@ -110,6 +112,7 @@ func (c *denyCache) put(key string, cost int64, d Decision, sent time.Time) {
 	e := denyEntry{
 		cost:    cost,
 		limit:   d.Limit,
+		used:    d.Used,
 		until:   sent.Add(d.RetryAfter),
 		resetAt: sent.Add(d.ResetAfter()),
 	}

@@ -94,9 +94,10 @@
 //
 // # Transactions
 //
-// AllowNTx, PeekTx and ResetTx run in the caller's pgx.Tx: when the
-// transaction rolls back, the units are refunded (a failed signup does not
-// count against the signup limit). The key's row stays locked until the
+// AllowTx, AllowNTx, PeekTx, ResetTx and AllowAllTx run in the caller's
+// pgx.Tx: when the transaction rolls back, the units are refunded (a failed
+// signup does not count against the signup limit). AllowAllTx works under a
+// savepoint, so a denial or a failure leaves the transaction usable. The key's row stays locked until the
 // transaction ends, so other checks of that key wait for it: keep such
 // transactions short.
 //

@@ -3,20 +3,25 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+
+	"github.com/pgrl/pgrl/internal/notmigrated"
 )
 
 // Errors returned for bad configuration or bad calls. Test with errors.Is;
 // the returned error's text adds the offending value and the fix.
 var (
-	// ErrNilDB: New was given no database.
+	// ErrNilDB: New, EnsurePartitions or a …Tx method was given no
+	// database (or no transaction).
 	ErrNilDB = errors.New("ratelimit: nil database; pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx")
+	// ErrNilLimiter: a Check of AllowAll has no Limiter.
+	ErrNilLimiter = errors.New("ratelimit: check without a limiter; set Check.Limiter")
 	// ErrInvalidName: the limiter has no name, or (with readable keys) a
 	// name containing ':' or longer than MaxReadableNameBytes.
 	ErrInvalidName = errors.New("ratelimit: invalid limiter name")
 	// ErrInvalidAlgorithm: the algorithm is not one of the three.
 	ErrInvalidAlgorithm = errors.New("ratelimit: invalid algorithm")
-	// ErrInvalidLimit: the limit is zero or negative (or too small to
-	// spread over Spread rows).
+	// ErrInvalidLimit: the limit (or FallbackLimit) is zero or negative, or
+	// too small to spread over Spread rows.
 	ErrInvalidLimit = errors.New("ratelimit: invalid limit")
 	// ErrInvalidWindow: the window is zero, negative, shorter than a
 	// millisecond, or longer than a year.
@@ -27,16 +32,24 @@ var (
 	ErrInvalidBurst = errors.New("ratelimit: invalid burst")
 	// ErrInvalidPolicy: OnFailure is not one of the policies.
 	ErrInvalidPolicy = errors.New("ratelimit: invalid failure policy")
-	// ErrInvalidTimeout: a negative timeout, breaker threshold or cooldown.
+	// ErrInvalidTimeout: a negative Timeout or BreakerCooldown.
 	ErrInvalidTimeout = errors.New("ratelimit: invalid timeout")
+	// ErrInvalidOption: a negative count among the tuning options
+	// (BreakerThreshold, MaxBatch, MaxInFlight, Spread).
+	ErrInvalidOption = errors.New("ratelimit: invalid option")
+	// ErrInvalidMultiMode: AllowAll was given a MultiMode that is neither
+	// AllOrNothing nor ConsumeAll.
+	ErrInvalidMultiMode = errors.New("ratelimit: invalid multi-limit mode")
 	// ErrInvalidCost: a check asked for zero or fewer units.
 	ErrInvalidCost = errors.New("ratelimit: invalid cost")
 	// ErrCostExceedsLimit: a check asked for more units than the limit can
 	// ever admit at once, so it could never succeed.
 	ErrCostExceedsLimit = errors.New("ratelimit: cost exceeds limit")
 	// ErrNotMigrated: pgrl's tables are missing from the database (or from
-	// the connection's search_path).
-	ErrNotMigrated = errors.New("ratelimit: pgrl tables not found; run `rl-migrate up` against this database (with the same --schema as the connection's search_path)")
+	// the connection's search_path). It is the same value as
+	// migration.ErrNotMigrated and cleanup.ErrNotMigrated, so errors.Is
+	// matches any of them.
+	ErrNotMigrated = notmigrated.Err
 	// ErrReadOnly: the database is a read-only standby, where counters can
 	// be neither written nor read (UNLOGGED tables live on the primary only).
 	ErrReadOnly = errors.New("ratelimit: database is a read-only standby; point the limiter at the primary")

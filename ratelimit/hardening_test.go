@@ -16,11 +16,11 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // pinned returns a Config.Now that always answers t.
-func pinned(t time.Time) func() time.Time { return func() time.Time { return t } }
 
 // TestExtremeLimitsDecideExactly: the largest limits the config accepts give
 // exact decisions in PostgreSQL (single and coalesced statements) and in
@@ -43,7 +43,7 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 		for _, penalty := range []bool{false, true} {
 			cfg := ratelimit.Config{
 				Name: "extreme", Algorithm: c.alg, Limit: c.limit, Burst: c.burst, Window: time.Hour,
-				Penalty: penalty, DenyCacheSize: -1, Now: pinned(base.Add(time.Minute)),
+				Penalty: penalty, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute)),
 			}
 			capacity := c.limit
 			if c.burst > 0 {
@@ -137,7 +137,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 	// and decides exactly.
 	ctx := context.Background()
 	l, err := ratelimit.New(pool, ratelimit.Config{Name: "slow", Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second,
-		DenyCacheSize: -1, Now: pinned(base)})
+		DenyCacheSize: -1, Now: testkit.Pinned(base)})
 	require.NoError(t, err)
 	d, err := l.AllowN(ctx, "k", 1e9)
 	require.NoError(t, err)
@@ -160,7 +160,7 @@ func TestInputErrorsNeverReachTheFailurePolicy(t *testing.T) {
 	ctx := context.Background()
 	far := time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute, Now: pinned(far)})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute, Now: testkit.Pinned(far)})
 		isInput := func(what string, err error) {
 			t.Helper()
 			require.ErrorIs(t, err, ratelimit.ErrInvalidInput, "%s %s", alg, what)
@@ -195,7 +195,7 @@ func TestBadCheckInABatchSparesTheOthers(t *testing.T) {
 	ctx := context.Background()
 	long := randomKey(t, 3000)
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "batch", Algorithm: alg, Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "batch", Algorithm: alg, Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
 		ds, errs := ratelimit.SendBatch(ctx, l, []string{"a", long, "b"}, []int64{1, 1, 2})
 		for _, i := range []int{0, 2} {
 			require.NoError(t, errs[i], alg)
@@ -224,7 +224,7 @@ func TestReadableKeyLength(t *testing.T) {
 	ctx := context.Background()
 	long := randomKey(t, 3000)
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "readable", Algorithm: alg, Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "readable", Algorithm: alg, Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
 		tooLong := func(what string, err error) {
 			t.Helper()
 			require.ErrorIs(t, err, ratelimit.ErrKeyTooLong, "%s %s", alg, what)
@@ -254,7 +254,7 @@ func TestReadableKeyLength(t *testing.T) {
 
 		// The longest accepted name and key, incompressible.
 		name := strings.Repeat("n", ratelimit.MaxReadableNameBytes)
-		edge := newLimiter(t, pool, ratelimit.Config{Name: name, Algorithm: alg, Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys, Spread: 3})
+		edge := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Algorithm: alg, Limit: 5, Window: time.Minute, KeyMode: ratelimit.ReadableKeys, Spread: 3})
 		key := randomKey(t, ratelimit.MaxReadableKeyBytes)
 		for range 2 {
 			d, err := edge.Allow(ctx, key)
@@ -275,7 +275,7 @@ func TestSpreadWithDenyCacheAdmitsTheLimit(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "spread", Algorithm: alg, Limit: 100, Spread: 7, Window: time.Minute, Now: pinned(base.Add(time.Second))})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread", Algorithm: alg, Limit: 100, Spread: 7, Window: time.Minute, Now: testkit.Pinned(base.Add(time.Second))})
 		admitted, cached := 0, 0
 		for range 300 {
 			d, err := l.Allow(ctx, "k")
@@ -311,8 +311,8 @@ func TestWindowsBefore1970(t *testing.T) {
 		ratelimit.SlidingWindow: time.Date(1970, 1, 1, 0, 0, 0, 0, time.UTC), // start 23:58 + 2 windows
 	}
 	for alg, want := range wantReset {
-		cfg := ratelimit.Config{Name: "pre1970", Algorithm: alg, Limit: 2, Window: time.Minute, Now: pinned(at)}
-		l := newLimiter(t, pool, cfg)
+		cfg := ratelimit.Config{Name: "pre1970", Algorithm: alg, Limit: 2, Window: time.Minute, Now: testkit.Pinned(at)}
+		l := testkit.NewLimiter(t, pool, cfg)
 		m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{})
 		require.NoError(t, err)
 		d, err := l.Allow(ctx, "k")
@@ -365,7 +365,7 @@ func TestPermissionErrors(t *testing.T) {
 		require.Equal(t, code, pgErr.Code, what)
 	}
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "perm", Algorithm: alg, Limit: 5, Window: time.Minute})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "perm", Algorithm: alg, Limit: 5, Window: time.Minute})
 		_, err := l.Allow(ctx, "k")
 		// 42883: the query names a pgrl_ function (migration 000005) before
 		// its table, and the hidden schema hides both.
@@ -377,7 +377,7 @@ func TestPermissionErrors(t *testing.T) {
 	_, err = admin.Exec(ctx, "GRANT USAGE ON SCHEMA "+ident+" TO "+role)
 	require.NoError(t, err)
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "perm", Algorithm: alg, Limit: 5, Window: time.Minute})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "perm", Algorithm: alg, Limit: 5, Window: time.Minute})
 		_, err := l.Allow(ctx, "k")
 		expect(string(alg)+" no table rights", "SELECT, INSERT, UPDATE, DELETE", "42501", err)
 		expect(string(alg)+" no table rights, Reset", "SELECT, INSERT, UPDATE, DELETE", "42501", l.Reset(ctx, "k"))
@@ -386,7 +386,7 @@ func TestPermissionErrors(t *testing.T) {
 	require.NoError(t, err)
 	_, err = admin.Exec(ctx, "REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA "+ident+" FROM PUBLIC")
 	require.NoError(t, err)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "perm", Limit: 5, Window: time.Minute})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "perm", Limit: 5, Window: time.Minute})
 	_, err = l.Allow(ctx, "k")
 	// The planner inlines the arithmetic functions only for a user who may
 	// execute them: without EXECUTE, a single check is refused too.

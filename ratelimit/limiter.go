@@ -63,12 +63,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
-	if cfg.Algorithm == TokenBucket {
-		// Keep the bucket's shape: scale the burst with the limit
-		// (Burst*FallbackLimit/Limit, in 128 bits: the product can
-		// overflow int64).
-		fb.Burst = max(1, mulDiv(cfg.Burst, cfg.FallbackLimit, cfg.Limit))
-	}
+	fb = l.alg.fallbackConfig(cfg, fb)
 	if l.memory, err = NewMemory(fb, MemoryOptions{}); err != nil {
 		return nil, err
 	}
@@ -95,10 +90,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 			// Share Limit and Burst out, the remainder to the first rows.
 			sc.Limit = cfg.Limit/s + b2i(i < cfg.Limit%s)
 			sc.Burst = cfg.Burst/s + b2i(i < cfg.Burst%s)
-			if cfg.Algorithm == TokenBucket {
-				// Every row refills at its share of the rate.
-				sc.Limit = max(sc.Limit, 1)
-			}
+			sc = l.alg.spreadRow(sc)
 			shard, err := newLimiter(db, sc)
 			if err != nil {
 				return nil, err
@@ -253,7 +245,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 		return l.take(ctx, l.db, key, n)
 	}
 	d, err := take()
-	if err != nil && l.cfg.CreatePartitions && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
@@ -263,6 +255,12 @@ func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, e
 		d, err = take()
 	}
 	return d, err
+}
+
+// AllowTx is Allow inside the caller's transaction: AllowNTx with a cost
+// of one.
+func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string) (Decision, error) {
+	return l.AllowNTx(ctx, tx, key, 1)
 }
 
 // AllowNTx is AllowN inside the caller's transaction: rolling the
@@ -291,13 +289,13 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) 
 		return Decision{}, err
 	}
 	d, err := l.take(ctx, tx, key, n)
-	if err != nil && l.cfg.CreatePartitions && l.cfg.Algorithm == FixedWindow && isMissingPartition(err) {
+	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
 		// The failed statement has aborted the caller's transaction; create
 		// the partition outside it so that a retry succeeds.
 		if herr := l.heal(ctx, l.db); herr != nil {
 			return Decision{}, mapErr(herr)
 		}
-		return Decision{}, fmt.Errorf("%w (%v)", ErrPartitionMissing, err)
+		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
 	}
 	return d, l.explain(ctx, err)
 }
@@ -326,6 +324,13 @@ func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string) (Decision, 
 
 // Reset forgets everything counted for key under this limiter (in
 // PostgreSQL, in this process's memory fallback and in its deny cache).
+//
+// Reset returns no Decision: afterwards the key is in the state of a key
+// never seen (Used 0, Remaining Limit, or Burst for the token bucket,
+// Allowed true), known without asking the database, and a Decision built
+// by Reset would lack what only a check knows (ResetAt on the database's
+// clock). Peek reports it in full if you need it. Keeping the signature
+// also keeps existing callers compiling.
 func (l *Limiter) Reset(ctx context.Context, key string) error {
 	if err := l.cfg.checkKey(key); err != nil {
 		return err
@@ -385,33 +390,7 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decisio
 
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decision, error) {
-	switch l.cfg.Algorithm {
-	case TokenBucket:
-		r, err := l.q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
-			Key: k, At: l.at(), Cost: float64(n), Capacity: float64(l.cfg.Burst),
-			RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
-		})
-		if err != nil {
-			return Decision{}, err
-		}
-		return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), n), nil
-	case SlidingWindow:
-		r, err := l.q.SlidingWindowTake(ctx, db, gen.SlidingWindowTakeParams{
-			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
-		})
-		if err != nil {
-			return Decision{}, err
-		}
-		return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), n), nil
-	default:
-		r, err := l.q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
-			Key: k, At: l.at(), WindowUs: l.windowUs, Cost: n, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
-		})
-		if err != nil {
-			return Decision{}, err
-		}
-		return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
-	}
+	return l.alg.take(ctx, l, db, k, n)
 }
 
 func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error) {
@@ -427,6 +406,7 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 				continue
 			}
 			sum.Allowed = sum.Allowed || d.Allowed
+			sum.Used = satAdd(sum.Used, d.Used)
 			sum.Remaining += d.Remaining
 			sum.ResetAt = maxTime(sum.ResetAt, d.ResetAt)
 			sum.RetryAfter = min(sum.RetryAfter, d.RetryAfter)
@@ -437,37 +417,7 @@ func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error)
 		}
 		return sum, nil
 	}
-	k := l.key(key)
-	switch l.cfg.Algorithm {
-	case TokenBucket:
-		r, err := l.q.TokenBucketPeek(ctx, db, gen.TokenBucketPeekParams{
-			Key: k, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs,
-		})
-		if err != nil {
-			return Decision{}, err
-		}
-		tokens, now := math.Float64frombits(uint64(r.TokensBits)), usTime(r.NowUs)
-		fullAt := now.Add(usToDuration((float64(l.cfg.Burst) - tokens) / l.refillPerUs))
-		return l.tokenDecision(tokens >= 1, tokens, now, fullAt, 1), nil
-	case SlidingWindow:
-		r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
-			Key: k, At: l.at(), WindowUs: l.windowUs,
-		})
-		if err != nil {
-			return Decision{}, err
-		}
-		start, now := usTime(r.WindowStartUs), usTime(r.NowUs)
-		allowed := slidingFits(r.PrevCount, r.Count, 1, l.elapsedUs(start, now), l.windowUs, l.cfg.Limit)
-		return l.slidingDecision(allowed, start, r.Count, r.PrevCount, now, 1), nil
-	default:
-		r, err := l.q.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{
-			Key: k, At: l.at(), WindowUs: l.windowUs,
-		})
-		if err != nil {
-			return Decision{}, err
-		}
-		return l.fixedDecision(r.Count < l.cfg.Limit, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
-	}
+	return l.alg.peek(ctx, l, db, l.key(key))
 }
 
 func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
@@ -476,17 +426,7 @@ func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
 			return err
 		}
 	}
-	k := l.key(key)
-	var err error
-	switch l.cfg.Algorithm {
-	case TokenBucket:
-		_, err = l.q.TokenBucketReset(ctx, db, k)
-	case SlidingWindow:
-		_, err = l.q.SlidingWindowReset(ctx, db, k)
-	default:
-		_, err = l.q.FixedWindowReset(ctx, db, k)
-	}
-	return err
+	return l.alg.reset(ctx, l, db, l.key(key))
 }
 
 func (l *Limiter) heal(ctx context.Context, db DB) error {
@@ -512,7 +452,9 @@ func (l *Limiter) pickShard(n int64) *Limiter {
 // spreadDecision reports a row's decision in terms of the whole limit.
 func (l *Limiter) spreadDecision(d Decision) Decision {
 	d.Limit = l.cfg.capacity()
-	d.Remaining *= int64(len(l.shards))
+	n := int64(len(l.shards))
+	d.Remaining *= n
+	d.Used = min(d.Used, math.MaxInt64/n) * n
 	return d
 }
 

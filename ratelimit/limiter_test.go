@@ -17,206 +17,12 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // base is a fixed instant on a minute boundary, for pinned-clock tests.
 var base = time.Date(2030, 1, 2, 3, 4, 0, 0, time.UTC)
-
-// clock is a settable clock for Config.Now.
-type clock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *clock) now() time.Time  { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
-func (c *clock) set(t time.Time) { c.mu.Lock(); c.t = t; c.mu.Unlock() }
-func (c *clock) add(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
-
-func newLimiter(t *testing.T, db ratelimit.DB, cfg ratelimit.Config) *ratelimit.Limiter {
-	t.Helper()
-	l, err := ratelimit.New(db, cfg)
-	require.NoError(t, err)
-	return l
-}
-
-func TestFixedWindowSequence(t *testing.T) {
-	t.Parallel()
-	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
-	c := &clock{t: base.Add(10 * time.Second)}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "fw", Limit: 3, Window: time.Minute, Now: c.now})
-
-	for i := 1; i <= 3; i++ {
-		d, err := l.Allow(ctx, "k")
-		require.NoError(t, err)
-		require.True(t, d.Allowed, "check %d", i)
-		require.Equal(t, int64(3-i), d.Remaining)
-		require.Equal(t, base.Add(time.Minute), d.ResetAt.UTC())
-		require.Equal(t, ratelimit.StorePostgres, d.Store)
-		require.Zero(t, d.RetryAfter)
-	}
-	d, err := l.Allow(ctx, "k")
-	require.NoError(t, err)
-	require.False(t, d.Allowed)
-	require.Equal(t, int64(0), d.Remaining)
-	require.Equal(t, 50*time.Second, d.RetryAfter)
-	require.Equal(t, int64(50), d.RetryAfterSeconds())
-
-	// Denied checks consume nothing by default: a peek still sees 3.
-	p, err := l.Peek(ctx, "k")
-	require.NoError(t, err)
-	require.False(t, p.Allowed)
-	require.Equal(t, int64(0), p.Remaining)
-
-	// Another key and another limiter name are independent.
-	d, err = l.Allow(ctx, "other")
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	l2 := newLimiter(t, pool, ratelimit.Config{Name: "fw2", Limit: 3, Window: time.Minute, Now: c.now})
-	d, err = l2.Allow(ctx, "k")
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(2), d.Remaining)
-
-	// The next window starts afresh.
-	c.set(base.Add(time.Minute))
-	d, err = l.AllowN(ctx, "k", 3)
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(0), d.Remaining)
-	require.Equal(t, base.Add(2*time.Minute), d.ResetAt.UTC())
-
-	// Reset forgets the key.
-	require.NoError(t, l.Reset(ctx, "k"))
-	d, err = l.Allow(ctx, "k")
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(2), d.Remaining)
-}
-
-func TestFixedWindowPenalty(t *testing.T) {
-	t.Parallel()
-	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "fwp", Limit: 2, Window: time.Minute, Penalty: true, Now: c.now})
-	var allowed int
-	for range 5 {
-		d, err := l.Allow(ctx, "k")
-		require.NoError(t, err)
-		if d.Allowed {
-			allowed++
-		}
-	}
-	require.Equal(t, 2, allowed)
-	var count int64
-	require.NoError(t, pool.QueryRow(ctx, "SELECT count FROM pgrl_fixed_window").Scan(&count))
-	require.Equal(t, int64(5), count, "penalty mode counts every attempt")
-}
-
-func TestTokenBucketSequence(t *testing.T) {
-	t.Parallel()
-	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
-	c := &clock{t: base}
-	// 10 tokens per second, capacity 5.
-	l := newLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Second, Burst: 5, Now: c.now})
-
-	d, err := l.AllowN(ctx, "k", 5)
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(0), d.Remaining)
-	require.Equal(t, int64(5), d.Limit)
-	require.Equal(t, base.Add(500*time.Millisecond), d.ResetAt.UTC())
-
-	d, err = l.Allow(ctx, "k")
-	require.NoError(t, err)
-	require.False(t, d.Allowed)
-	require.Equal(t, 100*time.Millisecond, d.RetryAfter)
-	require.Equal(t, int64(1), d.RetryAfterSeconds())
-
-	c.add(250 * time.Millisecond) // 2.5 tokens back
-	d, err = l.AllowN(ctx, "k", 2)
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(0), d.Remaining) // 0.5 left
-	d, err = l.Allow(ctx, "k")
-	require.NoError(t, err)
-	require.False(t, d.Allowed)
-	require.Equal(t, 50*time.Millisecond, d.RetryAfter)
-
-	// Refill never exceeds the capacity.
-	c.add(time.Hour)
-	p, err := l.Peek(ctx, "k")
-	require.NoError(t, err)
-	require.True(t, p.Allowed)
-	require.Equal(t, int64(5), p.Remaining)
-}
-
-func TestTokenBucketPenalty(t *testing.T) {
-	t.Parallel()
-	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
-	c := &clock{t: base}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "tbp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 2, Penalty: true, Now: c.now})
-	for range 2 {
-		d, err := l.Allow(ctx, "k")
-		require.NoError(t, err)
-		require.True(t, d.Allowed)
-	}
-	for range 5 {
-		d, err := l.Allow(ctx, "k")
-		require.NoError(t, err)
-		require.False(t, d.Allowed)
-	}
-	// The balance went into debt, bounded at -Burst (-2). After 2.5 s it
-	// is 0.5: still short, and this attempt is charged too (-0.5), so the
-	// next token is 1.5 s away.
-	c.add(2500 * time.Millisecond)
-	d, err := l.Allow(ctx, "k")
-	require.NoError(t, err)
-	require.False(t, d.Allowed)
-	require.Equal(t, 1500*time.Millisecond, d.RetryAfter)
-}
-
-func TestSlidingWindowSequence(t *testing.T) {
-	t.Parallel()
-	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
-	c := &clock{t: base.Add(30 * time.Second)}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Minute, Now: c.now})
-
-	d, err := l.AllowN(ctx, "k", 10)
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(0), d.Remaining)
-
-	// A quarter into the next window the previous window still weighs 3/4:
-	// estimate 7.5, so 2 more fit and 3 do not.
-	c.set(base.Add(time.Minute + 15*time.Second))
-	d, err = l.AllowN(ctx, "k", 3)
-	require.NoError(t, err)
-	require.False(t, d.Allowed)
-	require.Equal(t, int64(2), d.Remaining)
-	// 3 fit once the previous window's weight is 0.7: at 18 s in.
-	require.Equal(t, 3*time.Second, d.RetryAfter)
-
-	d, err = l.AllowN(ctx, "k", 2)
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-	require.Equal(t, int64(0), d.Remaining) // 7.5 + 2 = 9.5
-
-	// Two windows later everything is forgotten.
-	c.set(base.Add(3*time.Minute + time.Second))
-	d, err = l.AllowN(ctx, "k", 10)
-	require.NoError(t, err)
-	require.True(t, d.Allowed)
-}
 
 func TestBadInputs(t *testing.T) {
 	t.Parallel()
@@ -262,7 +68,7 @@ func TestBadInputs(t *testing.T) {
 
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute})
 		_, err := l.AllowN(ctx, "k", 0)
 		require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 		_, err = l.AllowN(ctx, "k", -3)
@@ -281,7 +87,7 @@ func TestNotMigrated(t *testing.T) {
 	s := dbtest.NewSchema(t) // empty: no migrations
 	pool := dbtest.PoolOn(t, s)
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "nm", Algorithm: alg, Limit: 5, Window: time.Minute})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "nm", Algorithm: alg, Limit: 5, Window: time.Minute})
 		_, err := l.Allow(context.Background(), "k")
 		require.ErrorIs(t, err, ratelimit.ErrNotMigrated)
 		require.Contains(t, err.Error(), "rl-migrate up")
@@ -297,7 +103,7 @@ func TestAnyBytesAreAKeyAndNoRawKeyIsStored(t *testing.T) {
 	big := strings.Repeat("x", 1<<20) + "needle-1mb"
 	keys := []string{"", "\x00", "a\x00b", "\xff\xfe\xfd", "user@example.com", "203.0.113.7", big}
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "keys", Algorithm: alg, Limit: 2, Window: time.Minute})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "keys", Algorithm: alg, Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
 		for _, k := range keys {
 			for i := range 3 {
 				d, err := l.Allow(ctx, k)
@@ -319,7 +125,7 @@ func TestAnyBytesAreAKeyAndNoRawKeyIsStored(t *testing.T) {
 	}
 
 	// The documented opt-out keeps readable keys.
-	l := newLimiter(t, pool, ratelimit.Config{Name: "readable", Limit: 2, Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "readable", Limit: 2, Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
 	_, err := l.Allow(ctx, "user@example.com")
 	require.NoError(t, err)
 	var found bool
@@ -332,7 +138,7 @@ func TestTxRollbackRefunds(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		l := newLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base)})
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		d, err := l.AllowNTx(ctx, tx, "k", 2)
@@ -383,7 +189,7 @@ func TestTxChecksAreObserved(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	obs := &recordingObserver{}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs, Now: testkit.Pinned(base)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = l.AllowNTx(ctx, tx, "k", 1)
@@ -407,26 +213,26 @@ func TestElapsedClampedAtZero(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	c := &clock{t: base.Add(10 * time.Second)}
-	tb := newLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 3, Now: c.now})
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 3, Now: c.Now})
 	_, err := tb.AllowN(ctx, "k", 3)
 	require.NoError(t, err)
-	c.set(base.Add(8 * time.Second)) // older than the row
+	c.Set(base.Add(8 * time.Second)) // older than the row
 	d, err := tb.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.False(t, d.Allowed, "no negative refill, no refill at all")
 	require.Equal(t, base.Add(10*time.Second), d.Now.UTC(), "the decision keeps the newer instant")
-	c.set(base.Add(11 * time.Second))
+	c.Set(base.Add(11 * time.Second))
 	d, err = tb.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.True(t, d.Allowed, "one second after the newer instant, one token")
 	require.Equal(t, int64(0), d.Remaining)
 
-	sw := newLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.now})
-	c.set(base.Add(time.Minute))
+	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.Now})
+	c.Set(base.Add(time.Minute))
 	_, err = sw.AllowN(ctx, "k", 2)
 	require.NoError(t, err)
-	c.set(base.Add(59 * time.Second)) // the previous window, after the row rolled forward
+	c.Set(base.Add(59 * time.Second)) // the previous window, after the row rolled forward
 	d, err = sw.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.False(t, d.Allowed, "an older clock counts against the newer window")
@@ -459,7 +265,7 @@ func TestOpportunisticCleanup(t *testing.T) {
 		SELECT decode(lpad(to_hex(g), 32, '0'), 'hex'), now() - interval '1 hour', 1, true FROM generate_series(1, 500) AS g`)
 	require.NoError(t, err)
 	oc := &cleanup.Opportunistic{Every: 1}
-	l := newLimiter(t, pool, ratelimit.Config{Name: "oc", Limit: 10, Window: time.Minute, Cleanup: oc})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "oc", Limit: 10, Window: time.Minute, Cleanup: oc})
 	for range 3 {
 		d, err := l.Allow(ctx, "k")
 		require.NoError(t, err)

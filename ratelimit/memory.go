@@ -164,13 +164,13 @@ func (m *MemoryLimiter) allowN(key string, n int64) (Decision, error) {
 	node := sh.get(k)
 	if node == nil {
 		node = sh.insert(ownedKey(key, k))
-		m.fresh(&node.val, now)
+		node.val = m.alg.fresh(m, now)
 	} else {
 		sh.touch(node)
 	}
 	st := node.val
 	var allowed bool
-	st, allowed = m.take(st, now, n)
+	st, allowed = m.alg.takeMemory(m, st, now, n)
 	node.val = st
 	sh.mu.Unlock()
 	return m.decide(allowed, st, now, n), nil
@@ -188,10 +188,10 @@ func (m *MemoryLimiter) Peek(_ context.Context, key string) (Decision, error) {
 	if node := sh.get(k); node != nil {
 		st = node.val
 	} else {
-		m.fresh(&st, now)
+		st = m.alg.fresh(m, now)
 	}
 	sh.mu.Unlock()
-	st = m.roll(st, now)
+	st = m.alg.roll(m, st, now)
 	d := m.peekDecision(st, now)
 	return d, nil
 }
@@ -211,42 +211,15 @@ func (m *MemoryLimiter) nowUs() int64 {
 	return m.startUs + time.Since(m.start).Microseconds()
 }
 
-// fixedEnd is the end of the fixed window holding now, as in SQL.
-func (m *MemoryLimiter) fixedEnd(now int64) int64 { return m.slidingStart(now) + m.windowUs }
+// windowEnd is the end of the aligned window holding now, as in SQL.
+func (m *MemoryLimiter) windowEnd(now int64) int64 { return m.windowStart(now) + m.windowUs }
 
-// slidingStart is the start of the fixed window holding now, as in SQL:
+// windowStart is the start of the aligned window holding now, as in SQL:
 // now floored to a multiple of the window, also before 1970 (Go's %
 // truncates towards zero, as PostgreSQL's does, so a negative remainder is
 // moved up by one window).
-func (m *MemoryLimiter) slidingStart(now int64) int64 {
+func (m *MemoryLimiter) windowStart(now int64) int64 {
 	return now - ((now%m.windowUs)+m.windowUs)%m.windowUs
-}
-
-// fresh sets st to the state of a key never seen: what a first check's
-// INSERT arm starts from.
-func (m *MemoryLimiter) fresh(st *memState, now int64) {
-	switch m.cfg.Algorithm {
-	case TokenBucket:
-		*st = memState{at: now, tokens: m.capacity}
-	case SlidingWindow:
-		*st = memState{at: m.slidingStart(now)}
-	default:
-		*st = memState{at: m.fixedEnd(now)}
-	}
-}
-
-// dead reports whether st no longer affects any check at now or later: a
-// key in that state is indistinguishable from one never seen, so it can be
-// dropped. The clock only moves forward, so a dead state stays dead.
-func (m *MemoryLimiter) dead(st memState, now int64) bool {
-	switch m.cfg.Algorithm {
-	case TokenBucket:
-		return st.at <= now && st.tokens+float64(now-st.at)*m.refillPerUs >= m.capacity
-	case SlidingWindow:
-		return st.at < m.slidingStart(now)-m.windowUs
-	default:
-		return st.at <= now
-	}
 }
 
 // sweepPerCall is how many dead keys a call may drop from the least
@@ -261,97 +234,11 @@ const sweepPerCall = 2
 func (m *MemoryLimiter) sweep(sh *lruShard[memState], now int64) {
 	for range sweepPerCall {
 		node := sh.tail
-		if node == nil || !m.dead(node.val, now) {
+		if node == nil || !m.alg.dead(m, node.val, now) {
 			return
 		}
 		sh.remove(node)
 	}
-}
-
-// roll brings st forward to now without counting, as a peek sees it.
-func (m *MemoryLimiter) roll(st memState, now int64) memState {
-	switch m.cfg.Algorithm {
-	case TokenBucket:
-		st.tokens = min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
-		st.at = now
-	case SlidingWindow:
-		ws := m.slidingStart(now)
-		switch {
-		case st.at >= ws:
-		case st.at == ws-m.windowUs:
-			st.at, st.count, st.prev = ws, 0, st.count
-		default:
-			st.at, st.count, st.prev = ws, 0, 0
-		}
-	default:
-		if end := m.fixedEnd(now); st.at != end {
-			st = memState{at: end}
-		}
-	}
-	return st
-}
-
-// take applies one check of cost to st at now, as the SQL upsert does, and
-// returns the new state and whether the check was allowed.
-func (m *MemoryLimiter) take(st memState, now, cost int64) (memState, bool) {
-	switch m.cfg.Algorithm {
-	case TokenBucket:
-		avail := min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
-		c := float64(cost)
-		allowed := avail >= c
-		switch {
-		case allowed:
-			st.tokens = avail - c
-		case m.cfg.Penalty:
-			st.tokens = max(avail-c, -m.capacity)
-		default:
-			st.tokens = avail
-		}
-		st.at = max(st.at, now)
-		return st, allowed
-	case SlidingWindow:
-		// A state from a later window (only with a pinned clock that went
-		// back) is kept, as the SQL keeps the row's window.
-		ws := max(st.at, m.slidingStart(now))
-		var cur, prev int64
-		switch {
-		case st.at >= ws:
-			cur, prev = st.count, st.prev
-		case st.at == ws-m.windowUs:
-			prev = st.count
-		}
-		e := min(max(now-ws, 0), m.windowUs)
-		allowed := slidingFits(prev, cur, cost, e, m.windowUs, m.cfg.Limit)
-		if allowed || m.cfg.Penalty {
-			cur = satAdd(cur, cost)
-		}
-		return memState{at: ws, count: cur, prev: prev}, allowed
-	default:
-		// One window per key: with the monotonic clock windows only move
-		// forward, so the current one is all that matters.
-		end := m.fixedEnd(now)
-		var count int64
-		if st.at == end {
-			count = st.count
-		}
-		allowed := count <= m.cfg.Limit-cost // count+cost could overflow
-		if allowed || m.cfg.Penalty {
-			count = satAdd(count, cost)
-		}
-		return memState{at: end, count: count}, allowed
-	}
-}
-
-// slidingFits reports prev*(w-e) + (cur+cost)*w <= limit*w, computed exactly
-// in 128 bits as the SQL computes it in numeric. All inputs are
-// non-negative.
-func slidingFits(prev, cur, cost, e, w, limit int64) bool {
-	h1, l1 := bits.Mul64(uint64(prev), uint64(w-e))
-	h2, l2 := bits.Mul64(uint64(cur)+uint64(cost), uint64(w)) // cur+cost < 2^64
-	lo, carry := bits.Add64(l1, l2, 0)
-	hi, _ := bits.Add64(h1, h2, carry)
-	rh, rl := bits.Mul64(uint64(limit), uint64(w))
-	return hi < rh || (hi == rh && lo <= rl)
 }
 
 // satAdd adds two non-negative counts, saturating at math.MaxInt64.
@@ -367,18 +254,7 @@ func usTime(us int64) time.Time { return time.UnixMicro(us) }
 
 // decide builds the decision of a check from the state after it.
 func (m *MemoryLimiter) decide(allowed bool, st memState, now, cost int64) Decision {
-	var d Decision
-	switch m.cfg.Algorithm {
-	case TokenBucket:
-		// full_at = at + (capacity - tokens)/refill, rounded as PostgreSQL
-		// rounds interval * float8: to the nearest microsecond, ties to even.
-		fullAt := st.at + int64(math.RoundToEven((m.capacity-st.tokens)/m.refillPerUs))
-		d = m.tokenDecision(allowed, st.tokens, usTime(st.at), usTime(fullAt), cost)
-	case SlidingWindow:
-		d = m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), cost)
-	default:
-		d = m.fixedDecision(allowed, st.count, usTime(st.at), usTime(now))
-	}
+	d := m.alg.decideMemory(m, allowed, st, now, cost)
 	d.Store = StoreMemory
 	return d
 }
@@ -386,18 +262,7 @@ func (m *MemoryLimiter) decide(allowed bool, st memState, now, cost int64) Decis
 // peekDecision builds a peek's decision from the state rolled to now, as
 // Limiter.Peek does.
 func (m *MemoryLimiter) peekDecision(st memState, now int64) Decision {
-	var d Decision
-	switch m.cfg.Algorithm {
-	case TokenBucket:
-		fullAt := usTime(now).Add(usToDuration((m.capacity - st.tokens) / m.refillPerUs))
-		d = m.tokenDecision(st.tokens >= 1, st.tokens, usTime(now), fullAt, 1)
-	case SlidingWindow:
-		e := min(max(now-st.at, 0), m.windowUs)
-		allowed := slidingFits(st.prev, st.count, 1, e, m.windowUs, m.cfg.Limit)
-		d = m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), 1)
-	default:
-		d = m.fixedDecision(st.count < m.cfg.Limit, st.count, usTime(st.at), usTime(now))
-	}
+	d := m.alg.peekMemory(m, st, now)
 	d.Store = StoreMemory
 	return d
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -38,11 +39,11 @@ type memStep struct {
 func runSteps(t *testing.T, cfg ratelimit.Config, steps []memStep) {
 	t.Helper()
 	ctx := context.Background()
-	c := &clock{}
-	cfg.Now = c.now
+	c := testkit.NewClock(time.Time{})
+	cfg.Now = c.Now
 	m := newMemory(t, cfg, ratelimit.MemoryOptions{})
 	for i, s := range steps {
-		c.set(base.Add(s.at))
+		c.Set(base.Add(s.at))
 		var d ratelimit.Decision
 		var err error
 		if s.n == 0 {
@@ -170,8 +171,8 @@ func TestMemoryMatchesModel(t *testing.T) {
 			t.Run(fmt.Sprintf("%s/penalty=%v", alg, penalty), func(t *testing.T) {
 				t.Parallel()
 				rng := rand.New(rand.NewPCG(7, uint64(len(alg))))
-				c := &clock{t: base.Add(123456 * time.Microsecond)}
-				cfg := ratelimit.Config{Name: "model", Algorithm: alg, Limit: 7, Window: 2 * time.Second, Burst: 9, Penalty: penalty, Now: c.now}
+				c := testkit.NewClock(base.Add(123456 * time.Microsecond))
+				cfg := ratelimit.Config{Name: "model", Algorithm: alg, Limit: 7, Window: 2 * time.Second, Burst: 9, Penalty: penalty, Now: c.Now}
 				if alg != ratelimit.TokenBucket {
 					cfg.Burst = 0
 				}
@@ -182,7 +183,7 @@ func TestMemoryMatchesModel(t *testing.T) {
 					capacity = cfg.Burst
 				}
 				for i := range 5000 {
-					c.set(c.now().Add(time.Duration(rng.Int64N(700_000)) * time.Microsecond))
+					c.Set(c.Now().Add(time.Duration(rng.Int64N(700_000)) * time.Microsecond))
 					key := strconv.Itoa(rng.IntN(3))
 					n := 1 + rng.Int64N(capacity)
 					if rng.IntN(3) > 0 {
@@ -190,7 +191,7 @@ func TestMemoryMatchesModel(t *testing.T) {
 					}
 					d, err := m.AllowN(context.Background(), key, n)
 					require.NoError(t, err)
-					allowed, remaining := ref.take(key, n, c.now().UnixMicro())
+					allowed, remaining := ref.take(key, n, c.Now().UnixMicro())
 					require.Equal(t, allowed, d.Allowed, "check %d", i)
 					require.Equal(t, remaining, d.Remaining, "check %d", i)
 				}
@@ -227,8 +228,8 @@ func TestMemoryBadInputs(t *testing.T) {
 func TestMemoryResetPeekAndKeys(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	c := &clock{t: base}
-	m := newMemory(t, ratelimit.Config{Name: "r", Limit: 2, Window: time.Minute, Now: c.now}, ratelimit.MemoryOptions{})
+	c := testkit.NewClock(base)
+	m := newMemory(t, ratelimit.Config{Name: "r", Limit: 2, Window: time.Minute, Now: c.Now}, ratelimit.MemoryOptions{})
 
 	// Any bytes are a key; long keys that differ only at the end stay
 	// apart, and a short key never meets a long key's stored form.
@@ -345,7 +346,7 @@ func TestMemoryLRUBound(t *testing.T) {
 	require.True(t, d.Allowed, "the least recent key was evicted and starts afresh")
 
 	// Fewer keys than shards: the cap still holds.
-	small := newMemory(t, ratelimit.Config{Name: "small", Limit: 1, Window: time.Hour}, ratelimit.MemoryOptions{MaxKeys: 3})
+	small := newMemory(t, ratelimit.Config{Name: "small", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base)}, ratelimit.MemoryOptions{MaxKeys: 3})
 	for i := range 100 {
 		_, err := small.Allow(ctx, strconv.Itoa(i))
 		require.NoError(t, err)
@@ -371,12 +372,12 @@ func TestMemoryLazySweep(t *testing.T) {
 		t.Run(string(tc.alg), func(t *testing.T) {
 			t.Parallel()
 			ctx := context.Background()
-			c := &clock{t: base}
+			c := testkit.NewClock(base)
 			window := time.Minute
 			if tc.alg == ratelimit.TokenBucket {
 				window = time.Second
 			}
-			m := newMemory(t, ratelimit.Config{Name: "sweep", Algorithm: tc.alg, Limit: 10, Window: window, Burst: 3, Now: c.now},
+			m := newMemory(t, ratelimit.Config{Name: "sweep", Algorithm: tc.alg, Limit: 10, Window: window, Burst: 3, Now: c.Now},
 				ratelimit.MemoryOptions{Shards: 1})
 			for i := range 100 {
 				_, err := m.AllowN(ctx, strconv.Itoa(i), 3)
@@ -385,14 +386,14 @@ func TestMemoryLazySweep(t *testing.T) {
 			require.Equal(t, 100, m.Len())
 
 			// Just before death nothing is swept.
-			c.set(base.Add(tc.alive))
+			c.Set(base.Add(tc.alive))
 			for range 10 {
 				_, err := m.Peek(ctx, "other")
 				require.NoError(t, err)
 			}
 			require.Equal(t, 100, m.Len())
 
-			c.set(base.Add(tc.dead))
+			c.Set(base.Add(tc.dead))
 			for range 60 {
 				_, err := m.Allow(ctx, "busy")
 				require.NoError(t, err)

@@ -82,9 +82,33 @@ type batcher interface {
 // transaction unless all allowed, so a denied request consumes nothing;
 // limiters in shadow mode are left out of that vote. When the database
 // fails, each check is answered by its own limiter's failure policy.
+// AllowAllTx does the same inside the caller's transaction.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
+	return observeAll(checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
+}
+
+// AllowAllTx is AllowAll inside the caller's transaction: rolling the
+// transaction back refunds every unit it consumed, and the limiters'
+// databases are not used for the checks (they need not be the same). The
+// checks run under a savepoint, released when the batch succeeds and
+// rolled back when it fails or, under AllOrNothing, when a limit denies,
+// so the caller's transaction stays usable either way; that costs two more
+// round trips than AllowAll. As with AllowNTx, there is no failure policy,
+// breaker, deny cache or Config.Timeout: errors are returned, and the rows
+// stay locked until the transaction ends. In the partitioned layout, a
+// missing partition is created outside the transaction (with
+// CreatePartitions) and ErrPartitionMissing asks for a retry.
+func AllowAllTx(ctx context.Context, tx pgx.Tx, mode MultiMode, checks ...Check) (MultiDecision, error) {
+	if tx == nil {
+		return MultiDecision{}, ErrNilDB
+	}
+	return observeAll(checks, func() (MultiDecision, error) { return allowAll(ctx, tx, mode, checks) })
+}
+
+// observeAll runs decide and reports its outcome to each check's observer.
+func observeAll(checks []Check, decide func() (MultiDecision, error)) (MultiDecision, error) {
 	start := time.Now()
-	m, err := allowAll(ctx, mode, checks)
+	m, err := decide()
 	took := time.Since(start)
 	for i, c := range checks {
 		if c.Limiter == nil || c.Limiter.cfg.Observer == nil {
@@ -99,12 +123,14 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 	return m, err
 }
 
-func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecision, error) {
+// allowAll decides checks in one batch: on the limiters' database with the
+// failure policies when tx is nil, else under a savepoint of tx.
+func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (MultiDecision, error) {
 	if len(checks) == 0 {
 		return MultiDecision{}, ErrEmptyMulti
 	}
 	if mode != AllOrNothing && mode != ConsumeAll {
-		return MultiDecision{}, invalid(ErrInvalidPolicy, "multi mode %d; use AllOrNothing or ConsumeAll", mode)
+		return MultiDecision{}, invalid(ErrInvalidMultiMode, "%d; use AllOrNothing or ConsumeAll", mode)
 	}
 	type item struct {
 		i    int
@@ -116,7 +142,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 	var db DB
 	for i, c := range checks {
 		if c.Limiter == nil {
-			return MultiDecision{}, invalid(ErrNilDB, "check %d has no limiter", i)
+			return MultiDecision{}, invalid(ErrNilLimiter, "check %d", i)
 		}
 		if c.Cost == 0 {
 			c.Cost = 1
@@ -136,7 +162,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		}
 		if i == 0 {
 			db = c.Limiter.db
-		} else if c.Limiter.db != db {
+		} else if c.Limiter.db != db && tx == nil {
 			return MultiDecision{}, invalid(ErrMixedDatabases, "check %d (%q) uses another database than check 0", i, c.Limiter.cfg.Name)
 		}
 		skey := c.Limiter.key(c.Key)
@@ -151,7 +177,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 
 	// A denial this process already knows of decides without a round trip
 	// (only when nothing would be consumed anyway).
-	if mode == AllOrNothing {
+	if mode == AllOrNothing && tx == nil {
 		for _, it := range items {
 			l := it.c.Limiter
 			if l.deny == nil || l.cfg.Shadow {
@@ -173,7 +199,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 	// tables in that order, keys in byte order within each.
 	order := slices.Clone(items)
 	slices.SortFunc(order, func(a, b item) int {
-		if c := algoRank(a.c.Limiter.cfg.Algorithm) - algoRank(b.c.Limiter.cfg.Algorithm); c != 0 {
+		if c := a.c.Limiter.alg.lockRank() - b.c.Limiter.alg.lockRank(); c != 0 {
 			return c
 		}
 		return bytes.Compare(a.skey, b.skey)
@@ -181,14 +207,22 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 
 	first := checks[0].Limiter
 	sent := first.localNow()
-	if !first.breaker.allow(sent) {
+	var sp pgx.Tx // the savepoint, in the caller's transaction
+	if tx != nil {
+		var err error
+		if sp, err = tx.Begin(ctx); err != nil {
+			return MultiDecision{}, first.explain(ctx, err)
+		}
+		db = sp
+	} else if !first.breaker.allow(sent) {
 		return fallbackAll(ctx, checks, errBreakerOpen)
 	}
-	cctx, cancel := ctx, context.CancelFunc(func() {})
-	if first.cfg.Timeout > 0 {
+	cctx := ctx
+	if tx == nil && first.cfg.Timeout > 0 {
+		var cancel context.CancelFunc
 		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
+		defer cancel()
 	}
-	defer cancel()
 
 	stmts := make([]*deferred, 0, len(order)+1)
 	results := make([]chan takeResult, len(order))
@@ -214,15 +248,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 			if l.cfg.Shadow {
 				continue
 			}
-			switch l.cfg.Algorithm {
-			case TokenBucket:
-				p.TokenBucketKeys = append(p.TokenBucketKeys, it.skey)
-			case SlidingWindow:
-				p.SlidingWindowKeys = append(p.SlidingWindowKeys, it.skey)
-			default:
-				p.FixedWindowKeys = append(p.FixedWindowKeys, it.skey)
-				p.FixedWindowWindowsUs = append(p.FixedWindowWindowsUs, l.windowUs)
-			}
+			l.alg.vote(&p, l, it.skey)
 		}
 		vote = newDeferred()
 		stmts = append(stmts, vote)
@@ -255,6 +281,19 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 	if sendErr == nil {
 		sendErr = firstErr
 	}
+	if sp != nil {
+		// Keep what the batch did only when it succeeded and was not voted
+		// down; either way the caller's transaction stays usable.
+		var spErr error
+		if sendErr != nil || denied {
+			spErr = sp.Rollback(ctx)
+		} else {
+			spErr = sp.Commit(ctx)
+		}
+		if sendErr == nil && spErr != nil {
+			sendErr = spErr
+		}
+	}
 	if sendErr != nil {
 		if callerDone(ctx) {
 			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
@@ -263,24 +302,30 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 		if isConfigError(err) || isMissingPartition(sendErr) {
 			if isMissingPartition(sendErr) && !slices.ContainsFunc(order, func(it item) bool {
 				l := it.c.Limiter
-				return l.cfg.Algorithm == FixedWindow && !l.cfg.CreatePartitions
+				return l.alg.partitioned() && !l.cfg.CreatePartitions
 			}) {
 				// Create the partitions and decide again.
 				for _, it := range order {
-					if it.c.Limiter.cfg.Algorithm == FixedWindow {
-						if herr := it.c.Limiter.heal(ctx, db); herr != nil {
+					if it.c.Limiter.alg.partitioned() {
+						// Outside the caller's transaction, if any.
+						if herr := it.c.Limiter.heal(ctx, it.c.Limiter.db); herr != nil {
 							return MultiDecision{}, mapErr(herr)
 						}
 					}
 				}
-				return allowAll(ctx, mode, checks)
+				return allowAll(ctx, tx, mode, checks)
 			}
+			return MultiDecision{}, err
+		}
+		if tx != nil {
 			return MultiDecision{}, err
 		}
 		first.breaker.failure(time.Now(), err, first.cfg.OnFailure)
 		return fallbackAll(ctx, checks, err)
 	}
-	first.breaker.success()
+	if tx == nil {
+		first.breaker.success()
+	}
 
 	voteLost := false
 	for k, it := range order {
@@ -295,7 +340,7 @@ func allowAll(ctx context.Context, mode MultiMode, checks []Check) (MultiDecisio
 	for k, it := range order {
 		d := decs[k]
 		l := it.c.Limiter
-		if !d.Allowed && l.deny != nil {
+		if !d.Allowed && l.deny != nil && tx == nil {
 			l.deny.put(it.c.Key, it.c.Cost, d, sent)
 		}
 		d = l.shadow(it.c.Key, d)
@@ -331,16 +376,6 @@ func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecisio
 		}
 	}
 	return out, nil
-}
-
-func algoRank(a Algorithm) int {
-	switch a {
-	case TokenBucket:
-		return 1
-	case SlidingWindow:
-		return 2
-	}
-	return 0
 }
 
 func isMultiDenied(err error) bool {

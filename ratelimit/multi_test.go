@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -21,9 +22,9 @@ func TestAllowAllOrNothing(t *testing.T) {
 			t.Parallel()
 			db := v.open(t)
 			ctx := context.Background()
-			perIP := newLimiter(t, db, ratelimit.Config{Name: "ip", Limit: 2, Window: time.Minute, DenyCacheSize: -1})
-			perEmail := newLimiter(t, db, ratelimit.Config{Name: "email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute})
-			global := newLimiter(t, db, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
+			perIP := testkit.NewLimiter(t, db, ratelimit.Config{Name: "ip", Limit: 2, Window: time.Minute, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+			perEmail := testkit.NewLimiter(t, db, ratelimit.Config{Name: "email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute, Now: testkit.Pinned(base)})
+			global := testkit.NewLimiter(t, db, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
 
 			for i := range 2 {
 				m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
@@ -72,8 +73,8 @@ func TestAllowAllBadInputs(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	other, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	a := newLimiter(t, pool, ratelimit.Config{Name: "a", Limit: 2, Window: time.Minute})
-	b := newLimiter(t, other, ratelimit.Config{Name: "b", Limit: 2, Window: time.Minute})
+	a := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "a", Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
+	b := testkit.NewLimiter(t, other, ratelimit.Config{Name: "b", Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
 
 	_, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing)
 	require.ErrorIs(t, err, ratelimit.ErrEmptyMulti)
@@ -86,7 +87,7 @@ func TestAllowAllBadInputs(t *testing.T) {
 	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k", Cost: -1})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Key: "k"})
-	require.ErrorIs(t, err, ratelimit.ErrNilDB)
+	require.ErrorIs(t, err, ratelimit.ErrNilLimiter)
 
 	// Nothing was consumed by any refused call.
 	d, err := a.Peek(ctx, "k")
@@ -101,8 +102,8 @@ func TestAllowAllSameAlgorithm(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		a := newLimiter(t, pool, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1})
-		b := newLimiter(t, pool, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1})
+		a := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+		b := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k"}, ratelimit.Check{Limiter: b, Key: "k"})
 		require.NoError(t, err)
 		require.True(t, m.Allowed, alg)

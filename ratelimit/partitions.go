@@ -35,7 +35,7 @@ func EnsurePartitions(ctx context.Context, db DB, limiters ...*Limiter) error {
 	q := sqlops.New()
 	var width time.Duration
 	for _, l := range limiters {
-		if l == nil || l.cfg.Algorithm != FixedWindow {
+		if l == nil || !l.alg.partitioned() {
 			continue
 		}
 		if width == 0 {

@@ -1,37 +1,18 @@
 package ratelimit_test
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
-
-// logBuffer captures slog output; safe for concurrent writers.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // TestShadowModeNeverDenies: a shadow limiter over its limit allows, sets
 // ShadowDenied, logs (at most once a second), and still counts like the
@@ -41,8 +22,8 @@ func TestShadowModeNeverDenies(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		logs := &logBuffer{}
-		l := newLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour,
+		logs := &testkit.LogBuffer{}
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base),
 			Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 		for i := range 2 {
 			d, err := l.Allow(ctx, "k")
@@ -75,14 +56,14 @@ func TestShadowModeInMultiLimit(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	logs := &logBuffer{}
-	shadow := newLimiter(t, pool, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour,
+	logs := &testkit.LogBuffer{}
+	shadow := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base),
 		Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	real := newLimiter(t, pool, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour})
+	real := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
 	// One voting limit of each algorithm: see TestMultiSingleAlgorithmConsumes
 	// in package tests for decisions that lack one.
-	perIP := newLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour})
-	global := newLimiter(t, pool, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
+	perIP := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
+	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
 	for i := range 3 {
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: shadow, Key: "k"},
 			ratelimit.Check{Limiter: real, Key: "k"}, ratelimit.Check{Limiter: perIP, Key: "k"}, ratelimit.Check{Limiter: global, Key: "k"})
@@ -109,8 +90,11 @@ func TestResilienceBadConfig(t *testing.T) {
 		{"unknown policy", func(c *ratelimit.Config) { c.OnFailure = ratelimit.FailurePolicy(42) }, ratelimit.ErrInvalidPolicy},
 		{"negative fallback limit", func(c *ratelimit.Config) { c.FallbackLimit = -1 }, ratelimit.ErrInvalidLimit},
 		{"negative timeout", func(c *ratelimit.Config) { c.Timeout = -time.Second }, ratelimit.ErrInvalidTimeout},
-		{"negative breaker threshold", func(c *ratelimit.Config) { c.BreakerThreshold = -1 }, ratelimit.ErrInvalidTimeout},
+		{"negative breaker threshold", func(c *ratelimit.Config) { c.BreakerThreshold = -1 }, ratelimit.ErrInvalidOption},
 		{"negative breaker cooldown", func(c *ratelimit.Config) { c.BreakerCooldown = -time.Millisecond }, ratelimit.ErrInvalidTimeout},
+		{"negative max batch", func(c *ratelimit.Config) { c.MaxBatch = -1 }, ratelimit.ErrInvalidOption},
+		{"negative max in flight", func(c *ratelimit.Config) { c.MaxInFlight = -1 }, ratelimit.ErrInvalidOption},
+		{"negative spread", func(c *ratelimit.Config) { c.Spread = -1 }, ratelimit.ErrInvalidOption},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := ok
@@ -119,7 +103,7 @@ func TestResilienceBadConfig(t *testing.T) {
 			require.ErrorIs(t, err, tc.want)
 		})
 	}
-	l := newLimiter(t, pool, ok)
+	l := testkit.NewLimiter(t, pool, ok)
 	c := l.Config()
 	require.Equal(t, ratelimit.FailToMemory, c.OnFailure)
 	require.Equal(t, int64(5), c.FallbackLimit)

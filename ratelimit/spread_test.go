@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -23,8 +24,8 @@ func TestSpreadAccuracy(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
 		const limit, spread = 100, 8
-		l := newLimiter(t, pool, ratelimit.Config{Name: "global-" + string(alg), Algorithm: alg, Limit: limit,
-			Window: time.Hour, Spread: spread, DenyCacheSize: -1})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global-" + string(alg), Algorithm: alg, Limit: limit,
+			Window: time.Hour, Spread: spread, DenyCacheSize: -1, Now: testkit.Pinned(base)})
 		var admitted, firstDeny atomic.Int64
 		var attempts atomic.Int64
 		var wg sync.WaitGroup
@@ -63,7 +64,7 @@ func TestSpreadAccuracy(t *testing.T) {
 	}
 	_, err := ratelimit.New(pool, ratelimit.Config{Name: "tiny", Limit: 3, Window: time.Minute, Spread: 4})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidLimit)
-	l := newLimiter(t, pool, ratelimit.Config{Name: "cost", Limit: 100, Window: time.Minute, Spread: 4})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cost", Limit: 100, Window: time.Minute, Spread: 4})
 	_, err = l.AllowN(ctx, "k", 26)
 	require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
 }

@@ -1,7 +1,6 @@
 package tests
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -53,32 +53,6 @@ func faultPool(t testing.TB, url, appName, statementTimeout string) *pgxpool.Poo
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	return pool
-}
-
-// syncBuffer is a bytes.Buffer safe for concurrent writers, for capturing
-// slog output.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// reset empties the buffer.
-func (b *syncBuffer) reset() {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	b.buf.Reset()
 }
 
 // machineBaseline is how fast this machine answers checks right now, measured
@@ -376,7 +350,7 @@ func TestFaultServerStoppedDuringLoad(t *testing.T) {
 			// measure how fast it answers now.
 			b := measureBaseline(t, c.url())
 			timeout := b.timeout()
-			logs := &syncBuffer{}
+			logs := &testkit.LogBuffer{}
 			pool := faultPool(t, c.url(), "pgrl-fault-stop", pgDuration(timeout*8/10))
 			l, err := ratelimit.New(pool, ratelimit.Config{
 				Name: "stop-" + pc.name, Limit: 1_000_000, Window: time.Hour, OnFailure: pc.policy,
@@ -387,7 +361,7 @@ func TestFaultServerStoppedDuringLoad(t *testing.T) {
 			// Baseline goroutines and connections: after a warm-up with
 			// the same load, once the server answers all of it.
 			warmUntilHealthy(t, l)
-			logs.reset()
+			logs.Reset()
 			runtime.GC()
 			baseG := runtime.NumGoroutine()
 			baseConns := pool.Stat().TotalConns()
@@ -794,14 +768,14 @@ type proxyRun struct {
 func proxyFault(t *testing.T, p *tcpProxy, url, mode string, cfg ratelimit.Config) proxyRun {
 	b := measureBaseline(t, url)
 	run := proxyRun{timeout: b.timeout(), slack: b.slack(), bound: b.recoveryBound(cfg.BreakerCooldown)}
-	logs := &syncBuffer{}
+	logs := &testkit.LogBuffer{}
 	pool := faultPool(t, url, "pgrl-fault-proxy", "")
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 	cfg.Timeout = run.timeout
 	l, err := ratelimit.New(pool, cfg)
 	require.NoError(t, err)
 	warmUntilHealthy(t, l)
-	logs.reset()
+	logs.Reset()
 	st := &loadStats{byStore: map[ratelimit.Store]int{}}
 	stop := make(chan struct{})
 	done := make(chan struct{})
@@ -886,7 +860,7 @@ func TestFaultBreakerProbeAbandoned(t *testing.T) {
 	const cooldown = 100 * time.Millisecond
 	timeout := b.timeout()
 	l, err := ratelimit.New(pool, ratelimit.Config{Name: "probe", Limit: 1_000_000, Window: time.Hour, Timeout: timeout,
-		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&syncBuffer{}, nil))})
+		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
 	require.NoError(t, err)
 	ctx := context.Background()
 	// The first check opens a connection through the proxy; wait until
@@ -1031,7 +1005,7 @@ func TestFaultBreakerOneProbeAtATime(t *testing.T) {
 	cooldown := timeout / 10
 	cdb := &countingDB{db: faultPool(t, url, "pgrl-fault-probes", "")}
 	l, err := ratelimit.New(cdb, ratelimit.Config{Name: "probes", Limit: 1_000_000, Window: time.Hour, Timeout: timeout,
-		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&syncBuffer{}, nil))})
+		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
 	require.NoError(t, err)
 	warmUntilHealthy(t, l)
 

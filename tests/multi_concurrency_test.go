@@ -224,7 +224,7 @@ func TestMultiBadInputsConsumeNothing(t *testing.T) {
 		ratelimit.Check{Limiter: a, Key: "k", Cost: -2})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 	_, err = ratelimit.AllowAll(ctx, ratelimit.MultiMode(7), ratelimit.Check{Limiter: b, Key: "k"})
-	require.ErrorIs(t, err, ratelimit.ErrInvalidPolicy)
+	require.ErrorIs(t, err, ratelimit.ErrInvalidMultiMode)
 	_, err = ratelimit.AllowAll(ctx, ratelimit.ConsumeAll, ratelimit.Check{Limiter: b, Key: "k"},
 		ratelimit.Check{Limiter: a, Key: "k", Cost: 4})
 	require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)

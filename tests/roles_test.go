@@ -76,7 +76,7 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 	_, err := app.Exec(ctx, "CREATE TABLE pgrl_intruder (x int)")
 	require.Error(t, err)
 
-	for _, layout := range []string{migration.LayoutPlain, migration.LayoutPartitioned} {
+	for _, layout := range []migration.Layout{migration.LayoutPlain, migration.LayoutPartitioned} {
 		if layout == migration.LayoutPartitioned {
 			// The switch replaces pgrl_fixed_window; the grants must follow.
 			_, err := rs.migrator(t, migration.Config{}).SetLayout(ctx, layout, time.Hour)

@@ -269,20 +269,21 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 		if err != nil {
 			return err
 		}
-		if len(pos) != 1 || (pos[0] != migration.LayoutPlain && pos[0] != migration.LayoutPartitioned) {
+		if len(pos) != 1 || (migration.Layout(pos[0]) != migration.LayoutPlain && migration.Layout(pos[0]) != migration.LayoutPartitioned) {
 			return usagef("layout takes one argument: plain or partitioned")
 		}
+		layout := migration.Layout(pos[0])
 		if *width < time.Second || *width%time.Second != 0 {
 			return usagef("--partition-width must be a whole number of seconds, at least 1s, got %s", *width)
 		}
 		if *lookahead <= 0 {
 			return usagef("--lookahead must be a positive duration such as 24h, got %s", *lookahead)
 		}
-		if pos[0] == migration.LayoutPartitioned && migration.PartitionsNeeded(*lookahead, *width) > migration.MaxPartitions {
+		if layout == migration.LayoutPartitioned && migration.PartitionsNeeded(*lookahead, *width) > migration.MaxPartitions {
 			return usageError{(&migration.PartitionCountError{Width: *width, Lookahead: *lookahead,
 				Needed: migration.PartitionsNeeded(*lookahead, *width)}).Error()}
 		}
-		return a.layout(ctx, pos[0], *width, *lookahead)
+		return a.layout(ctx, layout, *width, *lookahead)
 	case "version":
 		pos, err := parse(sub, rest, a)
 		if err != nil {
@@ -559,8 +560,8 @@ func (a *app) status(ctx context.Context, check bool) error {
 			return err
 		}
 	} else {
-		layout := st.Layout
-		switch layout {
+		layout := string(st.Layout)
+		switch st.Layout {
 		case "":
 			layout = "(no pgrl tables)"
 		case migration.LayoutPartitioned:
@@ -632,7 +633,7 @@ func (a *app) sql(v uint, dir migration.Direction) error {
 	return err
 }
 
-func (a *app) layout(ctx context.Context, layout string, width, lookahead time.Duration) error {
+func (a *app) layout(ctx context.Context, layout migration.Layout, width, lookahead time.Duration) error {
 	m, err := a.migrator(func(c *migration.Config) { c.PartitionLookahead = lookahead })
 	if err != nil {
 		return err

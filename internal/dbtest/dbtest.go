@@ -252,3 +252,50 @@ func URLAsWithSchema(role, schemaName string) string {
 func rolePassword(role string) string { return "pw-" + role }
 
 func quote(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
+
+// ForExamples creates a fresh schema with pgrl's migrations applied and a
+// pool whose search_path is that schema, for Example functions, which take
+// no *testing.T: call it from TestMain. The returned function closes the
+// pool and drops the schema.
+func ForExamples() (*pgxpool.Pool, string, func(), error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	admin, err := pgxpool.New(ctx, URL())
+	if err != nil {
+		return nil, "", nil, err
+	}
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "pgrl_example_" + hex.EncodeToString(b[:])
+	drop := func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		_, _ = admin.Exec(ctx, "DROP SCHEMA IF EXISTS "+pgx.Identifier{name}.Sanitize()+" CASCADE")
+		admin.Close()
+	}
+	if _, err := admin.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{name}.Sanitize()); err != nil {
+		admin.Close()
+		return nil, "", nil, fmt.Errorf("test database %s unreachable or unusable (%w); run scripts/test.sh, which starts one, or set %s", URL(), err, EnvURL)
+	}
+	conn, err := admin.Acquire(ctx)
+	if err == nil {
+		err = Apply(ctx, conn.Conn(), name)
+		conn.Release()
+	}
+	if err != nil {
+		drop()
+		return nil, "", nil, err
+	}
+	cfg, err := pgxpool.ParseConfig(URL())
+	if err != nil {
+		drop()
+		return nil, "", nil, err
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = name
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		drop()
+		return nil, "", nil, err
+	}
+	return pool, name, func() { pool.Close(); drop() }, nil
+}

@@ -14,12 +14,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
@@ -67,18 +67,10 @@ func documentedSeries(t *testing.T) []string {
 	return names
 }
 
-func deadPool(t *testing.T) *pgxpool.Pool {
-	t.Helper()
-	p, err := pgxpool.New(context.Background(), "postgres://postgres@127.0.0.1:1/none?sslmode=disable&connect_timeout=2")
-	require.NoError(t, err)
-	t.Cleanup(p.Close)
-	return p
-}
-
 func TestScrapeFindsEveryDocumentedSeries(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	dead := deadPool(t)
+	dead := testkit.DeadPool(t)
 	ctx := context.Background()
 	quiet := slog.New(slog.DiscardHandler)
 

@@ -1,0 +1,150 @@
+package ratelimit_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// pool stands for the application's *pgxpool.Pool in the examples: a fresh
+// schema of the test database, with pgrl's migrations applied.
+var pool *pgxpool.Pool
+
+// exampleClock pins the examples' clock (Config.Now), so that their output
+// does not depend on when they run. Applications leave Now unset.
+func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
+
+func TestMain(m *testing.M) {
+	p, _, done, err := dbtest.ForExamples()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	pool = p
+	code := m.Run()
+	done()
+	os.Exit(code)
+}
+
+func ExampleLimiter_Allow() {
+	ctx := context.Background()
+	login, err := ratelimit.New(pool, ratelimit.Config{
+		Name:   "login:ip",  // scopes the keys: two limiters never share a counter
+		Limit:  3,           // 3 attempts…
+		Window: time.Minute, // …per minute, in windows aligned on the database clock
+		Now:    exampleClock,
+	})
+	if err != nil {
+		log.Fatal(err) // bad limits are typed errors: ratelimit.ErrInvalidLimit, ...
+	}
+	for range 4 {
+		d, err := login.Allow(ctx, "203.0.113.7")
+		if err != nil {
+			log.Fatal(err) // setup and input errors only: outages are answered by the failure policy
+		}
+		fmt.Printf("allowed=%v used=%d remaining=%d retry-after=%ss\n",
+			d.Allowed, d.Used, d.Remaining, d.RetryAfterHeader())
+	}
+	// Output:
+	// allowed=true used=1 remaining=2 retry-after=0s
+	// allowed=true used=2 remaining=1 retry-after=0s
+	// allowed=true used=3 remaining=0 retry-after=0s
+	// allowed=false used=3 remaining=0 retry-after=30s
+}
+
+func ExampleAllowAll() {
+	ctx := context.Background()
+	perIP, err := ratelimit.New(pool, ratelimit.Config{Name: "signup:ip", Limit: 2, Window: time.Minute, Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
+	perEmail, err := ratelimit.New(pool, ratelimit.Config{
+		Name: "signup:email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Hour, Now: exampleClock,
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	for range 3 {
+		// One round trip; under AllOrNothing a denied request consumes nothing.
+		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
+			ratelimit.Check{Limiter: perIP, Key: "203.0.113.7"},
+			ratelimit.Check{Limiter: perEmail, Key: "ada@example.com"})
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Printf("allowed=%v denied-by=%d email-used=%d\n", m.Allowed, m.DeniedBy, m.Decisions[1].Used)
+	}
+	d, err := perEmail.Peek(ctx, "ada@example.com")
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("email used after the denial:", d.Used)
+	// Output:
+	// allowed=true denied-by=-1 email-used=1
+	// allowed=true denied-by=-1 email-used=2
+	// allowed=false denied-by=0 email-used=3
+	// email used after the denial: 2
+}
+
+func ExampleLimiter_AllowNTx() {
+	ctx := context.Background()
+	uploads, err := ratelimit.New(pool, ratelimit.Config{Name: "upload:bytes", Limit: 10 << 20, Window: time.Hour, Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	d, err := uploads.AllowNTx(ctx, tx, "user:42", 4<<20) // 4 MiB
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("allowed:", d.Allowed, "used MiB:", d.Used>>20)
+	// The work failed: rolling back refunds the units.
+	if err := tx.Rollback(ctx); err != nil {
+		log.Fatal(err)
+	}
+	d, err = uploads.Peek(ctx, "user:42")
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("used MiB after rollback:", d.Used>>20)
+	// Output:
+	// allowed: true used MiB: 4
+	// used MiB after rollback: 0
+}
+
+func ExampleNewMemory() {
+	ctx := context.Background()
+	beacons, err := ratelimit.NewMemory(ratelimit.Config{
+		Name:      "beacon:ip",
+		Algorithm: ratelimit.TokenBucket,
+		Limit:     60, // 60 per minute, one a second…
+		Burst:     2,  // …and at most 2 at once
+		Window:    time.Minute,
+		Now:       exampleClock,
+	}, ratelimit.MemoryOptions{MaxKeys: 10_000})
+	if err != nil {
+		log.Fatal(err)
+	}
+	for range 3 {
+		d, err := beacons.Allow(ctx, "198.51.100.1")
+		if err != nil {
+			log.Fatal(err)
+		}
+		fmt.Println(d.Allowed, d.Remaining, d.RetryAfter, d.Store)
+	}
+	// Output:
+	// true 1 0s memory
+	// true 0 0s memory
+	// false 0 1s memory
+}

@@ -1,0 +1,116 @@
+package ratelimit
+
+import (
+	"context"
+	"time"
+
+	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
+)
+
+// fixedWindow counts units in windows aligned on multiples of Window since
+// the Unix epoch. Its table may be partitioned on the windows' ends.
+type fixedWindow struct{}
+
+func (fixedWindow) validate(Config) error              { return nil }
+func (fixedWindow) capacity(c Config) int64            { return c.Limit }
+func (fixedWindow) fallbackConfig(_, fb Config) Config { return fb }
+func (fixedWindow) spreadRow(row Config) Config        { return row }
+func (fixedWindow) partitioned() bool                  { return true }
+func (fixedWindow) lockRank() int                      { return 0 }
+
+func (fixedWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost int64) (Decision, error) {
+	r, err := l.q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
+		Key: k, At: l.at(), WindowUs: l.windowUs, Cost: cost, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
+}
+
+func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
+	rows, err := l.q.FixedWindowTakeMany(ctx, db, gen.FixedWindowTakeManyParams{
+		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	return inKeyOrder(keys, rows, err, func(row gen.FixedWindowTakeManyRow) string { return row.KeyHex },
+		func(row gen.FixedWindowTakeManyRow, _ int) Decision {
+			return l.fixedDecision(row.Allowed, row.Count, usTime(row.ExpiresAtUs), usTime(row.NowUs))
+		})
+}
+
+func (fixedWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
+	r, err := l.q.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{
+		Key: k, At: l.at(), WindowUs: l.windowUs,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.fixedDecision(r.Count < l.cfg.Limit, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
+}
+
+func (fixedWindow) reset(ctx context.Context, l *Limiter, db DB, k []byte) error {
+	_, err := l.q.FixedWindowReset(ctx, db, k)
+	return err
+}
+
+func (fixedWindow) vote(p *sqlops.MultiRequireAllowedParams, l *Limiter, k []byte) {
+	p.FixedWindowKeys = append(p.FixedWindowKeys, k)
+	p.FixedWindowWindowsUs = append(p.FixedWindowWindowsUs, l.windowUs)
+}
+
+// fixedDecision builds a fixed-window decision from the window's state.
+func (s *shape) fixedDecision(allowed bool, count int64, expiresAt, now time.Time) Decision {
+	d := Decision{
+		Allowed:   allowed,
+		Limit:     s.cfg.Limit,
+		Used:      count,
+		Remaining: max(s.cfg.Limit-count, 0),
+		ResetAt:   expiresAt,
+		Now:       now,
+		Store:     StorePostgres,
+	}
+	if !allowed {
+		// The next window admits any valid cost.
+		d.RetryAfter = max(expiresAt.Sub(now), 0)
+	}
+	return d
+}
+
+// In memory, st.at is the window's end and st.count the units counted in it.
+
+func (fixedWindow) fresh(m *MemoryLimiter, now int64) memState {
+	return memState{at: m.windowEnd(now)}
+}
+
+func (fixedWindow) dead(_ *MemoryLimiter, st memState, now int64) bool { return st.at <= now }
+
+func (fixedWindow) roll(m *MemoryLimiter, st memState, now int64) memState {
+	if end := m.windowEnd(now); st.at != end {
+		st = memState{at: end}
+	}
+	return st
+}
+
+func (fixedWindow) takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool) {
+	// One window per key: with the monotonic clock windows only move
+	// forward, so the current one is all that matters.
+	end := m.windowEnd(now)
+	var count int64
+	if st.at == end {
+		count = st.count
+	}
+	allowed := count <= m.cfg.Limit-cost // count+cost could overflow
+	if allowed || m.cfg.Penalty {
+		count = satAdd(count, cost)
+	}
+	return memState{at: end, count: count}, allowed
+}
+
+func (fixedWindow) decideMemory(m *MemoryLimiter, allowed bool, st memState, now, _ int64) Decision {
+	return m.fixedDecision(allowed, st.count, usTime(st.at), usTime(now))
+}
+
+func (fixedWindow) peekMemory(m *MemoryLimiter, st memState, now int64) Decision {
+	return m.fixedDecision(st.count < m.cfg.Limit, st.count, usTime(st.at), usTime(now))
+}

@@ -1,0 +1,192 @@
+package ratelimit
+
+import (
+	"context"
+	"math"
+	"math/bits"
+	"time"
+
+	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
+)
+
+// slidingWindow estimates the units of the Window that ends now from the
+// current and the previous aligned window, the previous one weighted by how
+// much of it the sliding window still covers.
+type slidingWindow struct{}
+
+func (slidingWindow) validate(Config) error              { return nil }
+func (slidingWindow) capacity(c Config) int64            { return c.Limit }
+func (slidingWindow) fallbackConfig(_, fb Config) Config { return fb }
+func (slidingWindow) spreadRow(row Config) Config        { return row }
+func (slidingWindow) partitioned() bool                  { return false }
+func (slidingWindow) lockRank() int                      { return 2 }
+
+func (slidingWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost int64) (Decision, error) {
+	r, err := l.q.SlidingWindowTake(ctx, db, gen.SlidingWindowTakeParams{
+		Key: k, At: l.at(), WindowUs: l.windowUs, Cost: cost, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), cost), nil
+}
+
+func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
+	rows, err := l.q.SlidingWindowTakeMany(ctx, db, gen.SlidingWindowTakeManyParams{
+		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	return inKeyOrder(keys, rows, err, func(row gen.SlidingWindowTakeManyRow) string { return row.KeyHex },
+		func(row gen.SlidingWindowTakeManyRow, i int) Decision {
+			return l.slidingDecision(row.Allowed, usTime(row.WindowStartUs), row.Count, row.PrevCount, usTime(row.NowUs), costs[i])
+		})
+}
+
+func (slidingWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
+	r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
+		Key: k, At: l.at(), WindowUs: l.windowUs,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	start, now := usTime(r.WindowStartUs), usTime(r.NowUs)
+	allowed := slidingFits(r.PrevCount, r.Count, 1, l.elapsedUs(start, now), l.windowUs, l.cfg.Limit)
+	return l.slidingDecision(allowed, start, r.Count, r.PrevCount, now, 1), nil
+}
+
+func (slidingWindow) reset(ctx context.Context, l *Limiter, db DB, k []byte) error {
+	_, err := l.q.SlidingWindowReset(ctx, db, k)
+	return err
+}
+
+func (slidingWindow) vote(p *sqlops.MultiRequireAllowedParams, _ *Limiter, k []byte) {
+	p.SlidingWindowKeys = append(p.SlidingWindowKeys, k)
+}
+
+// elapsedUs is how far now is into the window starting at start, clamped to
+// [0, window].
+func (s *shape) elapsedUs(start, now time.Time) int64 {
+	return min(max(now.Sub(start).Microseconds(), 0), s.windowUs)
+}
+
+// slidingEstimate is the sliding window's count, rounded up:
+// cur + ceil(prev*(w-e)/w), computed exactly in 128 bits and saturating at
+// math.MaxInt64. All inputs are non-negative.
+func slidingEstimate(prev, cur, e, w int64) int64 {
+	hi, lo := bits.Mul64(uint64(prev), uint64(w-e))
+	q, r := bits.Div64(hi, lo, uint64(w)) // q <= prev: hi < w
+	if r > 0 {
+		q++
+	}
+	return satAdd(cur, int64(q))
+}
+
+// slidingFits reports prev*(w-e) + (cur+cost)*w <= limit*w, computed exactly
+// in 128 bits as the SQL computes it in numeric. All inputs are
+// non-negative.
+func slidingFits(prev, cur, cost, e, w, limit int64) bool {
+	h1, l1 := bits.Mul64(uint64(prev), uint64(w-e))
+	h2, l2 := bits.Mul64(uint64(cur)+uint64(cost), uint64(w)) // cur+cost < 2^64
+	lo, carry := bits.Add64(l1, l2, 0)
+	hi, _ := bits.Add64(h1, h2, carry)
+	rh, rl := bits.Mul64(uint64(limit), uint64(w))
+	return hi < rh || (hi == rh && lo <= rl)
+}
+
+// slidingDecision builds a sliding-window decision from the row's state
+// after the check.
+func (s *shape) slidingDecision(allowed bool, start time.Time, cur, prev int64, now time.Time, cost int64) Decision {
+	w := s.windowUs
+	e := s.elapsedUs(start, now)
+	used := slidingEstimate(prev, cur, e, w)
+	d := Decision{
+		Allowed:   allowed,
+		Limit:     s.cfg.Limit,
+		Used:      used,
+		Remaining: max(s.cfg.Limit-used, 0),
+		ResetAt:   start.Add(2 * s.cfg.Window),
+		Now:       now,
+		Store:     StorePostgres,
+	}
+	if cur == 0 {
+		d.ResetAt = start.Add(s.cfg.Window)
+	}
+	if !allowed {
+		d.RetryAfter = max(s.slidingRetryAfter(start, cur, prev, e, cost), 0)
+	}
+	return d
+}
+
+// slidingRetryAfter finds how long until estimate + cost <= limit, with no
+// further units counted: the previous window's weight shrinks through the
+// current window, then the current count becomes the previous one.
+func (s *shape) slidingRetryAfter(start time.Time, cur, prev, e, cost int64) time.Duration {
+	w := float64(s.windowUs)
+	room := float64(s.cfg.Limit - cur - cost)
+	if room >= 0 && prev > 0 {
+		// Within this window: prev*(w-x)/w <= room  <=>  x >= w - room*w/prev.
+		x := math.Ceil(w - room*w/float64(prev))
+		if x <= w {
+			return usToDuration(x - float64(e))
+		}
+	}
+	// In the next window the current count weighs as the previous one:
+	// cur*(w-x)/w + cost <= limit  <=>  x >= w - (limit-cost)*w/cur.
+	x := 0.0
+	if cur > 0 {
+		x = max(math.Ceil(w-float64(s.cfg.Limit-cost)*w/float64(cur)), 0)
+	}
+	return usToDuration(w - float64(e) + x)
+}
+
+// In memory, st.at is the current window's start, st.count and st.prev the
+// units counted in it and in the one before.
+
+func (slidingWindow) fresh(m *MemoryLimiter, now int64) memState {
+	return memState{at: m.windowStart(now)}
+}
+
+func (slidingWindow) dead(m *MemoryLimiter, st memState, now int64) bool {
+	return st.at < m.windowStart(now)-m.windowUs
+}
+
+func (slidingWindow) roll(m *MemoryLimiter, st memState, now int64) memState {
+	ws := m.windowStart(now)
+	switch {
+	case st.at >= ws:
+	case st.at == ws-m.windowUs:
+		st.at, st.count, st.prev = ws, 0, st.count
+	default:
+		st.at, st.count, st.prev = ws, 0, 0
+	}
+	return st
+}
+
+func (slidingWindow) takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool) {
+	// A state from a later window (only with a pinned clock that went
+	// back) is kept, as the SQL keeps the row's window.
+	ws := max(st.at, m.windowStart(now))
+	var cur, prev int64
+	switch {
+	case st.at >= ws:
+		cur, prev = st.count, st.prev
+	case st.at == ws-m.windowUs:
+		prev = st.count
+	}
+	e := min(max(now-ws, 0), m.windowUs)
+	allowed := slidingFits(prev, cur, cost, e, m.windowUs, m.cfg.Limit)
+	if allowed || m.cfg.Penalty {
+		cur = satAdd(cur, cost)
+	}
+	return memState{at: ws, count: cur, prev: prev}, allowed
+}
+
+func (slidingWindow) decideMemory(m *MemoryLimiter, allowed bool, st memState, now, cost int64) Decision {
+	return m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), cost)
+}
+
+func (slidingWindow) peekMemory(m *MemoryLimiter, st memState, now int64) Decision {
+	e := min(max(now-st.at, 0), m.windowUs)
+	allowed := slidingFits(st.prev, st.count, 1, e, m.windowUs, m.cfg.Limit)
+	return m.slidingDecision(allowed, usTime(st.at), st.count, st.prev, usTime(now), 1)
+}

@@ -1,0 +1,182 @@
+package ratelimit
+
+import (
+	"context"
+	"math"
+	"math/big"
+	"time"
+
+	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
+)
+
+// tokenBucket holds up to Burst tokens and refills Limit per Window,
+// continuously. Balances are float8 in PostgreSQL and float64 in memory.
+type tokenBucket struct{}
+
+// MaxTokens is the largest token-bucket Burst (and so cost) a limiter
+// accepts: 2^53, the largest range in which a float8 balance, as PostgreSQL
+// and the memory tier keep it, counts every single token exactly.
+const MaxTokens = 1 << 53
+
+// maxRefillUs is the longest an empty token bucket may take to refill:
+// 1,000 years, in microseconds. Refill instants (twice that under penalty)
+// then stay far inside PostgreSQL's interval and timestamp ranges.
+const maxRefillUs = 1000 * 36525 * 24 * 3600 * 1_000_000 / 100
+
+// validate refuses token buckets whose balance or refill times cannot be
+// computed exactly: a Burst beyond MaxTokens, or an empty bucket that takes
+// longer than 1,000 years to refill (its refill instants would leave the
+// range of PostgreSQL's intervals).
+func (tokenBucket) validate(c Config) error {
+	if c.Burst > MaxTokens {
+		return invalid(ErrInvalidBurst, "%d for %q; a token bucket holds at most %d tokens (exactly, as a float8): lower Burst (it defaults to Limit), or count in larger units", c.Burst, c.Name, int64(MaxTokens))
+	}
+	// Burst/Limit*Window <= 1,000 years, in integers that cannot overflow.
+	fill := new(big.Int).Mul(big.NewInt(c.Burst), big.NewInt(c.Window.Microseconds()))
+	most := new(big.Int).Mul(big.NewInt(c.Limit), big.NewInt(maxRefillUs))
+	if fill.Cmp(most) > 0 {
+		return invalid(ErrInvalidBurst, "burst %d at %d per %v for %q: an empty bucket would take more than 1,000 years to refill; raise Limit, shorten Window or lower Burst", c.Burst, c.Limit, c.Window, c.Name)
+	}
+	return nil
+}
+
+func (tokenBucket) capacity(c Config) int64 { return c.Burst }
+
+// fallbackConfig keeps the bucket's shape: the burst scales with the limit
+// (Burst*FallbackLimit/Limit, in 128 bits: the product can overflow int64).
+func (tokenBucket) fallbackConfig(cfg, fb Config) Config {
+	fb.Burst = max(1, mulDiv(cfg.Burst, cfg.FallbackLimit, cfg.Limit))
+	return fb
+}
+
+// spreadRow makes every row refill at its share of the rate, at least one
+// token per Window.
+func (tokenBucket) spreadRow(row Config) Config {
+	row.Limit = max(row.Limit, 1)
+	return row
+}
+
+func (tokenBucket) partitioned() bool { return false }
+func (tokenBucket) lockRank() int     { return 1 }
+
+func (tokenBucket) take(ctx context.Context, l *Limiter, db DB, k []byte, cost int64) (Decision, error) {
+	r, err := l.q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
+		Key: k, At: l.at(), Cost: float64(cost), Capacity: float64(l.cfg.Burst),
+		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), cost), nil
+}
+
+func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
+	fcosts := make([]float64, len(costs))
+	for i, n := range costs {
+		fcosts[i] = float64(n)
+	}
+	rows, err := l.q.TokenBucketTakeMany(ctx, db, gen.TokenBucketTakeManyParams{
+		Keys: keys, Costs: fcosts, At: l.at(), Capacity: float64(l.cfg.Burst),
+		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+	})
+	return inKeyOrder(keys, rows, err, func(row gen.TokenBucketTakeManyRow) string { return row.KeyHex },
+		func(row gen.TokenBucketTakeManyRow, i int) Decision {
+			return l.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), costs[i])
+		})
+}
+
+func (tokenBucket) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
+	r, err := l.q.TokenBucketPeek(ctx, db, gen.TokenBucketPeekParams{
+		Key: k, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	tokens, now := math.Float64frombits(uint64(r.TokensBits)), usTime(r.NowUs)
+	fullAt := now.Add(usToDuration((float64(l.cfg.Burst) - tokens) / l.refillPerUs))
+	return l.tokenDecision(tokens >= 1, tokens, now, fullAt, 1), nil
+}
+
+func (tokenBucket) reset(ctx context.Context, l *Limiter, db DB, k []byte) error {
+	_, err := l.q.TokenBucketReset(ctx, db, k)
+	return err
+}
+
+func (tokenBucket) vote(p *sqlops.MultiRequireAllowedParams, _ *Limiter, k []byte) {
+	p.TokenBucketKeys = append(p.TokenBucketKeys, k)
+}
+
+// tokenDecision builds a token-bucket decision from the balance after the
+// check, taken at instant at.
+func (s *shape) tokenDecision(allowed bool, tokens float64, at, fullAt time.Time, cost int64) Decision {
+	d := Decision{
+		Allowed:   allowed,
+		Limit:     s.cfg.Burst,
+		Used:      tokensUsed(s.cfg.Burst, tokens),
+		Remaining: int64(math.Floor(max(tokens, 0))),
+		ResetAt:   fullAt,
+		Now:       at,
+		Store:     StorePostgres,
+	}
+	if !allowed {
+		d.RetryAfter = max(usToDuration((float64(cost)-tokens)/s.refillPerUs), 0)
+	}
+	return d
+}
+
+// tokensUsed is what a balance of tokens lacks from a full bucket of burst,
+// in whole tokens rounded up: burst - floor(tokens). Under penalty the
+// balance can be down to -burst, so this is up to 2*burst; it is exact
+// (burst and |tokens| are at most 2^53) and saturates at math.MaxInt64.
+func tokensUsed(burst int64, tokens float64) int64 {
+	f := math.Floor(tokens)
+	if f >= 0 {
+		return max(burst-int64(f), 0)
+	}
+	return satAdd(burst, int64(-f))
+}
+
+// In memory, st.at is the last update and st.tokens the balance then.
+
+func (tokenBucket) fresh(m *MemoryLimiter, now int64) memState {
+	return memState{at: now, tokens: m.capacity}
+}
+
+func (tokenBucket) dead(m *MemoryLimiter, st memState, now int64) bool {
+	return st.at <= now && st.tokens+float64(now-st.at)*m.refillPerUs >= m.capacity
+}
+
+func (tokenBucket) roll(m *MemoryLimiter, st memState, now int64) memState {
+	st.tokens = min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
+	st.at = now
+	return st
+}
+
+func (tokenBucket) takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool) {
+	avail := min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
+	c := float64(cost)
+	allowed := avail >= c
+	switch {
+	case allowed:
+		st.tokens = avail - c
+	case m.cfg.Penalty:
+		st.tokens = max(avail-c, -m.capacity)
+	default:
+		st.tokens = avail
+	}
+	st.at = max(st.at, now)
+	return st, allowed
+}
+
+func (tokenBucket) decideMemory(m *MemoryLimiter, allowed bool, st memState, _, cost int64) Decision {
+	// full_at = at + (capacity - tokens)/refill, rounded as PostgreSQL
+	// rounds interval * float8: to the nearest microsecond, ties to even.
+	fullAt := st.at + int64(math.RoundToEven((m.capacity-st.tokens)/m.refillPerUs))
+	return m.tokenDecision(allowed, st.tokens, usTime(st.at), usTime(fullAt), cost)
+}
+
+func (tokenBucket) peekMemory(m *MemoryLimiter, st memState, now int64) Decision {
+	fullAt := usTime(now).Add(usToDuration((m.capacity - st.tokens) / m.refillPerUs))
+	return m.tokenDecision(st.tokens >= 1, st.tokens, usTime(now), fullAt, 1)
+}
