@@ -173,7 +173,8 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 			return l.shadow(key, l.asWhole(row, d)), nil
 		}
 	}
-	if !l.breaker.allow(sent) {
+	probe, ok := l.breaker.allow(sent)
+	if !ok {
 		return l.fallback(ctx, key, n, errBreakerOpen)
 	}
 	d, err := row.allowWithin(ctx, key, n)
@@ -183,13 +184,13 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 		}
 		err = l.explain(ctx, err)
 		if isConfigError(err) {
-			l.breaker.success() // the database answered
+			l.breaker.success(probe) // the database answered
 			return Decision{}, err
 		}
-		l.breaker.failure(time.Now(), err, l.cfg.OnFailure)
+		l.breaker.failure(time.Now(), err, l.cfg.OnFailure, probe)
 		return l.fallback(ctx, key, n, err)
 	}
-	l.breaker.success()
+	l.breaker.success(probe)
 	if row.deny != nil && !d.Allowed {
 		row.deny.put(key, n, d, sent)
 	}

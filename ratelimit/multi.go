@@ -208,14 +208,18 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	first := checks[0].Limiter
 	sent := first.localNow()
 	var sp pgx.Tx // the savepoint, in the caller's transaction
+	var probe int64
 	if tx != nil {
 		var err error
 		if sp, err = tx.Begin(ctx); err != nil {
 			return MultiDecision{}, first.explain(ctx, err)
 		}
 		db = sp
-	} else if !first.breaker.allow(sent) {
-		return fallbackAll(ctx, checks, errBreakerOpen)
+	} else {
+		var ok bool
+		if probe, ok = first.breaker.allow(sent); !ok {
+			return fallbackAll(ctx, checks, errBreakerOpen)
+		}
 	}
 	cctx := ctx
 	if tx == nil && first.cfg.Timeout > 0 {
@@ -320,11 +324,11 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		if tx != nil {
 			return MultiDecision{}, err
 		}
-		first.breaker.failure(time.Now(), err, first.cfg.OnFailure)
+		first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
 		return fallbackAll(ctx, checks, err)
 	}
 	if tx == nil {
-		first.breaker.success()
+		first.breaker.success(probe)
 	}
 
 	voteLost := false

@@ -66,13 +66,18 @@ func newBreaker(cfg Config) *breaker {
 		probeLimit: cfg.Timeout + cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
 }
 
-// allow reports whether a check may go to the database now.
-func (b *breaker) allow(now time.Time) bool {
+// allow reports whether a check may go to the database now. While the
+// breaker is open, the one check let through is the probe: probe is its
+// token (nonzero), which it hands back to success or failure, so that only
+// the probe's own outcome ends its turn. A check that was sent before the
+// breaker opened, or a probe forgotten after a deadline and a cool-down,
+// fails late without starting another probe early.
+func (b *breaker) allow(now time.Time) (probe int64, ok bool) {
 	if !b.open.Load() {
-		return true
+		return 0, true
 	}
 	if now.UnixNano() < b.openUntil.Load() {
-		return false
+		return 0, false
 	}
 	// Cool-down over: let one probe through at a time. A probe whose
 	// caller gave up (its context ended, so it recorded neither success
@@ -81,18 +86,23 @@ func (b *breaker) allow(now time.Time) bool {
 	// only slow is not, or a stall would pile up a probe every cool-down.
 	p := b.probeAt.Load()
 	if p != 0 && now.UnixNano()-p < int64(b.probeLimit) {
-		return false
+		return 0, false
 	}
-	return b.probeAt.CompareAndSwap(p, now.UnixNano())
+	t := max(now.UnixNano(), p+1)
+	if !b.probeAt.CompareAndSwap(p, t) {
+		return 0, false
+	}
+	return t, true
 }
 
-// success records a check the database answered. While the breaker is
-// open, only the probe closes it: a check sent before the outage that
-// succeeds late says nothing about the database now, and closing on it
-// would log a recovery and a second outage for one outage.
-func (b *breaker) success() {
+// success records a check the database answered; probe is the token
+// allow gave it. While the breaker is open, only a probe closes it: a check
+// sent before the outage that succeeds late says nothing about the database
+// now, and closing on it would log a recovery and a second outage for one
+// outage.
+func (b *breaker) success(probe int64) {
 	b.failures.Store(0)
-	if b.open.Load() && b.probeAt.Load() != 0 {
+	if probe != 0 && b.open.Load() {
 		b.mu.Lock()
 		if b.open.Load() {
 			b.open.Store(false)
@@ -103,7 +113,7 @@ func (b *breaker) success() {
 				"limiter", b.name, "outage", time.Since(b.since).Round(time.Millisecond).String())
 		}
 		b.mu.Unlock()
-		b.probeAt.Store(0)
+		b.probeAt.Store(0) // closed: no probe is running any more
 	}
 }
 
@@ -112,14 +122,17 @@ func (b *breaker) success() {
 // not an outage: it is answered by the policy but does not count towards
 // opening the breaker, so that one locked row does not send every other
 // key to the fallback.
-func (b *breaker) failure(now time.Time, err error, policy FailurePolicy) {
+func (b *breaker) failure(now time.Time, err error, policy FailurePolicy, probe int64) {
 	if isLockTimeout(err) {
 		return
 	}
 	n := b.failures.Add(1)
 	if b.open.Load() {
-		b.openUntil.Store(now.Add(b.cooldown).UnixNano())
-		b.probeAt.Store(0)
+		// Only the running probe's failure starts the next cool-down; a
+		// late failure of a check sent earlier leaves the probe's turn be.
+		if probe != 0 && b.probeAt.CompareAndSwap(probe, 0) {
+			b.openUntil.Store(now.Add(b.cooldown).UnixNano())
+		}
 		return
 	}
 	if n < b.threshold {
