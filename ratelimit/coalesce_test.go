@@ -134,7 +134,9 @@ func TestCoalescingCancellation(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
 	ctx := context.Background()
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1})
+	// A token bucket: one row per key, so no window boundary can move the
+	// checks of "busy" off the locked row.
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1})
 
 	// Hold the row lock of key "busy" so that the round trip in flight
 	// waits, and the next checks queue behind it. The first check opens a
@@ -147,7 +149,7 @@ func TestCoalescingCancellation(t *testing.T) {
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = tx.Exec(ctx, "SELECT 1 FROM pgrl_fixed_window FOR UPDATE")
+	_, err = tx.Exec(ctx, "SELECT 1 FROM pgrl_token_bucket FOR UPDATE")
 	require.NoError(t, err)
 	var holder int32
 	require.NoError(t, tx.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&holder))

@@ -431,7 +431,9 @@ func TestFaultServerStoppedDuringLoad(t *testing.T) {
 }
 
 // TestFaultRowLockHeld holds a counter's row lock in another transaction
-// (SELECT … FOR UPDATE, left open). Checks of that key answer within the
+// (SELECT … FOR UPDATE, left open). The counter is a token bucket, one row
+// per key: a fixed window's check moves to a new, unlocked row when the
+// window ends, which once let a "locked" check through at 16:00:00. Checks of that key answer within the
 // deadline by their policy; checks of other keys are answered by PostgreSQL
 // meanwhile. Run with the server's statement_timeout under the client
 // deadline (the connection survives: PostgreSQL cancels the statement) and
@@ -459,11 +461,11 @@ func TestFaultRowLockHeld(t *testing.T) {
 					})
 					ctx := context.Background()
 					name := "lock-" + pc.name
-					l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: 1000, Window: time.Hour, OnFailure: pc.policy, Timeout: timeout})
+					l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, OnFailure: pc.policy, Timeout: timeout})
 					require.NoError(t, err)
 					// Create the hot key's row (without a deadline: on a busy
 					// machine the first connection may take a while).
-					setup, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: 1000, Window: time.Hour, OnFailure: ratelimit.FailError})
+					setup, err := ratelimit.New(pool, ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, OnFailure: ratelimit.FailError})
 					require.NoError(t, err)
 					_, err = setup.Allow(ctx, "hot")
 					require.NoError(t, err)
@@ -474,7 +476,7 @@ func TestFaultRowLockHeld(t *testing.T) {
 					tx, err := locker.Begin(ctx)
 					require.NoError(t, err)
 					defer func() { _ = tx.Rollback(ctx) }()
-					tag, err := tx.Exec(ctx, "SELECT 1 FROM pgrl_fixed_window WHERE key = $1 FOR UPDATE", multiprocessHashedKey(name, "hot"))
+					tag, err := tx.Exec(ctx, "SELECT 1 FROM pgrl_token_bucket WHERE key = $1 FOR UPDATE", multiprocessHashedKey(name, "hot"))
 					require.NoError(t, err)
 					require.EqualValues(t, 1, tag.RowsAffected(), "the hot key's row is locked")
 					before := pool.Stat().NewConnsCount()
@@ -551,7 +553,7 @@ func TestFaultRowLockManyCallers(t *testing.T) {
 	const name = "lock-many"
 	// Coalescing on (the default): checks of other keys must not queue
 	// behind the statements waiting on the locked row.
-	cfg := ratelimit.Config{Name: name, Limit: 100000, Window: time.Hour, Timeout: lockTimeout + 2*margin}
+	cfg := ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 100000, Window: time.Hour, Timeout: lockTimeout + 2*margin}
 	l, err := ratelimit.New(pool, cfg)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "hot")
@@ -559,7 +561,7 @@ func TestFaultRowLockManyCallers(t *testing.T) {
 	tx, err := dbtest.PoolOn(t, s).Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = tx.Exec(ctx, "SELECT 1 FROM pgrl_fixed_window WHERE key = $1 FOR UPDATE", multiprocessHashedKey(name, "hot"))
+	_, err = tx.Exec(ctx, "SELECT 1 FROM pgrl_token_bucket WHERE key = $1 FOR UPDATE", multiprocessHashedKey(name, "hot"))
 	require.NoError(t, err)
 
 	stop := make(chan struct{})
