@@ -80,7 +80,12 @@ for major in "${majors[@]}"; do
 	[[ $major == "$skip" ]] && continue
 	start=$SECONDS
 	echo "--- PostgreSQL $major"
-	url=$(bash scripts/pg.sh "$major" start)
+	if ! url=$(bash scripts/pg.sh "$major" start); then
+		echo "PostgreSQL $major: FAILED to start" >&2
+		bash scripts/pg.sh "$major" stop || true
+		failed+=("$major")
+		continue
+	fi
 	status=0
 	PGRL_TEST_DATABASE_URL=$url go test -count=1 -short -timeout 30m "${sql_pkgs[@]}" || status=1
 	PGRL_TEST_DATABASE_URL=$url go test -count=1 -short -timeout 30m -run "$multi_run" ./tests/ || status=1

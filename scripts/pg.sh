@@ -16,7 +16,7 @@
 #
 # The cache is .pgcache/ in the repository, or /tmp/pgrl-pgcache when the
 # postgres user cannot reach the repository (PGRL_PG_CACHE overrides both); the
-# server listens on 127.0.0.1, on the first free port from 54000 + 10 × MAJOR
+# server listens on 127.0.0.1, on the first free port from 25000 + 10 × MAJOR
 # (PGRL_PG_PORT overrides it), with trust authentication, and its database is
 # pgrl_test (PGRL_PG_DATABASE overrides it). These builds have no psql: the
 # database is created in single-user mode before the server starts.
@@ -128,15 +128,24 @@ start() {
 	printf 'CREATE DATABASE %s\n' "$database" |
 		as_pg "$bindir/postgres" --single -D "$datadir" postgres >"$datadir.single.log" 2>&1 ||
 		{ pgrl_die "could not create database $database; see $datadir.single.log"; return 1; }
-	local port=${PGRL_PG_PORT:-}
-	if [[ -z $port ]]; then
-		port=$((54000 + 10 * major))
-		while pgrl_reachable 127.0.0.1 "$port"; do port=$((port + 1)); done
-	fi
-	printf '%s\n' "$port" >"$datadir/pgrl-port"
-	as_pg "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 120 \
-		-o "-p $port -c listen_addresses=127.0.0.1 -k $datadir -c fsync=off" start >/dev/null ||
-		{ pgrl_die "PostgreSQL $major did not start; see $datadir/server.log"; return 1; }
+	# Below the kernel's ephemeral range (32768 and up), where a client's
+	# outgoing connection may hold a port nothing listens on. A port taken
+	# between the check and the start is skipped too.
+	local port=${PGRL_PG_PORT:-$((25000 + 10 * major))} tries=0
+	while :; do
+		while [[ -z ${PGRL_PG_PORT:-} ]] && pgrl_reachable 127.0.0.1 "$port"; do port=$((port + 1)); done
+		printf '%s\n' "$port" >"$datadir/pgrl-port"
+		if as_pg "$bindir/pg_ctl" -D "$datadir" -l "$datadir/server.log" -w -t 120 \
+			-o "-p $port -c listen_addresses=127.0.0.1 -k $datadir -c fsync=off" start >/dev/null; then
+			break
+		fi
+		tries=$((tries + 1))
+		if [[ -n ${PGRL_PG_PORT:-} || $tries -ge 10 ]] || ! grep -q 'could not bind\|could not create lock file' "$datadir/server.log"; then
+			pgrl_die "PostgreSQL $major did not start; see $datadir/server.log"
+			return 1
+		fi
+		port=$((port + 1))
+	done
 	pgrl_log "PostgreSQL $major ($version) on 127.0.0.1:$port"
 	url
 }

@@ -27,6 +27,16 @@ const (
 	multiprocessTrials    = 20
 )
 
+// multiprocessTrialCount is multiprocessTrials, or 4 with -short (the CI
+// matrix runs these tests on every PostgreSQL major with -short; the full
+// suite runs all 20 trials).
+func multiprocessTrialCount() int {
+	if testing.Short() {
+		return 4
+	}
+	return multiprocessTrials
+}
+
 // multiprocessDemoResult is the part of examples/multiinstance's JSON output
 // these tests read.
 type multiprocessDemoResult struct {
@@ -102,7 +112,7 @@ func TestMultiprocessExactlyTheLimit(t *testing.T) {
 	url := dbtest.URLWithSchema(dbtest.NewSchema(t))
 	for _, a := range ratelimit.Algorithms {
 		t.Run(string(a), func(t *testing.T) {
-			for trial := range multiprocessTrials {
+			for trial := range multiprocessTrialCount() {
 				r := multiprocessRun(t, bin, url, a, fmt.Sprintf("exact-%s-%d", a, trial), false)
 				if *r.PostgresAdmitted != multiprocessLimit {
 					t.Errorf("trial %d: %d admitted (per process %v), want exactly %d",
@@ -123,7 +133,7 @@ func TestMultiprocessPenaltyCountsEveryAttempt(t *testing.T) {
 	pool := dbtest.PoolOn(t, schema)
 	ctx := context.Background()
 	const attempts = multiprocessProcesses * multiprocessCalls
-	for trial := range multiprocessTrials {
+	for trial := range multiprocessTrialCount() {
 		key := fmt.Sprintf("penalty-%d", trial)
 		r := multiprocessRun(t, bin, url, ratelimit.FixedWindow, key, true)
 		if *r.PostgresAdmitted != multiprocessLimit {
