@@ -42,7 +42,10 @@ sql_pkgs=(./migration/... ./cleanup/... ./ratelimit/... ./cmd/rl-migrate/... ./c
 multi_run='^(TestMultiprocess|TestMultiConcurrent|TestMultiSingleAlgorithm|TestMultiBadInputs)'
 
 bin=$(mktemp -d)
-trap 'rm -rf "$bin"' EXIT
+current=""
+# Stopped or interrupted, leave no server running.
+trap 'rm -rf "$bin"; [[ -z $current ]] || bash scripts/pg.sh "$current" stop' EXIT
+trap 'exit 143' TERM INT
 go build -o "$bin/" ./cmd/rl-migrate ./cmd/rl-cleanup
 
 # expect NAME JSON PATTERN fails unless the command's JSON output contains PATTERN.
@@ -80,6 +83,7 @@ for major in "${majors[@]}"; do
 	[[ $major == "$skip" ]] && continue
 	start=$SECONDS
 	echo "--- PostgreSQL $major"
+	current=$major
 	if ! url=$(bash scripts/pg.sh "$major" start); then
 		echo "PostgreSQL $major: FAILED to start" >&2
 		bash scripts/pg.sh "$major" stop || true
@@ -91,6 +95,7 @@ for major in "${majors[@]}"; do
 	PGRL_TEST_DATABASE_URL=$url go test -count=1 -short -timeout 30m -run "$multi_run" ./tests/ || status=1
 	smoke "$major" "$url" || status=1
 	bash scripts/pg.sh "$major" stop
+	current=""
 	if [[ $status != 0 ]]; then
 		echo "PostgreSQL $major: FAILED after $((SECONDS - start)) s" >&2
 		failed+=("$major")
