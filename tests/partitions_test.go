@@ -164,8 +164,13 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	ddl := countDDL(t, rs.owner)
 	owner := rs.poolAs(t, rs.owner)
 
-	// A 6-hour window ends past the 1-hour lookahead.
-	cfg := ratelimit.Config{Name: "long", Limit: 3, Window: 6 * time.Hour} // default policy: memory
+	// A window that ends past the partitions made ahead (the 1-hour
+	// lookahead rounded up to the 1-hour width: at most 2 hours from now).
+	// Windows are aligned on the Unix epoch, so a fixed length (6 hours, say)
+	// ends within the lookahead for part of every day: pick one that does not
+	// now.
+	longWindow := windowEndingAfter(t, time.Now().Add(3*time.Hour), 6*time.Hour)
+	cfg := ratelimit.Config{Name: "long", Limit: 3, Window: longWindow} // default policy: memory
 	l, err := ratelimit.New(owner, cfg)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k")
@@ -208,13 +213,36 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	require.NoError(t, err)
 	require.ErrorIs(t, ratelimit.EnsurePartitions(ctx, owner, wide), ratelimit.ErrPartitionWidth)
 
-	// Opting in: the check creates its partition.
-	opt, err := ratelimit.New(owner, ratelimit.Config{Name: "opt", Limit: 3, Window: 40 * time.Hour, CreatePartitions: true})
+	// Opting in: the check creates its partition (its window ends past the
+	// ones EnsurePartitions made for "long").
+	optWindow := windowEndingAfter(t, windowEnd(time.Now(), longWindow).Add(2*time.Hour), longWindow)
+	opt, err := ratelimit.New(owner, ratelimit.Config{Name: "opt", Limit: 3, Window: optWindow, CreatePartitions: true})
 	require.NoError(t, err)
 	d, err = opt.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.Equal(t, ratelimit.StorePostgres, d.Store)
 	require.Greater(t, ddl(), made)
+}
+
+// windowEnd is when the fixed window of length w holding now ends: windows
+// are aligned on the Unix epoch.
+func windowEnd(now time.Time, w time.Duration) time.Time {
+	us := w.Microseconds()
+	return time.UnixMicro((now.UnixMicro()/us + 1) * us)
+}
+
+// windowEndingAfter returns the shortest whole number of hours, at least
+// min, whose fixed window holding now ends after after, and at most 60
+// hours so that it spans fewer partitions than one check may make.
+func windowEndingAfter(t *testing.T, after time.Time, min time.Duration) time.Duration {
+	t.Helper()
+	for w := min.Truncate(time.Hour); w <= 60*time.Hour; w += time.Hour {
+		if w >= min && windowEnd(time.Now(), w).After(after) {
+			return w
+		}
+	}
+	t.Fatalf("no window of %s to 60h ends after %s", min, after)
+	return 0
 }
 
 // holdAdvisory runs stmt on a connection of its own inside a transaction
