@@ -218,3 +218,127 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 	}
 	return items, nil
 }
+
+const fixedWindowTakeQueue = `-- name: FixedWindowTakeQueue :many
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
+  FROM pgrl_fixed_window_take_queue($1::bytea[], $2::bigint[],
+                                    $3::boolean[], $4::integer[],
+                                    $5::bigint, $6::bigint,
+                                    $7::boolean, $8::timestamptz) AS q
+`
+
+type FixedWindowTakeQueueParams struct {
+	Keys     [][]byte
+	Costs    []int64
+	UpTo     []bool
+	Ends     []int32
+	MaxCount int64
+	WindowUs int64
+	Penalty  bool
+	At       *time.Time
+}
+
+type FixedWindowTakeQueueRow struct {
+	CheckIndex  int32
+	Granted     int64
+	Count       int64
+	Allowed     bool
+	ExpiresAtUs int64
+	NowUs       int64
+}
+
+// FixedWindowTakeQueue decides queues of checks, several per key, each key's
+// row locked and written once: the checks of a key are decided one after
+// another in the order given, exactly as that many FixedWindowTake
+// statements at the same instant would decide them, and each gets a row
+// with the window's state right after it. A check with up_to set is a
+// partial grant: it takes what is left of its cost, possibly nothing, and
+// reports it in granted (an all-or-nothing check's granted is its cost or
+// 0). keys are distinct and sorted; ends[i] is the 1-based position in
+// costs of key i's last check; see pgrl_fixed_window_take_queue (migration
+// 000006). check_index is the check's position in costs.
+func (q *Queries) FixedWindowTakeQueue(ctx context.Context, db DBTX, arg FixedWindowTakeQueueParams) ([]FixedWindowTakeQueueRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeQueue,
+		arg.Keys,
+		arg.Costs,
+		arg.UpTo,
+		arg.Ends,
+		arg.MaxCount,
+		arg.WindowUs,
+		arg.Penalty,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeQueueRow
+	for rows.Next() {
+		var i FixedWindowTakeQueueRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.Count,
+			&i.Allowed,
+			&i.ExpiresAtUs,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const fixedWindowTakeUpTo = `-- name: FixedWindowTakeUpTo :one
+SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
+       q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
+  FROM pgrl_fixed_window_take_queue(ARRAY[$1::bytea], ARRAY[$2::bigint], ARRAY[true],
+                                    ARRAY[1], $3::bigint, $4::bigint,
+                                    $5::boolean, $6::timestamptz) AS q
+`
+
+type FixedWindowTakeUpToParams struct {
+	Key      []byte
+	N        int64
+	MaxCount int64
+	WindowUs int64
+	Penalty  bool
+	At       *time.Time
+}
+
+type FixedWindowTakeUpToRow struct {
+	Granted     int64
+	Count       int64
+	Allowed     bool
+	ExpiresAtUs int64
+	NowUs       int64
+}
+
+// FixedWindowTakeUpTo is a partial grant: it takes as many of n units as
+// the key's window has left (possibly none, which is a denial) and returns
+// that number as granted, with the window's state after it. Under penalty
+// all n are counted whatever is granted.
+func (q *Queries) FixedWindowTakeUpTo(ctx context.Context, db DBTX, arg FixedWindowTakeUpToParams) (FixedWindowTakeUpToRow, error) {
+	row := db.QueryRow(ctx, fixedWindowTakeUpTo,
+		arg.Key,
+		arg.N,
+		arg.MaxCount,
+		arg.WindowUs,
+		arg.Penalty,
+		arg.At,
+	)
+	var i FixedWindowTakeUpToRow
+	err := row.Scan(
+		&i.Granted,
+		&i.Count,
+		&i.Allowed,
+		&i.ExpiresAtUs,
+		&i.NowUs,
+	)
+	return i, err
+}

@@ -283,3 +283,127 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 	}
 	return items, nil
 }
+
+const slidingWindowTakeQueue = `-- name: SlidingWindowTakeQueue :many
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
+       q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
+       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
+  FROM pgrl_sliding_window_take_queue($1::bytea[], $2::bigint[],
+                                      $3::boolean[], $4::integer[],
+                                      $5::bigint, $6::bigint,
+                                      $7::boolean, $8::timestamptz) AS q
+`
+
+type SlidingWindowTakeQueueParams struct {
+	Keys     [][]byte
+	Costs    []int64
+	UpTo     []bool
+	Ends     []int32
+	MaxCount int64
+	WindowUs int64
+	Penalty  bool
+	At       *time.Time
+}
+
+type SlidingWindowTakeQueueRow struct {
+	CheckIndex    int32
+	Granted       int64
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeQueue decides queues of checks, several per key, each
+// key's row locked, rolled forward and written once, under the rules of
+// FixedWindowTakeQueue: every check gets the row's state right after it, as
+// SlidingWindowTake would return it at the same instant. A partial grant
+// takes the most units the weighted estimate still admits, at most its
+// cost. See pgrl_sliding_window_take_queue (migration 000006).
+func (q *Queries) SlidingWindowTakeQueue(ctx context.Context, db DBTX, arg SlidingWindowTakeQueueParams) ([]SlidingWindowTakeQueueRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeQueue,
+		arg.Keys,
+		arg.Costs,
+		arg.UpTo,
+		arg.Ends,
+		arg.MaxCount,
+		arg.WindowUs,
+		arg.Penalty,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeQueueRow
+	for rows.Next() {
+		var i SlidingWindowTakeQueueRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const slidingWindowTakeUpTo = `-- name: SlidingWindowTakeUpTo :one
+SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
+       q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
+  FROM pgrl_sliding_window_take_queue(ARRAY[$1::bytea], ARRAY[$2::bigint], ARRAY[true],
+                                      ARRAY[1], $3::bigint, $4::bigint,
+                                      $5::boolean, $6::timestamptz) AS q
+`
+
+type SlidingWindowTakeUpToParams struct {
+	Key      []byte
+	N        int64
+	MaxCount int64
+	WindowUs int64
+	Penalty  bool
+	At       *time.Time
+}
+
+type SlidingWindowTakeUpToRow struct {
+	Granted       int64
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeUpTo is a partial grant: it counts as many of n units as
+// the weighted estimate admits (possibly none, which is a denial) and
+// returns that number as granted. Under penalty all n are counted.
+func (q *Queries) SlidingWindowTakeUpTo(ctx context.Context, db DBTX, arg SlidingWindowTakeUpToParams) (SlidingWindowTakeUpToRow, error) {
+	row := db.QueryRow(ctx, slidingWindowTakeUpTo,
+		arg.Key,
+		arg.N,
+		arg.MaxCount,
+		arg.WindowUs,
+		arg.Penalty,
+		arg.At,
+	)
+	var i SlidingWindowTakeUpToRow
+	err := row.Scan(
+		&i.Granted,
+		&i.WindowStartUs,
+		&i.Count,
+		&i.PrevCount,
+		&i.Allowed,
+		&i.NowUs,
+	)
+	return i, err
+}

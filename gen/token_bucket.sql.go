@@ -242,3 +242,123 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 	}
 	return items, nil
 }
+
+const tokenBucketTakeQueue = `-- name: TokenBucketTakeQueue :many
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
+  FROM pgrl_token_bucket_take_queue($1::bytea[], $2::bigint[],
+                                    $3::boolean[], $4::integer[],
+                                    $5::float8, $6::float8,
+                                    $7::boolean, $8::timestamptz) AS q
+`
+
+type TokenBucketTakeQueueParams struct {
+	Keys        [][]byte
+	Costs       []int64
+	UpTo        []bool
+	Ends        []int32
+	Capacity    float64
+	RefillPerUs float64
+	Penalty     bool
+	At          *time.Time
+}
+
+type TokenBucketTakeQueueRow struct {
+	CheckIndex  int32
+	Granted     int64
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketTakeQueue decides queues of checks, several per key, each key's
+// row locked, refilled and written once, under the rules of
+// FixedWindowTakeQueue: every check gets the bucket's state right after it,
+// as TokenBucketTake would return it at the same instant. A partial grant
+// takes the whole tokens left, at most its cost. See
+// pgrl_token_bucket_take_queue (migration 000006).
+func (q *Queries) TokenBucketTakeQueue(ctx context.Context, db DBTX, arg TokenBucketTakeQueueParams) ([]TokenBucketTakeQueueRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakeQueue,
+		arg.Keys,
+		arg.Costs,
+		arg.UpTo,
+		arg.Ends,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Penalty,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakeQueueRow
+	for rows.Next() {
+		var i TokenBucketTakeQueueRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const tokenBucketTakeUpTo = `-- name: TokenBucketTakeUpTo :one
+SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
+       q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
+  FROM pgrl_token_bucket_take_queue(ARRAY[$1::bytea], ARRAY[$2::bigint], ARRAY[true],
+                                    ARRAY[1], $3::float8, $4::float8,
+                                    $5::boolean, $6::timestamptz) AS q
+`
+
+type TokenBucketTakeUpToParams struct {
+	Key         []byte
+	N           int64
+	Capacity    float64
+	RefillPerUs float64
+	Penalty     bool
+	At          *time.Time
+}
+
+type TokenBucketTakeUpToRow struct {
+	Granted     int64
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketTakeUpTo is a partial grant: it spends as many of n tokens as
+// the refilled bucket holds whole (possibly none, which is a denial) and
+// returns that number as granted. Under penalty all n are charged, the
+// balance stopping at -capacity.
+func (q *Queries) TokenBucketTakeUpTo(ctx context.Context, db DBTX, arg TokenBucketTakeUpToParams) (TokenBucketTakeUpToRow, error) {
+	row := db.QueryRow(ctx, tokenBucketTakeUpTo,
+		arg.Key,
+		arg.N,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Penalty,
+		arg.At,
+	)
+	var i TokenBucketTakeUpToRow
+	err := row.Scan(
+		&i.Granted,
+		&i.TokensBits,
+		&i.UpdatedAtUs,
+		&i.FullAtUs,
+		&i.Allowed,
+	)
+	return i, err
+}

@@ -40,6 +40,12 @@ type algorithm interface {
 	// takeMany decides checks of distinct stored keys in one statement,
 	// as if one after another, and returns their decisions in order.
 	takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error)
+	// takeUpTo grants k as many of n units as are left, in one statement.
+	takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error)
+	// takeQueue decides q's checks, several per key, in one statement,
+	// each key's as if one after another, and returns their decisions in
+	// the caller's order (see checkQueue).
+	takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error)
 	// peek reports k's state as a check of one unit would see it.
 	peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error)
 	// reset deletes k's row.

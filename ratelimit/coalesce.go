@@ -19,11 +19,14 @@ import (
 // check sends, so a lone caller pays nothing. Checks that arrive while the
 // round trips are busy wait in a queue; when a round trip ends, its leader
 // gives the callers it answered a moment to queue again (gather), then
-// hands the queue (up to maxBatch checks, one per key) to the first waiting
-// check, which sends it as one statement and becomes the next leader. A key
-// met twice in the queue waits for the following statement, so every check
-// of a key is decided after the previous one exactly as if they had come
-// one after another.
+// hands the queue (up to maxBatch checks) to the first waiting check, which
+// sends it as one statement and becomes the next leader. Checks of one key
+// in a batch are decided by one update of its row, one after another in
+// arrival order (the …TakeQueue statements): a hot key's waiting checks cost
+// one statement per round trip, not one each. A key's checks never ride two
+// statements at once: while one is in flight, the key's later checks wait
+// for the next, so every check of a key is decided after the previous one
+// exactly as if they had come one after another.
 type coalescer struct {
 	l           *Limiter
 	maxBatch    int
@@ -53,7 +56,7 @@ type pendingCheck struct {
 	key  string // the caller's key, for the deny cache
 	skey []byte // the stored key, sent to the database
 	id   string // string(skey): the check's key in the coalescer's maps
-	cost int64
+	ask  ask
 	// wake tells a queued check, once, what comes next: a batch to send
 	// (the check is its first), or nil when d and err are set. Checks that
 	// go out at once have none.
@@ -74,15 +77,15 @@ func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
 }
 
 // take decides one check, alone or in a batch.
-func (c *coalescer) take(ctx context.Context, key string, n int64) (Decision, error) {
+func (c *coalescer) take(ctx context.Context, key string, a ask) (Decision, error) {
 	skey := c.l.key(key)
-	r := &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: n}
+	r := &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: a}
 	id := r.id
 	c.mu.Lock()
-	// Go out at once when a round trip is free, or when the key is hot (in
-	// flight, with a check already queued): the statement then waits on
-	// the row lock inside PostgreSQL, as it would uncoalesced.
-	if (c.inFlight < c.maxInFlight && c.busy[id] == 0) || (c.busy[id] > 0 && c.queued[id] > 0) {
+	// Go out at once when a round trip is free and the key is not in
+	// flight; otherwise queue, for the key's row to be updated once for
+	// every check waiting on it.
+	if c.inFlight < c.maxInFlight && c.busy[id] == 0 {
 		c.inFlight++
 		c.busy[id]++
 		c.progress = time.Now()
@@ -199,15 +202,11 @@ func (c *coalescer) lead(batch []*pendingCheck) {
 		}
 	}
 	c.gather(len(batch))
-	next, solos := c.nextBatch()
-	c.inFlight += len(solos)
+	next := c.nextBatch()
 	if len(next) == 0 {
 		c.inFlight--
 	}
 	c.mu.Unlock()
-	for _, s := range solos {
-		s.wake <- []*pendingCheck{s}
-	}
 	if len(next) > 0 {
 		next[0].wake <- next
 	}
@@ -240,19 +239,17 @@ func (c *coalescer) gather(answered int) {
 	}
 }
 
-// nextBatch takes the queued checks, in arrival order: up to maxBatch of
-// distinct keys for the next statement, and the further checks of a key
-// already taken, or of a hot key, as solos, each to go out alone at once:
-// one statement cannot update a row twice, but several statements on one
-// row queue on its lock inside PostgreSQL, which orders them as well as any
-// client could and without a round trip between them. The first queued
-// check of a key in flight stays queued for the batch after. A queued check that
+// nextBatch takes the queued checks, in arrival order, up to maxBatch of
+// them, several of one key included: one statement decides a key's checks
+// by one update of its row. A key in flight keeps all its queued checks
+// for the batch after, as does a key whose checks did not all fit, so that
+// a key's checks are always decided in arrival order. A queued check that
 // the deny cache can now answer (its key was denied by the round trip that
 // just ended) is answered at once and never sent, so a hot key that is
 // denied costs one statement per deny period. The caller holds c.mu.
-func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
+func (c *coalescer) nextBatch() (batch []*pendingCheck) {
 	if len(c.pending) == 0 {
-		return nil, nil
+		return nil
 	}
 	deny := c.l.deny
 	now := c.l.localNow()
@@ -262,41 +259,25 @@ func (c *coalescer) nextBatch() (batch, solos []*pendingCheck) {
 	for _, p := range c.pending {
 		c.unqueue(p.id)
 		if deny != nil {
-			if d, ok := deny.get(p.key, p.cost, now); ok {
+			if d, ok := deny.get(p.key, p.ask.retryCost(), now); ok {
 				p.d = d
 				p.finish()
 				continue
 			}
 		}
-		switch {
-		case taken[p.id]:
-			// A second check of a key in this batch: it queues on the
-			// row lock right behind it.
-			solos = append(solos, p)
-		case c.busy[p.id] > 0 && !kept[p.id]:
-			// Its key is in flight: the first such check waits for the
-			// next batch, where it costs no statement of its own.
+		if kept[p.id] || (!taken[p.id] && c.busy[p.id] > 0) || len(batch) >= c.maxBatch {
 			kept[p.id] = true
 			rest = append(rest, p)
 			c.queued[p.id]++
 			continue
-		case c.busy[p.id] > 0:
-			// A hot key: further checks go out alone and queue on the
-			// row lock, as they would uncoalesced.
-			solos = append(solos, p)
-		case len(batch) < c.maxBatch:
-			taken[p.id] = true
-			batch = append(batch, p)
-		default:
-			rest = append(rest, p)
-			c.queued[p.id]++
-			continue
 		}
+		taken[p.id] = true
+		batch = append(batch, p)
 		c.busy[p.id]++
 	}
 	clear(c.pending[len(rest):])
 	c.pending = rest
-	return batch, solos
+	return batch
 }
 
 // send runs one round trip for batch and delivers every result.
@@ -315,7 +296,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	sent := l.localNow()
 	if len(batch) == 1 {
 		r := batch[0]
-		r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.cost)
+		r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.ask)
 		c.remember(r, sent)
 		r.finish()
 		return
@@ -327,7 +308,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		// The statement failed as a whole: decide each check on its own so
 		// that every error reaches the check it belongs to.
 		for _, r := range batch {
-			r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.cost)
+			r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.ask)
 		}
 		err = nil
 	}
@@ -345,19 +326,36 @@ func (c *coalescer) send(batch []*pendingCheck) {
 // statement.
 func (c *coalescer) remember(r *pendingCheck, sent time.Time) {
 	if c.l.deny != nil && r.err == nil && !r.d.Allowed {
-		c.l.deny.put(r.key, r.cost, r.d, sent)
+		c.l.deny.put(r.key, r.ask.retryCost(), r.d, sent)
 	}
 }
 
-// takeMany decides the batch in one statement.
+// takeMany decides the batch in one statement: the set-based batch of
+// single checks when every check is of another key and asks for all of
+// its cost, else the queue statement, which updates each key's row once
+// for all of its checks.
 func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
 	l := c.l
 	keys := make([][]byte, len(batch))
-	costs := make([]int64, len(batch))
+	asks := make([]ask, len(batch))
+	queue := false
+	seen := make(map[string]bool, len(batch))
 	for i, r := range batch {
-		keys[i], costs[i] = r.skey, r.cost
+		keys[i], asks[i] = r.skey, r.ask
+		queue = queue || r.ask.upTo || seen[r.id]
+		seen[r.id] = true
 	}
-	decs, err := l.alg.takeMany(ctx, l, l.db, keys, costs)
+	var decs []Decision
+	var err error
+	if queue {
+		decs, err = l.alg.takeQueue(ctx, l, l.db, newCheckQueue(keys, asks))
+	} else {
+		costs := make([]int64, len(batch))
+		for i, a := range asks {
+			costs[i] = a.n
+		}
+		decs, err = l.alg.takeMany(ctx, l, l.db, keys, costs)
+	}
 	if err != nil {
 		return err
 	}

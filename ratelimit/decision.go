@@ -27,6 +27,12 @@ const (
 type Decision struct {
 	// Allowed reports whether the request may proceed.
 	Allowed bool
+	// Granted is how many units the check took: for AllowN, n when
+	// Allowed and 0 when not; for AllowUpTo, what was left of n (0 to n,
+	// Allowed when more than 0). Under Penalty a check is charged its whole
+	// cost whatever it was granted. A shadow-mode denial reports what a
+	// check would have been granted (0 for AllowN), though it proceeds.
+	Granted int64
 	// Limit is the most units the limit admits at once: the window's quota,
 	// or the token bucket's capacity.
 	Limit int64
@@ -72,6 +78,12 @@ type Decision struct {
 	// Reason explains a decision that PostgreSQL did not make, such as
 	// "database unavailable: fail open"; empty otherwise.
 	Reason string
+}
+
+// granting sets Granted.
+func (d Decision) granting(n int64) Decision {
+	d.Granted = n
+	return d
 }
 
 // ResetAfter is how long from Now until ResetAt; never negative.

@@ -20,7 +20,7 @@ func TakeMany(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
 		skey := l.key(key)
-		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: costs[i]}
+		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
 	}
 	if err := newCoalescer(l, len(keys), 1).takeMany(ctx, batch); err != nil {
 		return nil, err
@@ -39,7 +39,7 @@ func SendBatch(ctx context.Context, l *Limiter, keys []string, costs []int64) ([
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
 		skey := l.key(key)
-		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), cost: costs[i]}
+		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
 	}
 	newCoalescer(l, len(keys), 1).send(batch)
 	ds := make([]Decision, len(batch))
@@ -48,4 +48,23 @@ func SendBatch(ctx context.Context, l *Limiter, keys []string, costs []int64) ([
 		ds[i], errs[i] = r.d, mapErr(r.err)
 	}
 	return ds, errs
+}
+
+// TakeBatch decides checks as the coalescer decides one batch, several of
+// one key included (upTo[i] makes check i a partial grant), and returns
+// their decisions in order, as AllowN and AllowUpTo report them.
+func TakeBatch(ctx context.Context, l *Limiter, keys []string, costs []int64, upTo []bool) ([]Decision, error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		skey := l.key(key)
+		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i], upTo: upTo[i]}}
+	}
+	if err := newCoalescer(l, len(keys), 1).takeMany(ctx, batch); err != nil {
+		return nil, err
+	}
+	ds := make([]Decision, len(batch))
+	for i, r := range batch {
+		ds[i] = r.ask.settle(r.d)
+	}
+	return ds, nil
 }

@@ -39,6 +39,27 @@ func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byt
 		})
 }
 
+func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {
+	r, err := l.q.FixedWindowTakeUpTo(ctx, db, gen.FixedWindowTakeUpToParams{
+		Key: k, N: n, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
+}
+
+func (fixedWindow) takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error) {
+	rows, err := l.q.FixedWindowTakeQueue(ctx, db, gen.FixedWindowTakeQueueParams{
+		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
+		At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	return inCheckOrder(q, rows, err, func(r gen.FixedWindowTakeQueueRow) int32 { return r.CheckIndex },
+		func(r gen.FixedWindowTakeQueueRow, _ ask) Decision {
+			return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
+		})
+}
+
 func (fixedWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
 	r, err := l.q.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{
 		Key: k, At: l.at(), WindowUs: l.windowUs,

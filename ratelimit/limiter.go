@@ -145,16 +145,37 @@ func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // (ErrNotMigrated, ErrReadOnly) and bad arguments are always returned, as is
 // the caller's own context ending.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
+	return l.observe(ctx, key, ask{n: n})
+}
+
+// AllowUpTo is a partial grant: it takes as many of n units as key has
+// left, possibly none, and reports how many in Decision.Granted (Allowed
+// when at least one). Use it to hand out what is left of a quota: the bytes
+// an upload may still send, the rows a batch job may still process. Under
+// Penalty all n units are counted, whatever is granted, as for any denied
+// check. Concurrent AllowUpTo and AllowN checks of one key are decided one
+// after another, as AllowN checks are. The failure policy answers as for
+// AllowN: the memory tier grants from its own count, FailOpen grants all
+// n, FailClosed none.
+func (l *Limiter) AllowUpTo(ctx context.Context, key string, n int64) (Decision, error) {
+	return l.observe(ctx, key, ask{n: n, upTo: true})
+}
+
+// observe runs allowN and reports it to the Observer.
+func (l *Limiter) observe(ctx context.Context, key string, a ask) (Decision, error) {
 	if l.cfg.Observer == nil {
-		return l.allowN(ctx, key, n)
+		d, err := l.allowN(ctx, key, a)
+		return a.settle(d), err
 	}
 	start := time.Now()
-	d, err := l.allowN(ctx, key, n)
+	d, err := l.allowN(ctx, key, a)
+	d = a.settle(d)
 	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
 	return d, err
 }
 
-func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, error) {
+func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, error) {
+	n := a.n
 	if err := l.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}
@@ -165,19 +186,19 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 	// rows, whose deny cache answers for that row only.
 	row := l
 	if l.shards != nil {
-		row = l.pickShard(n)
+		row = l.pickShard(a.retryCost())
 	}
 	sent := l.localNow()
 	if row.deny != nil {
-		if d, ok := row.deny.get(key, n, sent); ok {
+		if d, ok := row.deny.get(key, a.retryCost(), sent); ok {
 			return l.shadow(key, l.asWhole(row, d)), nil
 		}
 	}
 	probe, ok := l.breaker.allow(sent)
 	if !ok {
-		return l.fallback(ctx, key, n, errBreakerOpen)
+		return l.fallback(ctx, key, a, errBreakerOpen)
 	}
-	d, err := row.allowWithin(ctx, key, n)
+	d, err := row.allowWithin(ctx, key, a)
 	if err != nil {
 		if callerDone(ctx) {
 			return Decision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
@@ -188,11 +209,11 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 			return Decision{}, err
 		}
 		l.breaker.failure(time.Now(), err, l.cfg.OnFailure, probe)
-		return l.fallback(ctx, key, n, err)
+		return l.fallback(ctx, key, a, err)
 	}
 	l.breaker.success(probe)
 	if row.deny != nil && !d.Allowed {
-		row.deny.put(key, n, d, sent)
+		row.deny.put(key, a.retryCost(), d, sent)
 	}
 	d = l.asWhole(row, d)
 	if l.cfg.Cleanup != nil {
@@ -206,15 +227,15 @@ func (l *Limiter) allowN(ctx context.Context, key string, n int64) (Decision, er
 // allowWithin asks PostgreSQL, answering by Config.Timeout at the latest:
 // the check runs on its own goroutine and the caller stops waiting at the
 // deadline, whatever the driver is still doing with the connection.
-func (l *Limiter) allowWithin(ctx context.Context, key string, n int64) (Decision, error) {
+func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
 	if l.cfg.Timeout <= 0 {
-		return l.allowDB(ctx, key, n)
+		return l.allowDB(ctx, key, a)
 	}
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
 	ch := make(chan takeResult, 1)
 	go func() {
-		d, err := l.allowDB(cctx, key, n)
+		d, err := l.allowDB(cctx, key, a)
 		ch <- takeResult{d, err}
 	}()
 	select {
@@ -238,12 +259,12 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 // allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
 // missing partition and asks once more. A spread
 // limit's caller passes the row that decides (see allowN).
-func (l *Limiter) allowDB(ctx context.Context, key string, n int64) (Decision, error) {
+func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
 		if l.coalescer != nil {
-			return l.coalescer.take(ctx, key, n)
+			return l.coalescer.take(ctx, key, a)
 		}
-		return l.take(ctx, l.db, key, n)
+		return l.take(ctx, l.db, key, a)
 	}
 	d, err := take()
 	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
@@ -270,26 +291,39 @@ func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string) (Decision,
 // keep such transactions short. Config.Observer sees the decision, whether
 // the transaction commits or not.
 func (l *Limiter) AllowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
+	return l.observeTx(ctx, tx, key, ask{n: n})
+}
+
+// AllowUpToTx is AllowUpTo inside the caller's transaction, under the rules
+// of AllowNTx.
+func (l *Limiter) AllowUpToTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
+	return l.observeTx(ctx, tx, key, ask{n: n, upTo: true})
+}
+
+// observeTx runs allowNTx and reports it to the Observer.
+func (l *Limiter) observeTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	if l.cfg.Observer == nil {
-		return l.allowNTx(ctx, tx, key, n)
+		d, err := l.allowNTx(ctx, tx, key, a)
+		return a.settle(d), err
 	}
 	start := time.Now()
-	d, err := l.allowNTx(ctx, tx, key, n)
+	d, err := l.allowNTx(ctx, tx, key, a)
+	d = a.settle(d)
 	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
 	return d, err
 }
 
-func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
+func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	if err := l.cfg.checkCost(n); err != nil {
+	if err := l.cfg.checkCost(a.n); err != nil {
 		return Decision{}, err
 	}
 	if err := l.cfg.checkKey(key); err != nil {
 		return Decision{}, err
 	}
-	d, err := l.take(ctx, tx, key, n)
+	d, err := l.take(ctx, tx, key, a)
 	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
 		// The failed statement has aborted the caller's transaction; create
 		// the partition outside it so that a retry succeeds.
@@ -381,17 +415,20 @@ func (l *Limiter) at() *time.Time {
 
 func (l *Limiter) key(key string) []byte { return StoredKey(l.cfg.KeyMode, l.cfg.Name, key) }
 
-func (l *Limiter) take(ctx context.Context, db DB, key string, n int64) (Decision, error) {
+func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision, error) {
 	if l.shards != nil {
-		d, err := l.pickShard(n).take(ctx, db, key, n)
+		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
 		return l.spreadDecision(d), err
 	}
-	return l.takeKey(ctx, db, l.key(key), n)
+	return l.takeKey(ctx, db, l.key(key), a)
 }
 
 // takeKey is take for a key already in its stored form.
-func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, n int64) (Decision, error) {
-	return l.alg.take(ctx, l, db, k, n)
+func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
+	if a.upTo {
+		return l.alg.takeUpTo(ctx, l, db, k, a.n)
+	}
+	return l.alg.take(ctx, l, db, k, a.n)
 }
 
 func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error) {

@@ -143,16 +143,29 @@ func (m *MemoryLimiter) Allow(ctx context.Context, key string) (Decision, error)
 // never waits on I/O, and a fallback must answer even when the context of a
 // failed database check has expired.
 func (m *MemoryLimiter) AllowN(_ context.Context, key string, n int64) (Decision, error) {
+	return m.observe(key, ask{n: n})
+}
+
+// AllowUpTo is a partial grant, as Limiter.AllowUpTo: it takes as many of
+// n units as key has left, possibly none, and reports how many in
+// Decision.Granted. Under Penalty all n are counted.
+func (m *MemoryLimiter) AllowUpTo(_ context.Context, key string, n int64) (Decision, error) {
+	return m.observe(key, ask{n: n, upTo: true})
+}
+
+// observe runs allowAsk and reports it to the Observer.
+func (m *MemoryLimiter) observe(key string, a ask) (Decision, error) {
 	if m.cfg.Observer == nil {
-		return m.allowN(key, n)
+		return m.allowAsk(key, a)
 	}
 	start := time.Now()
-	d, err := m.allowN(key, n)
+	d, err := m.allowAsk(key, a)
 	m.cfg.Observer.ObserveDecision(m.cfg.Name, d, time.Since(start), err)
 	return d, err
 }
 
-func (m *MemoryLimiter) allowN(key string, n int64) (Decision, error) {
+func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
+	n := a.n
 	if err := m.cfg.checkCost(n); err != nil {
 		return Decision{}, err
 	}
@@ -169,11 +182,26 @@ func (m *MemoryLimiter) allowN(key string, n int64) (Decision, error) {
 		sh.touch(node)
 	}
 	st := node.val
-	var allowed bool
-	st, allowed = m.alg.takeMemory(m, st, now, n)
+	if !a.upTo {
+		var allowed bool
+		st, allowed = m.alg.takeMemory(m, st, now, n)
+		node.val = st
+		sh.mu.Unlock()
+		return a.settle(m.decide(allowed, st, now, n)), nil
+	}
+	// A partial grant takes what a check would find left (Remaining, which
+	// the SQL computes the same way), or under Penalty is charged all n.
+	got := min(n, m.alg.peekMemory(m, m.alg.roll(m, st, now), now).Remaining)
+	charge := got
+	if m.cfg.Penalty {
+		charge = n
+	}
+	if charge > 0 {
+		st, _ = m.alg.takeMemory(m, st, now, charge)
+	}
 	node.val = st
 	sh.mu.Unlock()
-	return m.decide(allowed, st, now, n), nil
+	return m.decide(got > 0, st, now, 1).granting(got), nil
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,

@@ -84,7 +84,7 @@ type batcher interface {
 // fails, each check is answered by its own limiter's failure policy.
 // AllowAllTx does the same inside the caller's transaction.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
-	return observeAll(checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
+	return observeAll(mode, checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
 }
 
 // AllowAllTx is AllowAll inside the caller's transaction: rolling the
@@ -102,14 +102,25 @@ func AllowAllTx(ctx context.Context, tx pgx.Tx, mode MultiMode, checks ...Check)
 	if tx == nil {
 		return MultiDecision{}, ErrNilDB
 	}
-	return observeAll(checks, func() (MultiDecision, error) { return allowAll(ctx, tx, mode, checks) })
+	return observeAll(mode, checks, func() (MultiDecision, error) { return allowAll(ctx, tx, mode, checks) })
 }
 
 // observeAll runs decide and reports its outcome to each check's observer.
-func observeAll(checks []Check, decide func() (MultiDecision, error)) (MultiDecision, error) {
+func observeAll(mode MultiMode, checks []Check, decide func() (MultiDecision, error)) (MultiDecision, error) {
 	start := time.Now()
 	m, err := decide()
 	took := time.Since(start)
+	for i := range m.Decisions {
+		if i < len(checks) {
+			// What each check took: its cost where it was allowed, unless
+			// AllOrNothing refused the request as a whole.
+			d := ask{n: checks[i].Cost}.settle(m.Decisions[i])
+			if !m.Allowed && mode == AllOrNothing {
+				d.Granted = 0
+			}
+			m.Decisions[i] = d
+		}
+	}
 	for i, c := range checks {
 		if c.Limiter == nil || c.Limiter.cfg.Observer == nil {
 			continue
@@ -235,7 +246,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		stmts = append(stmts, d)
 		results[k] = make(chan takeResult, 1)
 		go func() {
-			dec, err := it.c.Limiter.take(cctx, d, it.c.Key, it.c.Cost)
+			dec, err := it.c.Limiter.take(cctx, d, it.c.Key, ask{n: it.c.Cost})
 			results[k] <- takeResult{dec, err}
 		}()
 	}
@@ -367,7 +378,7 @@ func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecisio
 		if cost == 0 {
 			cost = 1
 		}
-		d, err := c.Limiter.fallback(ctx, c.Key, cost, cause)
+		d, err := c.Limiter.fallback(ctx, c.Key, ask{n: cost}, cause)
 		if err != nil {
 			return MultiDecision{}, err
 		}

@@ -191,7 +191,7 @@ func isConfigError(err error) bool {
 }
 
 // fallback answers a check the database could not, by the failure policy.
-func (l *Limiter) fallback(ctx context.Context, key string, n int64, cause error) (Decision, error) {
+func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) (Decision, error) {
 	reason := fmt.Sprintf("database unavailable (%v): %s", cause, l.cfg.OnFailure)
 	switch l.cfg.OnFailure {
 	case FailOpen:
@@ -203,7 +203,7 @@ func (l *Limiter) fallback(ctx context.Context, key string, n int64, cause error
 	case FailError:
 		return Decision{}, cause
 	default:
-		d, err := l.memory.AllowN(ctx, key, n)
+		d, err := l.memory.allowAsk(key, a)
 		if err != nil {
 			return Decision{}, err
 		}

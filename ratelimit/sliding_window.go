@@ -42,6 +42,27 @@ func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]b
 		})
 }
 
+func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {
+	r, err := l.q.SlidingWindowTakeUpTo(ctx, db, gen.SlidingWindowTakeUpToParams{
+		Key: k, N: n, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), 1).granting(r.Granted), nil
+}
+
+func (slidingWindow) takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error) {
+	rows, err := l.q.SlidingWindowTakeQueue(ctx, db, gen.SlidingWindowTakeQueueParams{
+		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
+		At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+	})
+	return inCheckOrder(q, rows, err, func(r gen.SlidingWindowTakeQueueRow) int32 { return r.CheckIndex },
+		func(r gen.SlidingWindowTakeQueueRow, a ask) Decision {
+			return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.retryCost()).granting(r.Granted)
+		})
+}
+
 func (slidingWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
 	r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
 		Key: k, At: l.at(), WindowUs: l.windowUs,

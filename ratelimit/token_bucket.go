@@ -86,6 +86,27 @@ func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byt
 		})
 }
 
+func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {
+	r, err := l.q.TokenBucketTakeUpTo(ctx, db, gen.TokenBucketTakeUpToParams{
+		Key: k, N: n, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), 1).granting(r.Granted), nil
+}
+
+func (tokenBucket) takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error) {
+	rows, err := l.q.TokenBucketTakeQueue(ctx, db, gen.TokenBucketTakeQueueParams{
+		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
+		At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+	})
+	return inCheckOrder(q, rows, err, func(r gen.TokenBucketTakeQueueRow) int32 { return r.CheckIndex },
+		func(r gen.TokenBucketTakeQueueRow, a ask) Decision {
+			return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
+		})
+}
+
 func (tokenBucket) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
 	r, err := l.q.TokenBucketPeek(ctx, db, gen.TokenBucketPeekParams{
 		Key: k, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs,

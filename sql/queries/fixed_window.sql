@@ -90,3 +90,32 @@ SELECT coalesce((SELECT t.count FROM pgrl_fixed_window AS t
 -- name: FixedWindowReset :execrows
 -- FixedWindowReset forgets every window of the key.
 DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
+
+-- name: FixedWindowTakeQueue :many
+-- FixedWindowTakeQueue decides queues of checks, several per key, each key's
+-- row locked and written once: the checks of a key are decided one after
+-- another in the order given, exactly as that many FixedWindowTake
+-- statements at the same instant would decide them, and each gets a row
+-- with the window's state right after it. A check with up_to set is a
+-- partial grant: it takes what is left of its cost, possibly nothing, and
+-- reports it in granted (an all-or-nothing check's granted is its cost or
+-- 0). keys are distinct and sorted; ends[i] is the 1-based position in
+-- costs of key i's last check; see pgrl_fixed_window_take_queue (migration
+-- 000006). check_index is the check's position in costs.
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
+  FROM pgrl_fixed_window_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
+                                    sqlc.arg(up_to)::boolean[], sqlc.arg(ends)::integer[],
+                                    sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
+                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+
+-- name: FixedWindowTakeUpTo :one
+-- FixedWindowTakeUpTo is a partial grant: it takes as many of n units as
+-- the key's window has left (possibly none, which is a denial) and returns
+-- that number as granted, with the window's state after it. Under penalty
+-- all n are counted whatever is granted.
+SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
+       q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
+  FROM pgrl_fixed_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
+                                    ARRAY[1], sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
+                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;

@@ -143,3 +143,28 @@ SELECT pgrl_epoch_us(greatest(win.window_start, coalesce((SELECT r.window_start 
 -- name: SlidingWindowReset :execrows
 -- SlidingWindowReset forgets the key's counts.
 DELETE FROM pgrl_sliding_window WHERE key = sqlc.arg(key)::bytea;
+
+-- name: SlidingWindowTakeQueue :many
+-- SlidingWindowTakeQueue decides queues of checks, several per key, each
+-- key's row locked, rolled forward and written once, under the rules of
+-- FixedWindowTakeQueue: every check gets the row's state right after it, as
+-- SlidingWindowTake would return it at the same instant. A partial grant
+-- takes the most units the weighted estimate still admits, at most its
+-- cost. See pgrl_sliding_window_take_queue (migration 000006).
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
+       q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
+       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
+  FROM pgrl_sliding_window_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
+                                      sqlc.arg(up_to)::boolean[], sqlc.arg(ends)::integer[],
+                                      sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
+                                      sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+
+-- name: SlidingWindowTakeUpTo :one
+-- SlidingWindowTakeUpTo is a partial grant: it counts as many of n units as
+-- the weighted estimate admits (possibly none, which is a denial) and
+-- returns that number as granted. Under penalty all n are counted.
+SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
+       q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
+  FROM pgrl_sliding_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
+                                      ARRAY[1], sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
+                                      sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;

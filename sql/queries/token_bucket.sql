@@ -109,3 +109,28 @@ SELECT pgrl_float8_bits(coalesce(
 -- name: TokenBucketReset :execrows
 -- TokenBucketReset forgets the key's bucket: its next check finds it full.
 DELETE FROM pgrl_token_bucket WHERE key = sqlc.arg(key)::bytea;
+
+-- name: TokenBucketTakeQueue :many
+-- TokenBucketTakeQueue decides queues of checks, several per key, each key's
+-- row locked, refilled and written once, under the rules of
+-- FixedWindowTakeQueue: every check gets the bucket's state right after it,
+-- as TokenBucketTake would return it at the same instant. A partial grant
+-- takes the whole tokens left, at most its cost. See
+-- pgrl_token_bucket_take_queue (migration 000006).
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
+  FROM pgrl_token_bucket_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
+                                    sqlc.arg(up_to)::boolean[], sqlc.arg(ends)::integer[],
+                                    sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+
+-- name: TokenBucketTakeUpTo :one
+-- TokenBucketTakeUpTo is a partial grant: it spends as many of n tokens as
+-- the refilled bucket holds whole (possibly none, which is a denial) and
+-- returns that number as granted. Under penalty all n are charged, the
+-- balance stopping at -capacity.
+SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
+       q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
+  FROM pgrl_token_bucket_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
+                                    ARRAY[1], sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;

@@ -1,0 +1,194 @@
+package ratelimit_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// TestBatchesMatchSingleChecks is the exactness property of coalescing:
+// random batches of checks (keys from a set of three, so that keys repeat
+// inside a batch; costs up to the whole limit, often more than is left;
+// partial grants; penalty on and off; the clock stepping across window
+// edges) decided as the coalescer decides one batch give exactly the
+// decisions of the same checks made one at a time, in the same order, by
+// single-check statements: every field of every Decision.
+func TestBatchesMatchSingleChecks(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		for _, penalty := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/penalty=%v", alg, penalty), func(t *testing.T) {
+				t.Parallel()
+				var mu sync.Mutex
+				at := base.Add(17 * time.Second)
+				clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return at }
+				cfg := ratelimit.Config{Algorithm: alg, Limit: 10, Window: time.Minute, Penalty: penalty,
+					DenyCacheSize: -1, Now: clock}
+				bcfg, scfg := cfg, cfg
+				bcfg.Name = fmt.Sprintf("prop-batch-%v", penalty) // the subtests share a schema
+				scfg.Name = fmt.Sprintf("prop-single-%v", penalty)
+				scfg.DisableCoalescing = true
+				batched := testkit.NewLimiter(t, pool, bcfg)
+				single := testkit.NewLimiter(t, pool, scfg)
+				rng := rand.New(rand.NewPCG(uint64(len(alg)), map[bool]uint64{false: 1, true: 2}[penalty]))
+				queues := 0
+				for round := range 150 {
+					mu.Lock()
+					switch rng.IntN(4) {
+					case 0: // stay: same instant
+					case 1:
+						at = at.Add(time.Duration(rng.Int64N(int64(3 * time.Second))))
+					case 2:
+						at = at.Add(time.Duration(rng.Int64N(int64(40 * time.Second))))
+					default: // across a window edge, to within a microsecond of it
+						at = at.Truncate(time.Minute).Add(time.Minute + time.Duration(rng.Int64N(3))*time.Microsecond)
+					}
+					mu.Unlock()
+					n := 1 + rng.IntN(12)
+					keys := make([]string, n)
+					costs := make([]int64, n)
+					upTo := make([]bool, n)
+					seen := map[string]bool{}
+					dup := false
+					for i := range n {
+						keys[i] = fmt.Sprintf("k%d", rng.IntN(3))
+						dup = dup || seen[keys[i]]
+						seen[keys[i]] = true
+						costs[i] = 1
+						if rng.IntN(3) == 0 {
+							costs[i] = 1 + rng.Int64N(cfg.Limit)
+						}
+						upTo[i] = rng.IntN(5) == 0
+						dup = dup || upTo[i]
+					}
+					if dup {
+						queues++
+					}
+					got, err := ratelimit.TakeBatch(ctx, batched, keys, costs, upTo)
+					require.NoError(t, err, "round %d", round)
+					for i := range n {
+						var want ratelimit.Decision
+						if upTo[i] {
+							want, err = single.AllowUpTo(ctx, keys[i], costs[i])
+						} else {
+							want, err = single.AllowN(ctx, keys[i], costs[i])
+						}
+						require.NoError(t, err)
+						require.Equal(t, want, got[i], "round %d check %d of %v %v %v", round, i, keys, costs, upTo)
+					}
+				}
+				require.Greater(t, queues, 50, "most rounds must exercise the queue statement")
+			})
+		}
+	}
+}
+
+// TestAllowUpToGrantsWhatIsLeft: per algorithm, the units granted never
+// exceed what is left, and equal it when the demand exceeds it; once
+// nothing is left a partial grant is a denial with a RetryAfter; under
+// penalty the whole demand is counted.
+func TestAllowUpToGrantsWhatIsLeft(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto", Algorithm: alg, Limit: 100,
+				Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
+			d, err := l.AllowN(ctx, "quota", 30)
+			require.NoError(t, err)
+			require.Equal(t, int64(30), d.Granted)
+			left := d.Remaining
+			require.Equal(t, int64(70), left)
+
+			d, err = l.AllowUpTo(ctx, "quota", 50) // demand below what is left
+			require.NoError(t, err)
+			require.True(t, d.Allowed)
+			require.Equal(t, int64(50), d.Granted)
+			require.Equal(t, int64(20), d.Remaining)
+
+			d, err = l.AllowUpTo(ctx, "quota", 45) // demand above it: all that is left
+			require.NoError(t, err)
+			require.True(t, d.Allowed)
+			require.Equal(t, int64(20), d.Granted)
+			require.Zero(t, d.Remaining)
+			require.Zero(t, d.RetryAfter)
+
+			d, err = l.AllowUpTo(ctx, "quota", 1)
+			require.NoError(t, err)
+			require.False(t, d.Allowed)
+			require.Zero(t, d.Granted)
+			require.Positive(t, d.RetryAfter)
+
+			// The memory tier grants the same way.
+			m, err := ratelimit.NewMemory(l.Config(), ratelimit.MemoryOptions{})
+			require.NoError(t, err)
+			for _, c := range []struct{ n, want int64 }{{30, 30}, {50, 50}, {45, 20}, {1, 0}} {
+				md, err := m.AllowUpTo(ctx, "quota", c.n)
+				require.NoError(t, err)
+				require.Equal(t, c.want, md.Granted, "memory, demand %d", c.n)
+			}
+
+			// Penalty: everything asked is counted.
+			p := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto-penalty", Algorithm: alg, Limit: 100,
+				Window: time.Hour, Penalty: true, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
+			d, err = p.AllowUpTo(ctx, "quota", 80)
+			require.NoError(t, err)
+			require.Equal(t, int64(80), d.Granted)
+			d, err = p.AllowUpTo(ctx, "quota", 50)
+			require.NoError(t, err)
+			require.Equal(t, int64(20), d.Granted)
+			require.Equal(t, int64(130), d.Used, "all 50 counted")
+		})
+	}
+}
+
+// TestAllowUpToConcurrentNeverOverGrants: 32 goroutines take partial grants
+// of random size from one key through the coalescer; the grants add up to
+// exactly the limit.
+func TestAllowUpToConcurrentNeverOverGrants(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(8))
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto-conc", Algorithm: alg, Limit: 1000,
+				Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
+			var mu sync.Mutex
+			var total int64
+			var wg sync.WaitGroup
+			for g := range 32 {
+				wg.Go(func() {
+					rng := rand.New(rand.NewPCG(uint64(g), 7))
+					for range 20 {
+						d, err := l.AllowUpTo(ctx, "shared", 1+rng.Int64N(10))
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						mu.Lock()
+						total += d.Granted
+						mu.Unlock()
+					}
+				})
+			}
+			wg.Wait()
+			require.LessOrEqual(t, total, int64(1000))
+			// 640 checks asking 5.5 units on average ask for more than 1000.
+			require.Equal(t, int64(1000), total)
+		})
+	}
+}
