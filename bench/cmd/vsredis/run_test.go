@@ -35,6 +35,9 @@ func TestUsageErrors(t *testing.T) {
 		{"--duration", "0s"},
 		{"--output", "xml"},
 		{"--variant", "speed=3"},
+		{"--mix", "shop"},
+		{"--mix-requests", "0"},
+		{"--keys", "none", "--mix", "none"},
 		{"extra"},
 	} {
 		var stderr bytes.Buffer
