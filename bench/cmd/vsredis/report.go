@@ -4,6 +4,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 )
 
@@ -224,6 +228,28 @@ func (t Targets) check(cases []Case) (bool, []string) {
 	return len(misses) == 0, misses
 }
 
+// apply reports whether any of the cases has a target.
+func (t Targets) apply(cases []Case) bool {
+	for _, c := range cases {
+		if _, ok := t.MinRatio[c.Callers]; ok && c.Keys >= t.MinKeys {
+			return true
+		}
+	}
+	return false
+}
+
+// callerList is "8, 32 and 64": the numbers of callers with a target.
+func (t Targets) callerList() string {
+	var ns []string
+	for _, n := range slices.Sorted(maps.Keys(t.MinRatio)) {
+		ns = append(ns, strconv.Itoa(n))
+	}
+	if len(ns) < 2 {
+		return strings.Join(ns, "")
+	}
+	return strings.Join(ns[:len(ns)-1], ", ") + " and " + ns[len(ns)-1]
+}
+
 func printJSON(w io.Writer, rep Report) error {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
@@ -250,6 +276,10 @@ func printText(w io.Writer, rep Report) error {
 		return err
 	}
 	if err := printMixText(w, rep); err != nil {
+		return err
+	}
+	if rep.TargetsMet && !rep.Targets.apply(rep.Cases) {
+		_, err := fmt.Fprintf(w, "\nno targets apply (they are for %d keys or more at %s callers)\n", rep.Targets.MinKeys, rep.Targets.callerList())
 		return err
 	}
 	if rep.TargetsMet {
