@@ -6,6 +6,7 @@
 #   bench/run.sh                          # text table on stdout
 #   OUT=/tmp/vsredis bench/run.sh         # also writes $OUT.json and $OUT.svg
 #   bench/run.sh --callers 64 --keys 100000 --max-in-flight 1
+#   bench/run.sh --callers 8,32,64 --keys 10 --mix app --duration 2s
 #
 # Extra arguments go to vsredis. Environment:
 #   DATABASE_URL / PGRL_TEST_DATABASE_URL  the PostgreSQL to use (default:

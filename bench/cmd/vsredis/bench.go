@@ -55,11 +55,15 @@ const (
 )
 
 // countingDB passes pgrl's statements to the pool and counts them: the
-// library sends a lone check with QueryRow and a coalesced batch with Query.
+// library sends a lone check with QueryRow, a coalesced batch with Query,
+// and a multi-limit decision (AllowAll) as a pgx.Batch of several
+// statements in one round trip.
 type countingDB struct {
-	pool   *pgxpool.Pool
-	single atomic.Int64
-	many   atomic.Int64
+	pool    *pgxpool.Pool
+	single  atomic.Int64
+	many    atomic.Int64
+	batches atomic.Int64 // pgx.Batch round trips
+	batched atomic.Int64 // statements in them
 }
 
 func (d *countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
@@ -69,6 +73,13 @@ func (d *countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.
 func (d *countingDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	d.many.Add(1)
 	return d.pool.Query(ctx, sql, args...)
+}
+
+// SendBatch sends b in one round trip.
+func (d *countingDB) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+	d.batches.Add(1)
+	d.batched.Add(int64(b.Len()))
+	return d.pool.SendBatch(ctx, b)
 }
 
 func (d *countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
@@ -91,15 +102,25 @@ type path struct {
 	server time.Duration // CPU of the store's server processes while it ran
 	single int64
 	many   int64
+	// batches and batched: pgx.Batch round trips and their statements.
+	batches, batched int64
+
+	// tally counts the checks of the mix's paths, whose requests make one
+	// check or several; nil for the other paths (one check per call).
+	tally *checkTally
+	// checks and pgChecks are what tally counted in the measured slices.
+	checks, pgChecks int64
 
 	start reading // at the start of the current slice
 }
 
 // reading is what a path's meter reads at the start and end of a slice.
 type reading struct {
-	server, cpu  time.Duration
-	busy         cpuSample
-	single, many int64
+	server, cpu      time.Duration
+	busy             cpuSample
+	single, many     int64
+	batches, batched int64
+	checks, pgChecks int64
 }
 
 func newPath(name string, check loadtest.Check, db *countingDB) *path {
@@ -112,6 +133,10 @@ func (p *path) read(ctx context.Context) reading {
 	r := reading{server: p.serverCPU(ctx)}
 	if p.db != nil {
 		r.single, r.many = p.db.single.Load(), p.db.many.Load()
+		r.batches, r.batched = p.db.batches.Load(), p.db.batched.Load()
+	}
+	if p.tally != nil {
+		r.checks, r.pgChecks = p.tally.checks.Load(), p.tally.pg.Load()
 	}
 	r.cpu = processCPU()
 	r.busy = readCPU()
@@ -135,7 +160,19 @@ func (p *path) Stop(ctx context.Context, measured bool) {
 	if p.db != nil {
 		p.single += p.db.single.Load() - p.start.single
 		p.many += p.db.many.Load() - p.start.many
+		p.batches += p.db.batches.Load() - p.start.batches
+		p.batched += p.db.batched.Load() - p.start.batched
 	}
+	if p.tally != nil {
+		p.checks += p.tally.checks.Load() - p.start.checks
+		p.pgChecks += p.tally.pg.Load() - p.start.pgChecks
+	}
+}
+
+// checkTally counts the checks a mix path made, and of them those that
+// PostgreSQL decided.
+type checkTally struct {
+	checks, pg atomic.Int64
 }
 
 // keyName is the key both limiters see for key number k.
@@ -539,13 +576,25 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 	}
 	rep.Machine.RedisVersion = infoField(info, "redis_version")
 
-	keys := make([]string, slices.Max(o.keys))
-	for i := range keys {
-		keys[i] = keyName(i)
+	var keys []string
+	if len(o.keys) > 0 {
+		keys = make([]string, slices.Max(o.keys))
+		for i := range keys {
+			keys[i] = keyName(i)
+		}
+		fmt.Fprintf(log, "vsredis: touching %d keys in PostgreSQL and Redis\n", len(keys))
+		if err := populate(ctx, o, keys); err != nil {
+			return rep, fmt.Errorf("populate: %w", err)
+		}
 	}
-	fmt.Fprintf(log, "vsredis: touching %d keys in PostgreSQL and Redis\n", len(keys))
-	if err := populate(ctx, o, keys); err != nil {
-		return rep, fmt.Errorf("populate: %w", err)
+	var mix *appMix
+	if o.mix != "" {
+		mix = newAppMix(mixSeed, o.mixRequests)
+		rep.Mix = mixDescription(o.mixRequests)
+		fmt.Fprintf(log, "vsredis: application mix: touching %d limits and keys in PostgreSQL and Redis\n", len(mix.touch))
+		if err := populateMix(ctx, o, mix); err != nil {
+			return rep, fmt.Errorf("populate the application mix: %w", err)
+		}
 	}
 	for _, callers := range o.callers {
 		for _, nkeys := range o.keys {
@@ -555,6 +604,14 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 				return rep, fmt.Errorf("%d callers, %d keys: %w", callers, nkeys, err)
 			}
 			rep.Cases = append(rep.Cases, c)
+		}
+		if mix != nil {
+			fmt.Fprintf(log, "vsredis: %d callers, application mix, %v per path\n", callers, o.duration)
+			c, err := runMixCase(ctx, o, mix, callers)
+			if err != nil {
+				return rep, fmt.Errorf("%d callers, application mix: %w", callers, err)
+			}
+			rep.MixCases = append(rep.MixCases, c)
 		}
 	}
 	rep.TargetsMet, rep.TargetMisses = rep.Targets.check(rep.Cases)

@@ -53,7 +53,7 @@ func TestBenchmarkEndToEnd(t *testing.T) {
 	code := run(ctx, []string{
 		"--database-url", dbtest.URL(), "--schema", schema,
 		"--redis-addr", addr, "--redis-db", testRedisDB,
-		"--callers", "1,3", "--keys", "40,1", "--duration", "300ms", "--warmup", "60ms",
+		"--callers", "1,3", "--keys", "40,1", "--mix", "none", "--duration", "300ms", "--warmup", "60ms",
 		"--compare-coalescing", "--variant", "in-flight=1", "--output", "json",
 	}, &stdout, &stderr)
 	if code != 0 {

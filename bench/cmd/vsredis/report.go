@@ -4,6 +4,10 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
 	"text/tabwriter"
 )
 
@@ -21,9 +25,13 @@ type Report struct {
 	CompareCoalesced bool     `json:"compare_coalescing"`
 	Variants         []string `json:"variants,omitempty"`
 	Cases            []Case   `json:"cases"`
-	Targets          Targets  `json:"targets"`
-	TargetsMet       bool     `json:"targets_met"`
-	TargetMisses     []string `json:"target_misses,omitempty"`
+	// Mix describes the application mix, and MixCases are its cases, with
+	// --mix app.
+	Mix          *MixInfo  `json:"mix,omitempty"`
+	MixCases     []MixCase `json:"mix_cases,omitempty"`
+	Targets      Targets   `json:"targets"`
+	TargetsMet   bool      `json:"targets_met"`
+	TargetMisses []string  `json:"target_misses,omitempty"`
 }
 
 // Machine describes where the run happened.
@@ -113,6 +121,88 @@ type Uncoalesced struct {
 	P50Ratio float64 `json:"coalesced_p50_ratio"`
 }
 
+// MixInfo describes an application mix: where its keys come from, its
+// limits and its endpoints.
+type MixInfo struct {
+	Name string `json:"name"`
+	// Users and IPs are the populations the keys are drawn from, with a
+	// Zipf skew of exponent ZipfS; Seed seeds the draw of Requests
+	// requests, which the callers pick among uniformly.
+	Users     int           `json:"users"`
+	IPs       int           `json:"ips"`
+	ZipfS     float64       `json:"zipf_s"`
+	Seed      uint64        `json:"seed"`
+	Requests  int           `json:"requests"`
+	Limits    []MixLimit    `json:"limits"`
+	Endpoints []MixEndpoint `json:"endpoints"`
+	// Beacon says where each side keeps the beacon's limit.
+	Beacon string `json:"beacon"`
+}
+
+// MixLimit is one limit of a mix: a token bucket of Rate per Period and
+// Burst on both sides (Burst so large that every check is admitted).
+type MixLimit struct {
+	Name   string `json:"name"`
+	Rate   int64  `json:"rate"`
+	Period string `json:"period"`
+	Burst  int64  `json:"burst"`
+	// Memory: pgrl keeps it in process memory, not in PostgreSQL.
+	Memory bool `json:"memory,omitempty"`
+}
+
+// MixEndpoint is one kind of request of a mix: its share of the requests
+// and the limits it checks (several: one decision over all of them on
+// pgrl's side, one call each on redis_rate's).
+type MixEndpoint struct {
+	Name      string   `json:"name"`
+	WeightPct int      `json:"weight_pct"`
+	Limits    []string `json:"limits"`
+}
+
+// MixCase is the application mix at one number of callers. A request is
+// one call of an endpoint: one check, or three for a login.
+type MixCase struct {
+	Mix        string `json:"mix"`
+	Callers    int    `json:"callers"`
+	PgConns    int    `json:"pg_conns"`
+	RedisConns int    `json:"redis_conns"`
+
+	PgrlRequestsPerSec      float64 `json:"pgrl_requests_per_sec"`
+	RedisRateRequestsPerSec float64 `json:"redis_rate_requests_per_sec"`
+	// Ratio is pgrl's requests/s over redis_rate's.
+	Ratio                 float64 `json:"ratio"`
+	PgrlChecksPerSec      float64 `json:"pgrl_checks_per_sec"`
+	RedisRateChecksPerSec float64 `json:"redis_rate_checks_per_sec"`
+	// Latencies are per request (three checks for a login).
+	PgrlP50Us      float64 `json:"pgrl_p50_us"`
+	PgrlP99Us      float64 `json:"pgrl_p99_us"`
+	RedisRateP50Us float64 `json:"redis_rate_p50_us"`
+	RedisRateP99Us float64 `json:"redis_rate_p99_us"`
+
+	PgrlRequests      int   `json:"pgrl_requests"`
+	RedisRateRequests int   `json:"redis_rate_requests"`
+	PgrlChecks        int64 `json:"pgrl_checks"`
+	RedisRateChecks   int64 `json:"redis_rate_checks"`
+	// PgrlPostgresChecks are the checks PostgreSQL decided: all but the
+	// beacon's, which pgrl decides in memory.
+	PgrlPostgresChecks int64 `json:"pgrl_postgres_checks"`
+	// PgrlStatements counts the statements pgrl sent and PgrlRoundTrips the
+	// round trips that carried them: a lone or coalesced check is one
+	// statement in one round trip, a login one batch of four statements
+	// (three checks and the all-or-nothing vote) in one round trip.
+	PgrlStatements             int64   `json:"pgrl_statements"`
+	PgrlRoundTrips             int64   `json:"pgrl_round_trips"`
+	PgrlChecksPerStatement     float64 `json:"pgrl_checks_per_statement"`
+	PgrlStatementsPerRoundTrip float64 `json:"pgrl_statements_per_round_trip"`
+	// Client and server CPU time per request, as for Case.
+	PgrlClientCPUUsReq  float64 `json:"pgrl_client_cpu_us_per_request"`
+	RedisClientCPUUsReq float64 `json:"redis_rate_client_cpu_us_per_request"`
+	PgrlServerCPUUsReq  float64 `json:"pgrl_server_cpu_us_per_request"`
+	RedisServerCPUUsReq float64 `json:"redis_rate_server_cpu_us_per_request"`
+	PgrlMachineBusy     float64 `json:"pgrl_machine_busy"`
+	RedisMachineBusy    float64 `json:"redis_rate_machine_busy"`
+}
+
 // Targets are the throughput ratios the comparison aims at, over key spaces
 // of at least MinKeys keys.
 type Targets struct {
@@ -136,6 +226,28 @@ func (t Targets) check(cases []Case) (bool, []string) {
 		}
 	}
 	return len(misses) == 0, misses
+}
+
+// apply reports whether any of the cases has a target.
+func (t Targets) apply(cases []Case) bool {
+	for _, c := range cases {
+		if _, ok := t.MinRatio[c.Callers]; ok && c.Keys >= t.MinKeys {
+			return true
+		}
+	}
+	return false
+}
+
+// callerList is "8, 32 and 64": the numbers of callers with a target.
+func (t Targets) callerList() string {
+	var ns []string
+	for _, n := range slices.Sorted(maps.Keys(t.MinRatio)) {
+		ns = append(ns, strconv.Itoa(n))
+	}
+	if len(ns) < 2 {
+		return strings.Join(ns, "")
+	}
+	return strings.Join(ns[:len(ns)-1], ", ") + " and " + ns[len(ns)-1]
 }
 
 func printJSON(w io.Writer, rep Report) error {
@@ -163,6 +275,13 @@ func printText(w io.Writer, rep Report) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := printMixText(w, rep); err != nil {
+		return err
+	}
+	if rep.TargetsMet && !rep.Targets.apply(rep.Cases) {
+		_, err := fmt.Fprintf(w, "\nno targets apply (they are for %d keys or more at %s callers)\n", rep.Targets.MinKeys, rep.Targets.callerList())
+		return err
+	}
 	if rep.TargetsMet {
 		_, err := fmt.Fprintln(w, "\ntargets met")
 		return err
@@ -172,4 +291,23 @@ func printText(w io.Writer, rep Report) error {
 		fmt.Fprintf(w, "  %s\n", m)
 	}
 	return nil
+}
+
+// printMixText prints the mix cases, when there are any.
+func printMixText(w io.Writer, rep Report) error {
+	if len(rep.MixCases) == 0 || rep.Mix == nil {
+		return nil
+	}
+	m := rep.Mix
+	fmt.Fprintf(w, "\napplication mix %q: %d users, %d IPs, Zipf s=%g, %d requests drawn (seed %d); %s\n",
+		m.Name, m.Users, m.IPs, m.ZipfS, m.Requests, m.Seed, m.endpointSummary())
+	fmt.Fprintf(w, "login: 3 limits in one AllowAll (pgrl), 3 Allow calls (redis_rate); beacon: %s\n\n", m.Beacon)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "callers\tpgrl req/s\tredis_rate req/s\tratio\tpgrl checks/s\tredis_rate checks/s\tpgrl p50 µs\tpgrl p99 µs\tredis p50 µs\tredis p99 µs\tchecks/stmt\tstmts/round trip\t")
+	for _, c := range rep.MixCases {
+		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.3f\t%.0f\t%.0f\t%.1f\t%.1f\t%.1f\t%.1f\t%.2f\t%.2f\t\n",
+			c.Callers, c.PgrlRequestsPerSec, c.RedisRateRequestsPerSec, c.Ratio, c.PgrlChecksPerSec, c.RedisRateChecksPerSec,
+			c.PgrlP50Us, c.PgrlP99Us, c.RedisRateP50Us, c.RedisRateP99Us, c.PgrlChecksPerStatement, c.PgrlStatementsPerRoundTrip)
+	}
+	return tw.Flush()
 }

@@ -35,6 +35,16 @@ func fixedReport() Report {
 					AvgBatch: 4.5, BatchStatement: 15000, ClientCPUUsOp: 11, ServerCPUUsOp: 28}}},
 			{Callers: 64, Keys: 1, PgConns: 16, RedisConns: 64, PgrlOpsPerSec: 7000, RedisRateOpsPerSec: 15000, Ratio: 0.467},
 		},
+		Mix: mixDescription(mixRequests),
+		MixCases: []MixCase{
+			{Mix: "app", Callers: 8, PgConns: 8, RedisConns: 20, PgrlRequestsPerSec: 9000.5, RedisRateRequestsPerSec: 20000.2,
+				Ratio: 0.45, PgrlChecksPerSec: 10800.6, RedisRateChecksPerSec: 24000.3, PgrlP50Us: 600.1, PgrlP99Us: 2500.2,
+				RedisRateP50Us: 300.3, RedisRateP99Us: 900.4, PgrlRequests: 18001, RedisRateRequests: 40000, PgrlChecks: 21601,
+				RedisRateChecks: 48000, PgrlPostgresChecks: 18000, PgrlStatements: 15000, PgrlRoundTrips: 12000,
+				PgrlChecksPerStatement: 1.2, PgrlStatementsPerRoundTrip: 1.25, PgrlClientCPUUsReq: 40.5, RedisClientCPUUsReq: 20.25,
+				PgrlServerCPUUsReq: 70.1, RedisServerCPUUsReq: 18.2, PgrlMachineBusy: 0.99, RedisMachineBusy: 0.95},
+			{Mix: "app", Callers: 64, PgConns: 16, RedisConns: 64, PgrlRequestsPerSec: 15000, RedisRateRequestsPerSec: 16000, Ratio: 0.938},
+		},
 		Targets: defaultTargets,
 	}
 	r.TargetsMet, r.TargetMisses = r.Targets.check(r.Cases)

@@ -24,6 +24,8 @@ type options struct {
 	redisDB           int
 	callers           []int
 	keys              []int
+	mix               string // "" for none
+	mixRequests       int
 	duration          time.Duration
 	warmup            time.Duration
 	pgConns           int
@@ -44,7 +46,9 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.redisAddr, "redis-addr", "127.0.0.1:6379", "Redis address (host:port)")
 	fs.IntVar(&o.redisDB, "redis-db", 0, "Redis database number")
 	callers := fs.String("callers", "1,8,32,64", "comma-separated numbers of concurrent callers")
-	keys := fs.String("keys", "100000,1", "comma-separated numbers of distinct keys the callers draw from (1: one hot key)")
+	keys := fs.String("keys", "100000,10,1", "comma-separated numbers of distinct keys the callers draw from (10: a few hot keys, 1: one hot key), or none")
+	fs.StringVar(&o.mix, "mix", mixApp, "application mix to run at every number of callers besides the key spaces: "+mixApp+" (the example application's nine limits and endpoints), or none")
+	fs.IntVar(&o.mixRequests, "mix-requests", mixRequests, "requests drawn for the mix before the run, which the callers pick among (their distinct keys are touched first)")
 	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per path per case")
 	fs.DurationVar(&o.warmup, "warmup", time.Second, "unmeasured time per case before measuring, split between the paths")
 	fs.IntVar(&o.pgConns, "pg-conns", 0, "pgx pool size (MaxConns); 0 means min(callers, 16)")
@@ -61,7 +65,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file, for go tool pprof")
 	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: vsredis [flags]\n\nCompares pgrl's limiter on PostgreSQL with go-redis/redis_rate on Redis:\nops/s, p50 and p99 per number of callers and key space.\n\nFlags:\n")
+		fmt.Fprintf(stderr, "Usage: vsredis [flags]\n\nCompares pgrl's limiter on PostgreSQL with go-redis/redis_rate on Redis:\nops/s, p50 and p99 per number of callers and key space, and requests/s\nand checks/s of an application's mix of limits.\n\nFlags:\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -74,8 +78,20 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	if o.callers, err = cli.PositiveInts("--callers", *callers); err != nil {
 		return o, err
 	}
-	if o.keys, err = cli.PositiveInts("--keys", *keys); err != nil {
-		return o, err
+	if *keys != "none" {
+		if o.keys, err = cli.PositiveInts("--keys", *keys); err != nil {
+			return o, err
+		}
+	}
+	switch o.mix {
+	case mixApp:
+	case "none":
+		o.mix = ""
+	default:
+		return o, fmt.Errorf("--mix %q: use %s or none", o.mix, mixApp)
+	}
+	if len(o.keys) == 0 && o.mix == "" {
+		return o, errors.New("--keys none and --mix none: nothing to run; give a key space or a mix")
 	}
 	switch {
 	case o.duration <= 0:
@@ -84,6 +100,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
 	case o.schema == "":
 		return o, errors.New("--schema: must not be empty")
+	case o.mixRequests < 1:
+		return o, fmt.Errorf("--mix-requests %d: must be positive", o.mixRequests)
 	case o.pgConns < 0, o.maxBatch < 0, o.maxInFlight < 0:
 		return o, errors.New("--pg-conns, --max-batch and --max-in-flight must not be negative")
 	case o.output != "text" && o.output != "json":

@@ -35,6 +35,9 @@ func TestUsageErrors(t *testing.T) {
 		{"--duration", "0s"},
 		{"--output", "xml"},
 		{"--variant", "speed=3"},
+		{"--mix", "shop"},
+		{"--mix-requests", "0"},
+		{"--keys", "none", "--mix", "none"},
 		{"extra"},
 	} {
 		var stderr bytes.Buffer
@@ -54,6 +57,21 @@ func TestTargets(t *testing.T) {
 	ok, misses := defaultTargets.check(cases)
 	if ok || len(misses) != 1 || !strings.HasPrefix(misses[0], "8 callers") {
 		t.Fatalf("check: %v %v", ok, misses)
+	}
+	if !defaultTargets.apply(cases) || defaultTargets.apply(cases[2:]) {
+		t.Fatal("apply: want a target for 8 callers over 100,000 keys, none for 64 over 1 or 1 over 100,000")
+	}
+	if got := defaultTargets.callerList(); got != "8, 32 and 64" {
+		t.Fatalf("callerList: %q", got)
+	}
+	// A run with no case of the targets' size says so rather than that
+	// they were met.
+	var out strings.Builder
+	if err := printText(&out, Report{Cases: cases[2:3], Targets: defaultTargets, TargetsMet: true}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(out.String(), "no targets apply (they are for 100000 keys or more at 8, 32 and 64 callers)") {
+		t.Fatalf("text report:\n%s", out.String())
 	}
 }
 
