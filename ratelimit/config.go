@@ -217,10 +217,12 @@ type Config struct {
 
 	// DisableCoalescing turns off the coalescing of concurrent checks. By
 	// default, checks of this limiter that arrive while MaxInFlight round
-	// trips are already running wait and go out together, one statement
-	// for up to MaxBatch of them, decided exactly as if one after another;
-	// a check that finds the way clear goes out at once, alone, so a lone
-	// caller's latency does not change. A limiter on a *pgx.Conn or a
+	// trips are already running, or while a check of their key is in
+	// flight, wait and go out together, one statement for up to MaxBatch of
+	// them, decided exactly as if one after another; a hot key's waiting
+	// checks are decided by one update of its row. A check that finds the
+	// way clear goes out at once, alone, so a lone caller's latency does
+	// not change. A limiter on a *pgx.Conn or a
 	// pgx.Tx never coalesces; one on a pool, or on a DB of your own that
 	// wraps a pool, does. Set DisableCoalescing for a DB of your own that
 	// wraps a single connection. Defaults to false (coalescing on).
@@ -232,8 +234,8 @@ type Config struct {
 	MaxBatch int
 
 	// MaxInFlight is how many of this limiter's round trips may run at once
-	// before further checks wait to be coalesced (a hot key's further
-	// checks do not wait: see DisableCoalescing). Measured on two cores,
+	// before further checks wait to be coalesced (a check of a key in
+	// flight always waits: see DisableCoalescing). Measured on two cores,
 	// 2 gave the best throughput from 8 to 64 callers without raising the
 	// median latency (docs/REDIS.md). Defaults to DefaultMaxInFlight (2).
 	// Negative values are refused with ErrInvalidOption.
