@@ -224,19 +224,19 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.co
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_queue($1::bytea[], $2::bigint[],
                                     $3::boolean[], $4::integer[],
-                                    $5::bigint, $6::bigint,
-                                    $7::boolean, $8::timestamptz) AS q
+                                    $5::bigint[], $6::bigint[],
+                                    $7::boolean[], $8::timestamptz) AS q
 `
 
 type FixedWindowTakeQueueParams struct {
-	Keys     [][]byte
-	Costs    []int64
-	UpTo     []bool
-	Ends     []int32
-	MaxCount int64
-	WindowUs int64
-	Penalty  bool
-	At       *time.Time
+	Keys      [][]byte
+	Costs     []int64
+	UpTo      []bool
+	Ends      []int32
+	MaxCounts []int64
+	WindowsUs []int64
+	Penalties []bool
+	At        *time.Time
 }
 
 type FixedWindowTakeQueueRow struct {
@@ -255,18 +255,19 @@ type FixedWindowTakeQueueRow struct {
 // with the window's state right after it. A check with up_to set is a
 // partial grant: it takes what is left of its cost, possibly nothing, and
 // reports it in granted (an all-or-nothing check's granted is its cost or
-// 0). keys are distinct and sorted; ends[i] is the 1-based position in
-// costs of key i's last check; see pgrl_fixed_window_take_queue (migration
-// 000006). check_index is the check's position in costs.
+// 0). keys are sorted; ends[i] is the 1-based position in costs of key i's
+// last check; the limit's figures come one per key, so that the keys of
+// several limiters share one statement. See pgrl_fixed_window_take_queue
+// (migration 000006). check_index is the check's position in costs.
 func (q *Queries) FixedWindowTakeQueue(ctx context.Context, db DBTX, arg FixedWindowTakeQueueParams) ([]FixedWindowTakeQueueRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeQueue,
 		arg.Keys,
 		arg.Costs,
 		arg.UpTo,
 		arg.Ends,
-		arg.MaxCount,
-		arg.WindowUs,
-		arg.Penalty,
+		arg.MaxCounts,
+		arg.WindowsUs,
+		arg.Penalties,
 		arg.At,
 	)
 	if err != nil {
@@ -298,8 +299,8 @@ const fixedWindowTakeUpTo = `-- name: FixedWindowTakeUpTo :one
 SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
        q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_queue(ARRAY[$1::bytea], ARRAY[$2::bigint], ARRAY[true],
-                                    ARRAY[1], $3::bigint, $4::bigint,
-                                    $5::boolean, $6::timestamptz) AS q
+                                    ARRAY[1], ARRAY[$3::bigint], ARRAY[$4::bigint],
+                                    ARRAY[$5::boolean], $6::timestamptz) AS q
 `
 
 type FixedWindowTakeUpToParams struct {

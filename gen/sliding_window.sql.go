@@ -290,19 +290,19 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_queue($1::bytea[], $2::bigint[],
                                       $3::boolean[], $4::integer[],
-                                      $5::bigint, $6::bigint,
-                                      $7::boolean, $8::timestamptz) AS q
+                                      $5::bigint[], $6::bigint[],
+                                      $7::boolean[], $8::timestamptz) AS q
 `
 
 type SlidingWindowTakeQueueParams struct {
-	Keys     [][]byte
-	Costs    []int64
-	UpTo     []bool
-	Ends     []int32
-	MaxCount int64
-	WindowUs int64
-	Penalty  bool
-	At       *time.Time
+	Keys      [][]byte
+	Costs     []int64
+	UpTo      []bool
+	Ends      []int32
+	MaxCounts []int64
+	WindowsUs []int64
+	Penalties []bool
+	At        *time.Time
 }
 
 type SlidingWindowTakeQueueRow struct {
@@ -327,9 +327,9 @@ func (q *Queries) SlidingWindowTakeQueue(ctx context.Context, db DBTX, arg Slidi
 		arg.Costs,
 		arg.UpTo,
 		arg.Ends,
-		arg.MaxCount,
-		arg.WindowUs,
-		arg.Penalty,
+		arg.MaxCounts,
+		arg.WindowsUs,
+		arg.Penalties,
 		arg.At,
 	)
 	if err != nil {
@@ -362,8 +362,8 @@ const slidingWindowTakeUpTo = `-- name: SlidingWindowTakeUpTo :one
 SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_queue(ARRAY[$1::bytea], ARRAY[$2::bigint], ARRAY[true],
-                                      ARRAY[1], $3::bigint, $4::bigint,
-                                      $5::boolean, $6::timestamptz) AS q
+                                      ARRAY[1], ARRAY[$3::bigint], ARRAY[$4::bigint],
+                                      ARRAY[$5::boolean], $6::timestamptz) AS q
 `
 
 type SlidingWindowTakeUpToParams struct {

@@ -248,19 +248,19 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.to
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_queue($1::bytea[], $2::bigint[],
                                     $3::boolean[], $4::integer[],
-                                    $5::float8, $6::float8,
-                                    $7::boolean, $8::timestamptz) AS q
+                                    $5::float8[], $6::float8[],
+                                    $7::boolean[], $8::timestamptz) AS q
 `
 
 type TokenBucketTakeQueueParams struct {
-	Keys        [][]byte
-	Costs       []int64
-	UpTo        []bool
-	Ends        []int32
-	Capacity    float64
-	RefillPerUs float64
-	Penalty     bool
-	At          *time.Time
+	Keys         [][]byte
+	Costs        []int64
+	UpTo         []bool
+	Ends         []int32
+	Capacities   []float64
+	RefillsPerUs []float64
+	Penalties    []bool
+	At           *time.Time
 }
 
 type TokenBucketTakeQueueRow struct {
@@ -284,9 +284,9 @@ func (q *Queries) TokenBucketTakeQueue(ctx context.Context, db DBTX, arg TokenBu
 		arg.Costs,
 		arg.UpTo,
 		arg.Ends,
-		arg.Capacity,
-		arg.RefillPerUs,
-		arg.Penalty,
+		arg.Capacities,
+		arg.RefillsPerUs,
+		arg.Penalties,
 		arg.At,
 	)
 	if err != nil {
@@ -318,8 +318,9 @@ const tokenBucketTakeUpTo = `-- name: TokenBucketTakeUpTo :one
 SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
        q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_queue(ARRAY[$1::bytea], ARRAY[$2::bigint], ARRAY[true],
-                                    ARRAY[1], $3::float8, $4::float8,
-                                    $5::boolean, $6::timestamptz) AS q
+                                    ARRAY[1], ARRAY[$3::float8],
+                                    ARRAY[$4::float8], ARRAY[$5::boolean],
+                                    $6::timestamptz) AS q
 `
 
 type TokenBucketTakeUpToParams struct {

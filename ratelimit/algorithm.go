@@ -28,6 +28,8 @@ type algorithm interface {
 	// spreadRow adjusts the configuration of one row of a spread limit
 	// (its Limit and Burst are already its shares).
 	spreadRow(row Config) Config
+	// table names the algorithm's table.
+	table() string
 	// partitioned reports whether the algorithm's table can be
 	// partitioned, so that a check can find its partition missing.
 	partitioned() bool
@@ -45,7 +47,7 @@ type algorithm interface {
 	// takeQueue decides q's checks, several per key, in one statement,
 	// each key's as if one after another, and returns their decisions in
 	// the caller's order (see checkQueue).
-	takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error)
+	takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error)
 	// peek reports k's state as a check of one unit would see it.
 	peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error)
 	// reset deletes k's row.

@@ -3,16 +3,23 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"reflect"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
+	"weak"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// coalescer gathers the checks that one limiter's callers make at the same
-// time into one statement per round trip.
+// coalescer gathers the checks that callers make at the same time into one
+// statement per algorithm per round trip. Every limiter on one database
+// handle (a *pgxpool.Pool, or a DB of your own that wraps one) with the
+// same MaxBatch and MaxInFlight shares one coalescer: the checks of a
+// login's three limiters, of a global ceiling and of a per-user limit ride
+// the same statement, since the statements take each key's limit and
+// window with it.
 //
 // It is adaptive: a check that finds fewer than maxInFlight round trips
 // running goes out at once, alone, as the very statement an uncoalesced
@@ -28,7 +35,6 @@ import (
 // for the next, so every check of a key is decided after the previous one
 // exactly as if they had come one after another.
 type coalescer struct {
-	l           *Limiter
 	maxBatch    int
 	maxInFlight int
 
@@ -36,8 +42,8 @@ type coalescer struct {
 
 	mu       sync.Mutex
 	inFlight int
-	busy     map[string]int // checks in flight, per stored key
-	queued   map[string]int // checks in pending, per stored key
+	busy     map[string]int // checks in flight, per row (pendingCheck.id)
+	queued   map[string]int // checks in pending, per row
 	progress time.Time      // when a round trip last started or ended
 	pending  []*pendingCheck
 	watch    *time.Timer // runs unstick while the queue may be stuck
@@ -52,10 +58,11 @@ const maxQueueWait = 5 * time.Millisecond
 
 // pendingCheck is one check waiting for, or riding, a round trip.
 type pendingCheck struct {
+	l    *Limiter // the limiter (or spread row) that checks
 	ctx  context.Context
 	key  string // the caller's key, for the deny cache
 	skey []byte // the stored key, sent to the database
-	id   string // string(skey): the check's key in the coalescer's maps
+	id   string // the row's identity in the coalescer's maps: table and stored key
 	ask  ask
 	// wake tells a queued check, once, what comes next: a batch to send
 	// (the check is its first), or nil when d and err are set. Checks that
@@ -72,14 +79,52 @@ func (r *pendingCheck) finish() {
 	}
 }
 
-func newCoalescer(l *Limiter, maxBatch, maxInFlight int) *coalescer {
-	return &coalescer{l: l, maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]int{}, queued: map[string]int{}}
+func newCoalescer(maxBatch, maxInFlight int) *coalescer {
+	return &coalescer{maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]int{}, queued: map[string]int{}}
 }
 
-// take decides one check, alone or in a batch.
-func (c *coalescer) take(ctx context.Context, key string, a ask) (Decision, error) {
-	skey := c.l.key(key)
-	r := &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: a}
+// coalescerKey names a shared coalescer.
+type coalescerKey struct {
+	db                    DB
+	maxBatch, maxInFlight int
+}
+
+// coalescers holds the shared coalescers, weakly: one lives as long as a
+// limiter uses it, and its entry goes with it.
+var coalescers = struct {
+	sync.Mutex
+	m map[coalescerKey]weak.Pointer[coalescer]
+}{m: map[coalescerKey]weak.Pointer[coalescer]{}}
+
+// sharedCoalescer returns the coalescer of the limiters on db with these
+// settings, making it if there is none. A db whose type cannot be a map key
+// (a struct holding a func or a map) gets a coalescer of its own.
+func sharedCoalescer(db DB, maxBatch, maxInFlight int) *coalescer {
+	if !reflect.TypeOf(db).Comparable() {
+		return newCoalescer(maxBatch, maxInFlight)
+	}
+	k := coalescerKey{db: db, maxBatch: maxBatch, maxInFlight: maxInFlight}
+	coalescers.Lock()
+	defer coalescers.Unlock()
+	if c := coalescers.m[k].Value(); c != nil {
+		return c
+	}
+	c := newCoalescer(maxBatch, maxInFlight)
+	coalescers.m[k] = weak.Make(c)
+	runtime.AddCleanup(c, func(k coalescerKey) {
+		coalescers.Lock()
+		defer coalescers.Unlock()
+		if coalescers.m[k].Value() == nil {
+			delete(coalescers.m, k)
+		}
+	}, k)
+	return c
+}
+
+// take decides one check of l, alone or in a batch.
+func (c *coalescer) take(ctx context.Context, l *Limiter, key string, a ask) (Decision, error) {
+	skey := l.key(key)
+	r := &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: l.alg.table() + string(skey), ask: a}
 	id := r.id
 	c.mu.Lock()
 	// Go out at once when a round trip is free and the key is not in
@@ -251,15 +296,13 @@ func (c *coalescer) nextBatch() (batch []*pendingCheck) {
 	if len(c.pending) == 0 {
 		return nil
 	}
-	deny := c.l.deny
-	now := c.l.localNow()
 	taken := map[string]bool{}
 	kept := map[string]bool{}
 	rest := c.pending[:0]
 	for _, p := range c.pending {
 		c.unqueue(p.id)
-		if deny != nil {
-			if d, ok := deny.get(p.key, p.ask.retryCost(), now); ok {
+		if deny := p.l.deny; deny != nil {
+			if d, ok := deny.get(p.key, p.ask.retryCost(), p.l.localNow()); ok {
 				p.d = d
 				p.finish()
 				continue
@@ -282,7 +325,6 @@ func (c *coalescer) nextBatch() (batch []*pendingCheck) {
 
 // send runs one round trip for batch and delivers every result.
 func (c *coalescer) send(batch []*pendingCheck) {
-	l := c.l
 	// The statement serves several callers: no single caller's
 	// cancellation may abort it, but the leader's deadline bounds it (the
 	// leader answers its own caller only when the statement returns; the
@@ -293,73 +335,105 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		ctx, cancel = context.WithDeadline(ctx, dl)
 		defer cancel()
 	}
-	sent := l.localNow()
 	if len(batch) == 1 {
 		r := batch[0]
-		r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.ask)
+		sent := r.l.localNow()
+		r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
 		c.remember(r, sent)
 		r.finish()
 		return
 	}
 	c.batched.Add(uint64(len(batch)))
-	err := c.takeMany(ctx, batch)
-	var pgErr *pgconn.PgError
-	if err != nil && errors.As(err, &pgErr) {
-		// The statement failed as a whole: decide each check on its own so
-		// that every error reaches the check it belongs to.
-		for _, r := range batch {
-			r.d, r.err = l.takeKey(ctx, l.db, r.skey, r.ask)
+	for _, group := range statements(batch) {
+		l := group[0].l
+		sent := l.localNow()
+		err := takeMany(ctx, group)
+		var pgErr *pgconn.PgError
+		if err != nil && errors.As(err, &pgErr) {
+			// The statement failed as a whole: decide each check on its
+			// own so that every error reaches the check it belongs to.
+			for _, r := range group {
+				r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
+			}
+			err = nil
 		}
-		err = nil
+		for _, r := range group {
+			if err != nil {
+				r.err = err
+			}
+			c.remember(r, sent)
+			r.finish()
+		}
 	}
+}
+
+// statements splits a batch into the statements that decide it: one per
+// algorithm (its table), in the order the algorithms first appear, each
+// check keeping its place among its algorithm's. A statement has one clock:
+// limiters with a pinned clock (Config.Now, for tests) share a statement
+// only when their clocks read the same instant.
+func statements(batch []*pendingCheck) [][]*pendingCheck {
+	type clockKey struct {
+		alg    algorithm
+		pinned bool
+		at     int64
+	}
+	var groups [][]*pendingCheck
+	index := map[clockKey]int{}
 	for _, r := range batch {
-		if err != nil {
-			r.err = err
+		k := clockKey{alg: r.l.alg}
+		if at := r.l.at(); at != nil {
+			k.pinned, k.at = true, at.UnixMicro()
 		}
-		c.remember(r, sent)
-		r.finish()
+		i, ok := index[k]
+		if !ok {
+			i = len(groups)
+			index[k] = i
+			groups = append(groups, nil)
+		}
+		groups[i] = append(groups[i], r)
 	}
+	return groups
 }
 
 // remember puts a denial into the deny cache before the queue is looked at
 // again, so that queued checks of the same key are answered without a
 // statement.
 func (c *coalescer) remember(r *pendingCheck, sent time.Time) {
-	if c.l.deny != nil && r.err == nil && !r.d.Allowed {
-		c.l.deny.put(r.key, r.ask.retryCost(), r.d, sent)
+	if r.l.deny != nil && r.err == nil && !r.d.Allowed {
+		r.l.deny.put(r.key, r.ask.retryCost(), r.d, sent)
 	}
 }
 
-// takeMany decides the batch in one statement: the set-based batch of
-// single checks when every check is of another key and asks for all of
-// its cost, else the queue statement, which updates each key's row once
-// for all of its checks.
-func (c *coalescer) takeMany(ctx context.Context, batch []*pendingCheck) error {
-	l := c.l
-	keys := make([][]byte, len(batch))
-	asks := make([]ask, len(batch))
-	queue := false
-	seen := make(map[string]bool, len(batch))
-	for i, r := range batch {
-		keys[i], asks[i] = r.skey, r.ask
-		queue = queue || r.ask.upTo || seen[r.id]
+// takeMany decides checks of one algorithm in one statement: the set-based
+// batch of single checks when they are all of one limiter, each of another
+// key, and each asks for all of its cost; else the queue statement, which
+// updates each key's row once for all of its checks and takes each key's
+// limit with it.
+func takeMany(ctx context.Context, group []*pendingCheck) error {
+	l := group[0].l
+	simple := true
+	seen := make(map[string]bool, len(group))
+	for _, r := range group {
+		simple = simple && r.l == l && !r.ask.upTo && !seen[r.id]
 		seen[r.id] = true
 	}
 	var decs []Decision
 	var err error
-	if queue {
-		decs, err = l.alg.takeQueue(ctx, l, l.db, newCheckQueue(keys, asks))
-	} else {
-		costs := make([]int64, len(batch))
-		for i, a := range asks {
-			costs[i] = a.n
+	if simple {
+		keys := make([][]byte, len(group))
+		costs := make([]int64, len(group))
+		for i, r := range group {
+			keys[i], costs[i] = r.skey, r.ask.n
 		}
 		decs, err = l.alg.takeMany(ctx, l, l.db, keys, costs)
+	} else {
+		decs, err = l.alg.takeQueue(ctx, l.db, newCheckQueue(group))
 	}
 	if err != nil {
 		return err
 	}
-	for i, r := range batch {
+	for i, r := range group {
 		r.d = decs[i]
 	}
 	return nil

@@ -20,9 +20,9 @@ func TakeMany(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
 		skey := l.key(key)
-		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
 	}
-	if err := newCoalescer(l, len(keys), 1).takeMany(ctx, batch); err != nil {
+	if err := takeMany(ctx, batch); err != nil {
 		return nil, err
 	}
 	ds := make([]Decision, len(batch))
@@ -39,9 +39,9 @@ func SendBatch(ctx context.Context, l *Limiter, keys []string, costs []int64) ([
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
 		skey := l.key(key)
-		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
 	}
-	newCoalescer(l, len(keys), 1).send(batch)
+	newCoalescer(len(keys), 1).send(batch)
 	ds := make([]Decision, len(batch))
 	errs := make([]error, len(batch))
 	for i, r := range batch {
@@ -57,13 +57,37 @@ func TakeBatch(ctx context.Context, l *Limiter, keys []string, costs []int64, up
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
 		skey := l.key(key)
-		batch[i] = &pendingCheck{ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i], upTo: upTo[i]}}
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i], upTo: upTo[i]}}
 	}
-	if err := newCoalescer(l, len(keys), 1).takeMany(ctx, batch); err != nil {
+	if err := takeMany(ctx, batch); err != nil {
 		return nil, err
 	}
 	ds := make([]Decision, len(batch))
 	for i, r := range batch {
+		ds[i] = r.ask.settle(r.d)
+	}
+	return ds, nil
+}
+
+// SharesCoalescer reports whether a and b coalesce their checks together.
+func SharesCoalescer(a, b *Limiter) bool { return a.coalescer != nil && a.coalescer == b.coalescer }
+
+// TakeMixed decides checks of several limiters as the shared coalescer
+// decides one batch (checks[i] is of limiters[i]), and returns their
+// decisions in order.
+func TakeMixed(ctx context.Context, limiters []*Limiter, keys []string, costs []int64, upTo []bool) ([]Decision, error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		l := limiters[i]
+		skey := l.key(key)
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: l.alg.table() + string(skey), ask: ask{n: costs[i], upTo: upTo[i]}}
+	}
+	newCoalescer(len(keys), 1).send(batch)
+	ds := make([]Decision, len(batch))
+	for i, r := range batch {
+		if r.err != nil {
+			return nil, r.err
+		}
 		ds[i] = r.ask.settle(r.d)
 	}
 	return ds, nil

@@ -16,6 +16,7 @@ func (fixedWindow) validate(Config) error              { return nil }
 func (fixedWindow) capacity(c Config) int64            { return c.Limit }
 func (fixedWindow) fallbackConfig(_, fb Config) Config { return fb }
 func (fixedWindow) spreadRow(row Config) Config        { return row }
+func (fixedWindow) table() string                      { return "pgrl_fixed_window" }
 func (fixedWindow) partitioned() bool                  { return true }
 func (fixedWindow) lockRank() int                      { return 0 }
 
@@ -49,13 +50,16 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
 }
 
-func (fixedWindow) takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := l.q.FixedWindowTakeQueue(ctx, db, gen.FixedWindowTakeQueueParams{
+func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
+	rows, err := q.limiters[0].q.FixedWindowTakeQueue(ctx, db, gen.FixedWindowTakeQueueParams{
 		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		At:        q.clock(),
+		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
+		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
+		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 	})
 	return inCheckOrder(q, rows, err, func(r gen.FixedWindowTakeQueueRow) int32 { return r.CheckIndex },
-		func(r gen.FixedWindowTakeQueueRow, _ ask) Decision {
+		func(l *Limiter, r gen.FixedWindowTakeQueueRow, _ ask) Decision {
 			return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
 		})
 }

@@ -78,7 +78,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 		// statements) can run several round trips at once. A spread
 		// limit's rows coalesce on their own.
 		if !singleConn(db) && cfg.Spread <= 1 {
-			l.coalescer = newCoalescer(l, cfg.MaxBatch, cfg.MaxInFlight)
+			l.coalescer = sharedCoalescer(db, cfg.MaxBatch, cfg.MaxInFlight)
 		}
 	}
 	if cfg.Spread > 1 {
@@ -262,7 +262,7 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
 		if l.coalescer != nil {
-			return l.coalescer.take(ctx, key, a)
+			return l.coalescer.take(ctx, l, key, a)
 		}
 		return l.take(ctx, l.db, key, a)
 	}

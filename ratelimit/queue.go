@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"slices"
+	"time"
 )
 
 // ask is what one check asks for: n units, all of them or none, or with
@@ -38,41 +39,43 @@ func (a ask) settle(d Decision) Decision {
 	return d
 }
 
-// checkQueue is queues of checks on distinct keys, flattened as the
-// …TakeQueue statements take them: keys sorted (the order their rows are
-// locked), each key's checks in arrival order, ends[i] the 1-based position
-// of key i's last check. at[j] is the position, in the caller's list, of
-// the j-th check here.
+// checkQueue is queues of checks, flattened as the …TakeQueue statements
+// take them: rows (a limiter and a stored key) in key order, the order
+// they are locked in; each row's checks in arrival order; ends[i] the
+// 1-based position of row i's last check. at[j] is the position, in the
+// caller's list, of the j-th check here.
 type checkQueue struct {
-	keys  [][]byte
-	costs []int64
-	upTo  []bool
-	ends  []int32
-	at    []int
+	limiters []*Limiter // one per row: its limit and window go with it
+	keys     [][]byte
+	costs    []int64
+	upTo     []bool
+	ends     []int32
+	at       []int
 }
 
-// newCheckQueue groups checks by key: keys[i] asks asks[i]. Checks of one key
-// keep their order.
-func newCheckQueue(keys [][]byte, asks []ask) *checkQueue {
-	order := make([]int, len(keys))
+// newCheckQueue groups checks by row, each row's checks in their order.
+func newCheckQueue(checks []*pendingCheck) *checkQueue {
+	order := make([]int, len(checks))
 	for i := range order {
 		order[i] = i
 	}
-	// A stable sort keeps each key's checks in arrival order.
-	slices.SortStableFunc(order, func(a, b int) int { return bytes.Compare(keys[a], keys[b]) })
+	// A stable sort keeps each row's checks in arrival order.
+	slices.SortStableFunc(order, func(a, b int) int { return bytes.Compare(checks[a].skey, checks[b].skey) })
 	q := &checkQueue{
 		costs: make([]int64, len(order)),
 		upTo:  make([]bool, len(order)),
 		at:    order,
 	}
 	for j, i := range order {
-		if j > 0 && !bytes.Equal(keys[i], keys[order[j-1]]) {
-			q.ends = append(q.ends, int32(j))
+		r := checks[i]
+		if j == 0 || r.l != checks[order[j-1]].l || !bytes.Equal(r.skey, checks[order[j-1]].skey) {
+			if j > 0 {
+				q.ends = append(q.ends, int32(j))
+			}
+			q.limiters = append(q.limiters, r.l)
+			q.keys = append(q.keys, r.skey)
 		}
-		if j == 0 || !bytes.Equal(keys[i], keys[order[j-1]]) {
-			q.keys = append(q.keys, keys[i])
-		}
-		q.costs[j], q.upTo[j] = asks[i].n, asks[i].upTo
+		q.costs[j], q.upTo[j] = r.ask.n, r.ask.upTo
 	}
 	if len(order) > 0 {
 		q.ends = append(q.ends, int32(len(order)))
@@ -83,10 +86,30 @@ func newCheckQueue(keys [][]byte, asks []ask) *checkQueue {
 // ask is the j-th check of the queue.
 func (q *checkQueue) ask(j int) ask { return ask{n: q.costs[j], upTo: q.upTo[j]} }
 
+// limiterOf is the limiter of the j-th check.
+func (q *checkQueue) limiterOf(j int) *Limiter {
+	k, _ := slices.BinarySearch(q.ends, int32(j+1))
+	return q.limiters[k]
+}
+
+// clock is the instant the statement runs at: the pinned clock of the
+// queue's limiters (they share a statement only when theirs read the same
+// instant, see statements), else nil, the database's.
+func (q *checkQueue) clock() *time.Time { return q.limiters[0].at() }
+
+// perRow returns f of each row's limiter.
+func perRow[T any](q *checkQueue, f func(*Limiter) T) []T {
+	out := make([]T, len(q.limiters))
+	for i, l := range q.limiters {
+		out[i] = f(l)
+	}
+	return out
+}
+
 // inCheckOrder gives each check of q the decision that decide makes from
-// its row (index reads the row's 1-based check_index), in the caller's
-// order. A statement must return exactly one row per check.
-func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32, decide func(R, ask) Decision) ([]Decision, error) {
+// its row (index reads the row's 1-based check_index) with its limiter, in
+// the caller's order. A statement must return exactly one row per check.
+func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32, decide func(*Limiter, R, ask) Decision) ([]Decision, error) {
 	if err != nil {
 		return nil, err
 	}
@@ -101,7 +124,7 @@ func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32
 			return nil, fmt.Errorf("ratelimit: queue statement returned check %d of %d", j+1, len(q.costs))
 		}
 		seen[j] = true
-		out[q.at[j]] = decide(row, q.ask(j))
+		out[q.at[j]] = decide(q.limiterOf(j), row, q.ask(j))
 	}
 	return out, nil
 }

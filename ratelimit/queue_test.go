@@ -192,3 +192,67 @@ func TestAllowUpToConcurrentNeverOverGrants(t *testing.T) {
 		})
 	}
 }
+
+// TestSharedStatementsMatchSingleChecks: checks of six limiters (three
+// algorithms, different limits, windows and penalty settings) on one pool
+// share one coalescer, and one batch of them, decided one statement per
+// algorithm, gives exactly the decisions of the same checks made one at a
+// time in the same order.
+func TestSharedStatementsMatchSingleChecks(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	var mu sync.Mutex
+	at := base.Add(17 * time.Second)
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return at }
+	cfgs := []ratelimit.Config{
+		{Name: "fw-a", Algorithm: ratelimit.FixedWindow, Limit: 10, Window: time.Minute},
+		{Name: "fw-b", Algorithm: ratelimit.FixedWindow, Limit: 4, Window: 10 * time.Second, Penalty: true},
+		{Name: "tb-a", Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 15, Window: time.Minute},
+		{Name: "tb-b", Algorithm: ratelimit.TokenBucket, Limit: 3, Window: 5 * time.Second, Penalty: true},
+		{Name: "sw-a", Algorithm: ratelimit.SlidingWindow, Limit: 7, Window: 30 * time.Second},
+		{Name: "sw-b", Algorithm: ratelimit.SlidingWindow, Limit: 12, Window: 2 * time.Minute, Penalty: true},
+	}
+	var shared, single []*ratelimit.Limiter
+	for _, cfg := range cfgs {
+		cfg.DenyCacheSize, cfg.Now = -1, clock
+		shared = append(shared, testkit.NewLimiter(t, pool, cfg))
+		cfg.Name += "-single"
+		cfg.DisableCoalescing = true
+		single = append(single, testkit.NewLimiter(t, pool, cfg))
+	}
+	for _, l := range shared[1:] {
+		require.True(t, ratelimit.SharesCoalescer(shared[0], l), "limiters on one pool share a coalescer")
+	}
+	rng := rand.New(rand.NewPCG(3, 4))
+	for round := range 120 {
+		mu.Lock()
+		at = at.Add(time.Duration(rng.Int64N(int64(4 * time.Second))))
+		mu.Unlock()
+		n := 1 + rng.IntN(16)
+		ls := make([]*ratelimit.Limiter, n)
+		idx := make([]int, n)
+		keys := make([]string, n)
+		costs := make([]int64, n)
+		upTo := make([]bool, n)
+		for i := range n {
+			idx[i] = rng.IntN(len(cfgs))
+			ls[i] = shared[idx[i]]
+			keys[i] = fmt.Sprintf("k%d", rng.IntN(2))
+			costs[i] = 1 + rng.Int64N(3)
+			upTo[i] = rng.IntN(6) == 0
+		}
+		got, err := ratelimit.TakeMixed(ctx, ls, keys, costs, upTo)
+		require.NoError(t, err, "round %d", round)
+		for i := range n {
+			var want ratelimit.Decision
+			if upTo[i] {
+				want, err = single[idx[i]].AllowUpTo(ctx, keys[i], costs[i])
+			} else {
+				want, err = single[idx[i]].AllowN(ctx, keys[i], costs[i])
+			}
+			require.NoError(t, err)
+			require.Equal(t, want, got[i], "round %d check %d (%s)", round, i, cfgs[idx[i]].Name)
+		}
+	}
+}

@@ -19,6 +19,7 @@ func (slidingWindow) validate(Config) error              { return nil }
 func (slidingWindow) capacity(c Config) int64            { return c.Limit }
 func (slidingWindow) fallbackConfig(_, fb Config) Config { return fb }
 func (slidingWindow) spreadRow(row Config) Config        { return row }
+func (slidingWindow) table() string                      { return "pgrl_sliding_window" }
 func (slidingWindow) partitioned() bool                  { return false }
 func (slidingWindow) lockRank() int                      { return 2 }
 
@@ -52,13 +53,16 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), 1).granting(r.Granted), nil
 }
 
-func (slidingWindow) takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := l.q.SlidingWindowTakeQueue(ctx, db, gen.SlidingWindowTakeQueueParams{
+func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
+	rows, err := q.limiters[0].q.SlidingWindowTakeQueue(ctx, db, gen.SlidingWindowTakeQueueParams{
 		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		At:        q.clock(),
+		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
+		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
+		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 	})
 	return inCheckOrder(q, rows, err, func(r gen.SlidingWindowTakeQueueRow) int32 { return r.CheckIndex },
-		func(r gen.SlidingWindowTakeQueueRow, a ask) Decision {
+		func(l *Limiter, r gen.SlidingWindowTakeQueueRow, a ask) Decision {
 			return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.retryCost()).granting(r.Granted)
 		})
 }

@@ -57,6 +57,7 @@ func (tokenBucket) spreadRow(row Config) Config {
 	return row
 }
 
+func (tokenBucket) table() string     { return "pgrl_token_bucket" }
 func (tokenBucket) partitioned() bool { return false }
 func (tokenBucket) lockRank() int     { return 1 }
 
@@ -96,13 +97,16 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), 1).granting(r.Granted), nil
 }
 
-func (tokenBucket) takeQueue(ctx context.Context, l *Limiter, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := l.q.TokenBucketTakeQueue(ctx, db, gen.TokenBucketTakeQueueParams{
+func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
+	rows, err := q.limiters[0].q.TokenBucketTakeQueue(ctx, db, gen.TokenBucketTakeQueueParams{
 		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+		At:           q.clock(),
+		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
+		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
+		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 	})
 	return inCheckOrder(q, rows, err, func(r gen.TokenBucketTakeQueueRow) int32 { return r.CheckIndex },
-		func(r gen.TokenBucketTakeQueueRow, a ask) Decision {
+		func(l *Limiter, r gen.TokenBucketTakeQueueRow, a ask) Decision {
 			return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
 		})
 }

@@ -99,15 +99,16 @@ DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
 -- with the window's state right after it. A check with up_to set is a
 -- partial grant: it takes what is left of its cost, possibly nothing, and
 -- reports it in granted (an all-or-nothing check's granted is its cost or
--- 0). keys are distinct and sorted; ends[i] is the 1-based position in
--- costs of key i's last check; see pgrl_fixed_window_take_queue (migration
--- 000006). check_index is the check's position in costs.
+-- 0). keys are sorted; ends[i] is the 1-based position in costs of key i's
+-- last check; the limit's figures come one per key, so that the keys of
+-- several limiters share one statement. See pgrl_fixed_window_take_queue
+-- (migration 000006). check_index is the check's position in costs.
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
                                     sqlc.arg(up_to)::boolean[], sqlc.arg(ends)::integer[],
-                                    sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+                                    sqlc.arg(max_counts)::bigint[], sqlc.arg(windows_us)::bigint[],
+                                    sqlc.arg(penalties)::boolean[], sqlc.narg(at)::timestamptz) AS q;
 
 -- name: FixedWindowTakeUpTo :one
 -- FixedWindowTakeUpTo is a partial grant: it takes as many of n units as
@@ -117,5 +118,5 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.co
 SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
        q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
-                                    ARRAY[1], sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+                                    ARRAY[1], ARRAY[sqlc.arg(max_count)::bigint], ARRAY[sqlc.arg(window_us)::bigint],
+                                    ARRAY[sqlc.arg(penalty)::boolean], sqlc.narg(at)::timestamptz) AS q;

@@ -156,8 +156,8 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
                                       sqlc.arg(up_to)::boolean[], sqlc.arg(ends)::integer[],
-                                      sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                                      sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+                                      sqlc.arg(max_counts)::bigint[], sqlc.arg(windows_us)::bigint[],
+                                      sqlc.arg(penalties)::boolean[], sqlc.narg(at)::timestamptz) AS q;
 
 -- name: SlidingWindowTakeUpTo :one
 -- SlidingWindowTakeUpTo is a partial grant: it counts as many of n units as
@@ -166,5 +166,5 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
 SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
-                                      ARRAY[1], sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                                      sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+                                      ARRAY[1], ARRAY[sqlc.arg(max_count)::bigint], ARRAY[sqlc.arg(window_us)::bigint],
+                                      ARRAY[sqlc.arg(penalty)::boolean], sqlc.narg(at)::timestamptz) AS q;

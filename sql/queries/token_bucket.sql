@@ -121,8 +121,8 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.to
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
                                     sqlc.arg(up_to)::boolean[], sqlc.arg(ends)::integer[],
-                                    sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+                                    sqlc.arg(capacities)::float8[], sqlc.arg(refills_per_us)::float8[],
+                                    sqlc.arg(penalties)::boolean[], sqlc.narg(at)::timestamptz) AS q;
 
 -- name: TokenBucketTakeUpTo :one
 -- TokenBucketTakeUpTo is a partial grant: it spends as many of n tokens as
@@ -132,5 +132,6 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.to
 SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
        q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
-                                    ARRAY[1], sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                    sqlc.arg(penalty)::boolean, sqlc.narg(at)::timestamptz) AS q;
+                                    ARRAY[1], ARRAY[sqlc.arg(capacity)::float8],
+                                    ARRAY[sqlc.arg(refill_per_us)::float8], ARRAY[sqlc.arg(penalty)::boolean],
+                                    sqlc.narg(at)::timestamptz) AS q;

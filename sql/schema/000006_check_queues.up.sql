@@ -24,6 +24,10 @@
 --   up_to   whether each check is a partial grant;
 --   ends    for each key, the position in costs of its last check (1-based,
 --           ascending): key i's checks are costs[ends[i-1]+1 .. ends[i]];
+--   the limit's figures, one per key (max_counts, windows_us and penalties;
+--           for the token bucket capacities, refills_per_us and
+--           penalties): keys of several limiters, with different limits
+--           and windows, share one statement;
 --   at      pins the clock for tests; NULL takes now().
 -- check_index in the result is the check's position in costs.
 --
@@ -36,7 +40,7 @@
 
 CREATE FUNCTION pgrl_fixed_window_take_queue(
     keys bytea[], costs bigint[], up_to boolean[], ends integer[],
-    max_count bigint, window_us bigint, penalty boolean, at timestamptz)
+    max_counts bigint[], windows_us bigint[], penalties boolean[], at timestamptz)
 RETURNS TABLE (check_index integer, granted bigint, count bigint, allowed boolean,
                expires_at_us bigint, now_us bigint)
 LANGUAGE plpgsql VOLATILE
@@ -44,8 +48,8 @@ AS $$
 #variable_conflict use_column
 DECLARE
     now_at  bigint := pgrl_epoch_us(coalesce(at, now()));
-    end_us  bigint := pgrl_window_end_us(now_at, window_us);
-    ends_at timestamptz := pgrl_from_epoch_us(end_us);
+    end_us  bigint;
+    ends_at timestamptz;
     n       bigint;
     got     bigint;
     first   integer := 1;
@@ -53,6 +57,8 @@ DECLARE
     ok      boolean;
 BEGIN
     FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        end_us := pgrl_window_end_us(now_at, windows_us[k]);
+        ends_at := pgrl_from_epoch_us(end_us);
         SELECT t.count INTO cnt
           FROM pgrl_fixed_window AS t
          WHERE t.key = keys[k] AND t.expires_at = ends_at
@@ -68,13 +74,13 @@ BEGIN
         FOR i IN first .. ends[k] LOOP
             n := costs[i];
             IF up_to[i] THEN
-                got := least(n, greatest(max_count - cnt, 0));
+                got := least(n, greatest(max_counts[k] - cnt, 0));
                 ok := got > 0;
             ELSE
-                ok := cnt <= max_count - n;
+                ok := cnt <= max_counts[k] - n;
                 got := CASE WHEN ok THEN n ELSE 0 END;
             END IF;
-            IF penalty THEN
+            IF penalties[k] THEN
                 cnt := pgrl_saturating_add(cnt, n);
             ELSE
                 cnt := cnt + got;
@@ -92,14 +98,16 @@ $$;
 
 CREATE FUNCTION pgrl_token_bucket_take_queue(
     keys bytea[], costs bigint[], up_to boolean[], ends integer[],
-    capacity float8, refill_per_us float8, penalty boolean, at timestamptz)
+    capacities float8[], refills_per_us float8[], penalties boolean[], at timestamptz)
 RETURNS TABLE (check_index integer, granted bigint, tokens_bits bigint, updated_at_us bigint,
                full_at_us bigint, allowed boolean)
 LANGUAGE plpgsql VOLATILE
 AS $$
 #variable_conflict use_column
 DECLARE
-    ts    timestamptz := coalesce(at, now());
+    ts            timestamptz := coalesce(at, now());
+    capacity      float8;
+    refill_per_us float8;
     n     bigint;
     got   bigint;
     first integer := 1;
@@ -109,6 +117,8 @@ DECLARE
     ok    boolean;
 BEGIN
     FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        capacity := capacities[k];
+        refill_per_us := refills_per_us[k];
         SELECT pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, ts), capacity, refill_per_us),
                greatest(t.updated_at, ts)
           INTO bal, upd
@@ -132,7 +142,7 @@ BEGIN
                 ok := bal >= n;
                 got := CASE WHEN ok THEN n ELSE 0 END;
             END IF;
-            IF penalty THEN
+            IF penalties[k] THEN
                 bal := greatest(bal - n, 0 - capacity);
             ELSE
                 bal := bal - got;
@@ -151,16 +161,18 @@ $$;
 
 CREATE FUNCTION pgrl_sliding_window_take_queue(
     keys bytea[], costs bigint[], up_to boolean[], ends integer[],
-    max_count bigint, window_us bigint, penalty boolean, at timestamptz)
+    max_counts bigint[], windows_us bigint[], penalties boolean[], at timestamptz)
 RETURNS TABLE (check_index integer, granted bigint, window_start_us bigint, count bigint, prev_count bigint,
                allowed boolean, now_us bigint)
 LANGUAGE plpgsql VOLATILE
 AS $$
 #variable_conflict use_column
 DECLARE
-    now_at bigint := pgrl_epoch_us(coalesce(at, now()));
-    starts timestamptz := pgrl_from_epoch_us(pgrl_window_start_us(now_at, window_us));
-    n      bigint;
+    now_at    bigint := pgrl_epoch_us(coalesce(at, now()));
+    starts    timestamptz;
+    window_us bigint;
+    max_count bigint;
+    n         bigint;
     got    bigint;
     first  integer := 1;
     ws     timestamptz;
@@ -170,6 +182,9 @@ DECLARE
     ok     boolean;
 BEGIN
     FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        window_us := windows_us[k];
+        max_count := max_counts[k];
+        starts := pgrl_from_epoch_us(pgrl_window_start_us(now_at, window_us));
         SELECT greatest(t.window_start, starts),
                pgrl_sliding_window_current(t.window_start, starts, t.count),
                pgrl_sliding_window_previous(t.window_start, starts, window_us, t.count, t.prev_count)
@@ -200,7 +215,7 @@ BEGIN
                 ok := pgrl_sliding_window_allows(prev, cur, n, max_count, window_us, el);
                 got := CASE WHEN ok THEN n ELSE 0 END;
             END IF;
-            IF penalty THEN
+            IF penalties[k] THEN
                 cur := pgrl_saturating_add(cur, n);
             ELSE
                 cur := cur + got;
