@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -239,15 +240,52 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		defer cancel()
 	}
 
+	// One statement per algorithm: the checks of limiters that share a
+	// table (and a clock) go in one queue statement, which takes each key's
+	// limit with it; a spread limit's check picks its row and goes alone.
 	stmts := make([]*deferred, 0, len(order)+1)
-	results := make([]chan takeResult, len(order))
-	for k, it := range order {
+	type groupResult struct {
+		decs []Decision
+		err  error
+	}
+	var spans [][2]int // [start, end) of order, one per statement
+	for k := 0; k < len(order); {
+		end := k + 1
+		for l := order[k].c.Limiter; end < len(order) && l.shards == nil; end++ {
+			m := order[end].c.Limiter
+			if m.shards != nil || m.alg != l.alg || !sameClock(l, m) {
+				break
+			}
+		}
+		spans = append(spans, [2]int{k, end})
+		k = end
+	}
+	results := make([]chan groupResult, len(spans))
+	for g, span := range spans {
 		d := newDeferred()
 		stmts = append(stmts, d)
-		results[k] = make(chan takeResult, 1)
+		results[g] = make(chan groupResult, 1)
+		group := order[span[0]:span[1]]
 		go func() {
-			dec, err := it.c.Limiter.take(cctx, d, it.c.Key, ask{n: it.c.Cost})
-			results[k] <- takeResult{dec, err}
+			if len(group) == 1 {
+				it := group[0]
+				dec, err := it.c.Limiter.take(cctx, d, it.c.Key, ask{n: it.c.Cost})
+				results[g] <- groupResult{[]Decision{dec}, err}
+				return
+			}
+			checks := make([]*pendingCheck, len(group))
+			for i, it := range group {
+				checks[i] = &pendingCheck{l: it.c.Limiter, key: it.c.Key, skey: it.skey, ask: ask{n: it.c.Cost}}
+			}
+			decs, err := group[0].c.Limiter.alg.takeQueue(cctx, d, newCheckQueue(checks))
+			if err == nil {
+				for i := range decs {
+					decs[i].Store = StorePostgres
+				}
+			} else {
+				decs = make([]Decision, len(group))
+			}
+			results[g] <- groupResult{decs, err}
 		}()
 	}
 	var vote *deferred
@@ -277,11 +315,11 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	}
 	sendErr := runBatch(cctx, db, b, stmts)
 
-	decs := make([]Decision, len(order))
+	decs := make([]Decision, 0, len(order))
 	var firstErr error
-	for k := range order {
-		r := <-results[k]
-		decs[k] = r.d
+	for g := range spans {
+		r := <-results[g]
+		decs = append(decs, r.decs...)
 		if r.err != nil && firstErr == nil {
 			firstErr = r.err
 		}
@@ -411,14 +449,17 @@ type takeResult struct {
 type deferred struct {
 	sql    string
 	args   []any
-	dest   []any
+	dest   []any         // a QueryRow's Scan destinations
+	many   bool          // a Query: rows instead of dest
+	rows   pgx.Rows      // a Query's rows, read by the generated code
+	read   chan struct{} // closed when the generated code has closed rows
 	queued chan struct{}
 	done   chan struct{}
 	err    error
 }
 
 func newDeferred() *deferred {
-	return &deferred{queued: make(chan struct{}), done: make(chan struct{})}
+	return &deferred{queued: make(chan struct{}), done: make(chan struct{}), read: make(chan struct{})}
 }
 
 // QueryRow records the query; the returned row's Scan waits for the batch.
@@ -440,9 +481,30 @@ func (d *deferred) Exec(context.Context, string, ...any) (pgconn.CommandTag, err
 	return pgconn.CommandTag{}, errors.New("ratelimit: Exec in a batch")
 }
 
-// Query is not used by the queries a batch sends.
-func (d *deferred) Query(context.Context, string, ...any) (pgx.Rows, error) {
-	return nil, errors.New("ratelimit: Query in a batch")
+// Query records the query and waits for the batch to reach it; the
+// generated code then reads the rows from the batch, which waits until it
+// has closed them.
+func (d *deferred) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
+	d.sql, d.args, d.many = sql, args, true
+	close(d.queued)
+	<-d.done
+	if d.err != nil {
+		return nil, d.err
+	}
+	return &deferredRows{Rows: d.rows, read: d.read}, nil
+}
+
+// deferredRows tells the batch when the generated code is done with them.
+type deferredRows struct {
+	pgx.Rows
+	read chan struct{}
+	once sync.Once
+}
+
+// Close closes the rows and lets the batch go on to the next result.
+func (r *deferredRows) Close() {
+	r.Rows.Close()
+	r.once.Do(func() { close(r.read) })
 }
 
 // runBatch sends b and delivers each result to its deferred query, in
@@ -462,9 +524,20 @@ func runBatch(ctx context.Context, db DB, b *pgx.Batch, stmts []*deferred) (err 
 	}
 	br := bt.SendBatch(ctx, b)
 	for i, s := range stmts {
-		e := br.QueryRow().Scan(s.dest...)
-		s.err = e
-		close(s.done)
+		var e error
+		if s.many {
+			s.rows, s.err = br.Query()
+			e = s.err
+			close(s.done)
+			if e == nil {
+				<-s.read
+				e = s.rows.Err()
+			}
+		} else {
+			e = br.QueryRow().Scan(s.dest...)
+			s.err = e
+			close(s.done)
+		}
 		if e != nil {
 			cerr := br.Close()
 			if cerr == nil || isMultiDenied(e) {
@@ -476,4 +549,14 @@ func runBatch(ctx context.Context, db DB, b *pgx.Batch, stmts []*deferred) (err 
 		}
 	}
 	return br.Close()
+}
+
+// sameClock reports whether two limiters' statements run at one instant:
+// both on the database's clock, or pinned to the same instant (tests).
+func sameClock(a, b *Limiter) bool {
+	ta, tb := a.at(), b.at()
+	if ta == nil || tb == nil {
+		return ta == nil && tb == nil
+	}
+	return ta.Equal(*tb)
 }
