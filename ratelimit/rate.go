@@ -144,3 +144,15 @@ func (l *Limiter) ResetRate(ctx context.Context, key string, r Rate) error {
 	}
 	return d.Reset(ctx, key)
 }
+
+// Validate reports whether New would accept c, with the error New would
+// return (ErrInvalidLimit, ErrInvalidWindow, ...), without a database: for
+// configurations read from elsewhere (a file, package policy's table)
+// before they are stored or used.
+func (c Config) Validate() error {
+	if c.KeyMode == ReadableKeys && len(c.Name) > MaxReadableNameBytes {
+		return invalid(ErrInvalidName, "%d bytes with readable keys; use a name of at most %d bytes, or HashedKeys (the default)", len(c.Name), MaxReadableNameBytes)
+	}
+	_, err := c.withDefaults()
+	return err
+}
