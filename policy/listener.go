@@ -1,0 +1,275 @@
+package policy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Channel is the NOTIFY channel of migration 000006's triggers. Its payload
+// is a JSON object: {"schema", "table", "op", "policy"}; "policy" is null
+// after a TRUNCATE.
+const Channel = "pgrl_policy"
+
+// Defaults of ListenerOptions.
+const (
+	DefaultMinBackoff = 100 * time.Millisecond
+	DefaultMaxBackoff = 10 * time.Second
+)
+
+// ListenerOptions configures Watch.
+type ListenerOptions struct {
+	// MinBackoff is the wait before the first reconnection after a
+	// failure; it doubles (with jitter) up to MaxBackoff. Defaults to
+	// DefaultMinBackoff and DefaultMaxBackoff.
+	MinBackoff, MaxBackoff time.Duration
+	// Logger receives connection losses and recoveries. Defaults to
+	// slog.Default().
+	Logger *slog.Logger
+}
+
+// Stats counts what a Listener has done since Watch.
+type Stats struct {
+	// Received is the notifications of the cache's schema; Applied those
+	// whose reload succeeded; Ignored those of another schema.
+	Received, Applied, Ignored uint64
+	// Dropped is the notifications that could not be applied (a reload
+	// failed, or a payload was unreadable). Each drop closes the
+	// connection, and the next connection resynchronises the whole cache.
+	Dropped uint64
+	// Reconnects is the connections made after the first; each may have
+	// missed notifications, so each is followed by a full reload.
+	Reconnects uint64
+	// Resyncs is the full reloads done (the first one included).
+	Resyncs uint64
+	// Connected reports whether the listener is connected and listening.
+	Connected bool
+	// LastError is the last connection or reload error, "" when none.
+	LastError string
+}
+
+// Listener keeps a Cache current: it LISTENs on Channel on a connection of
+// its own and reloads the policy named in each notification of the
+// cache's schema. After any failure it reconnects with exponential backoff
+// and reloads everything, since notifications sent while it was away are
+// lost. Checks never wait for it: they read the cache's last complete
+// contents. Close turns it off.
+//
+// The connection must be a direct one (or through PgBouncer in session
+// mode): LISTEN needs a session that stays on one server connection, which
+// PgBouncer's transaction and statement modes do not give. It holds one
+// connection of the server's max_connections for as long as it runs.
+type Listener struct {
+	cache  *Cache
+	config *pgx.ConnConfig
+	opts   ListenerOptions
+	cancel context.CancelFunc
+	done   chan struct{}
+	synced chan struct{}
+	once   sync.Once
+
+	received, applied, ignored, dropped, reconnects, resyncs atomic.Uint64
+	connected                                                atomic.Bool
+	pid                                                      atomic.Uint32
+	lastErr                                                  atomic.Pointer[string]
+}
+
+// Watch starts a Listener on connString (a URL or keyword/value string
+// whose search_path, if it sets one, finds the same schema as the cache's
+// database) and returns at once: it connects, LISTENs and reloads the
+// cache in the background. WaitSynced waits for that first reload.
+func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOptions) (*Listener, error) {
+	if cache == nil {
+		return nil, errors.New("policy: Watch needs a Cache; pass the one your limiters use (policy.NewCache)")
+	}
+	cfg, err := pgx.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("policy: listener connection string: %w", err)
+	}
+	if opts.MinBackoff <= 0 {
+		opts.MinBackoff = DefaultMinBackoff
+	}
+	if opts.MaxBackoff <= 0 {
+		opts.MaxBackoff = DefaultMaxBackoff
+	}
+	if opts.MaxBackoff < opts.MinBackoff {
+		opts.MaxBackoff = opts.MinBackoff
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	l := &Listener{cache: cache, config: cfg, opts: opts, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
+	go l.run(ctx)
+	return l, nil
+}
+
+// WaitSynced waits until the listener has listened and loaded the cache
+// once, or ctx ends.
+func (l *Listener) WaitSynced(ctx context.Context) error {
+	select {
+	case <-l.synced:
+		return nil
+	case <-ctx.Done():
+		if e := l.lastErr.Load(); e != nil {
+			return fmt.Errorf("policy: listener not synchronised (%s): %w", *e, ctx.Err())
+		}
+		return fmt.Errorf("policy: listener not synchronised: %w", ctx.Err())
+	}
+}
+
+// PID is the server process of the listener's connection, 0 when not
+// connected.
+func (l *Listener) PID() uint32 { return l.pid.Load() }
+
+// Stats returns the listener's counters.
+func (l *Listener) Stats() Stats {
+	s := Stats{
+		Received: l.received.Load(), Applied: l.applied.Load(), Ignored: l.ignored.Load(),
+		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(),
+		Connected: l.connected.Load(),
+	}
+	if e := l.lastErr.Load(); e != nil {
+		s.LastError = *e
+	}
+	return s
+}
+
+// Close stops the listener and closes its connection. The cache keeps its
+// contents, which nothing refreshes any more.
+func (l *Listener) Close() error {
+	l.cancel()
+	<-l.done
+	return nil
+}
+
+func (l *Listener) fail(err error) {
+	s := err.Error()
+	l.lastErr.Store(&s)
+}
+
+func (l *Listener) run(ctx context.Context) {
+	defer close(l.done)
+	backoff := l.opts.MinBackoff
+	for first := true; ; first = false {
+		if !first {
+			l.reconnects.Add(1)
+		}
+		healthy := l.session(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if healthy {
+			backoff = l.opts.MinBackoff
+		}
+		// Full jitter between half and all of the backoff.
+		wait := backoff/2 + rand.N(backoff/2+1)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		backoff = min(backoff*2, l.opts.MaxBackoff)
+	}
+}
+
+// session connects, listens, resynchronises and applies notifications until
+// something fails. It reports whether it got as far as listening.
+func (l *Listener) session(ctx context.Context) bool {
+	conn, err := pgx.ConnectConfig(ctx, l.config)
+	if err != nil {
+		l.fail(err)
+		if ctx.Err() == nil {
+			l.opts.Logger.Warn("pgrl policy listener: cannot connect; retrying with backoff", "error", err)
+		}
+		return false
+	}
+	defer func() {
+		l.connected.Store(false)
+		l.pid.Store(0)
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
+		l.fail(err)
+		return false
+	}
+	l.pid.Store(conn.PgConn().PID())
+	// Listening first, then reloading: a change committed after the LISTEN
+	// is notified, one committed before is in the reload.
+	if err := l.cache.Reload(ctx); err != nil {
+		l.fail(err)
+		if ctx.Err() == nil {
+			l.opts.Logger.Warn("pgrl policy listener: cannot load the policies; retrying with backoff", "error", err)
+		}
+		return false
+	}
+	l.resyncs.Add(1)
+	l.connected.Store(true)
+	l.once.Do(func() { close(l.synced) })
+	if l.reconnects.Load() > 0 {
+		l.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", l.reconnects.Load())
+	}
+	for {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
+			if ctx.Err() == nil {
+				l.fail(err)
+				l.opts.Logger.Warn("pgrl policy listener: connection lost; reconnecting", "error", err)
+			}
+			return true
+		}
+		if !l.apply(ctx, n.Payload) {
+			return true
+		}
+	}
+}
+
+// notice is a notification's payload.
+type notice struct {
+	Schema string  `json:"schema"`
+	Table  string  `json:"table"`
+	Op     string  `json:"op"`
+	Policy *string `json:"policy"`
+}
+
+// apply reloads what a notification names. It returns false when the
+// session must end (a reload failed): the next one resynchronises.
+func (l *Listener) apply(ctx context.Context, payload string) bool {
+	var n notice
+	if err := json.Unmarshal([]byte(payload), &n); err != nil {
+		l.dropped.Add(1)
+		l.fail(fmt.Errorf("unreadable notification %q: %w", payload, err))
+		return false
+	}
+	if n.Schema != l.cache.Schema() {
+		l.ignored.Add(1)
+		return true
+	}
+	l.received.Add(1)
+	var err error
+	if n.Policy == nil {
+		err = l.cache.Reload(ctx)
+	} else {
+		err = l.cache.ReloadPolicy(ctx, *n.Policy)
+	}
+	if err != nil {
+		l.dropped.Add(1)
+		l.fail(err)
+		if ctx.Err() == nil {
+			l.opts.Logger.Warn("pgrl policy listener: cannot reload after a change; will reconnect and reload everything", "error", err)
+		}
+		return false
+	}
+	l.applied.Add(1)
+	return true
+}

@@ -1,0 +1,101 @@
+package policy_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/policy"
+)
+
+func limitOf(c *policy.Cache, name string) int64 {
+	p, ok := c.Policy(name)
+	if !ok {
+		return -1
+	}
+	return p.Limit
+}
+
+// A change by plain SQL reaches the cache within a second; a change in
+// another schema's installation does not; a killed listener reconnects and
+// reloads, catching up with what changed while it was away; Close turns it
+// off.
+func TestListenerFollowsChanges(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	otherPool, _ := dbtest.Pool(t)
+	admin := dbtest.Admin(t)
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+	_, err = policy.Set(ctx, otherPool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+
+	cache := policy.NewCache(pool)
+	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+	require.Equal(t, int64(10), limitOf(cache, "api"))
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	require.NoError(t, err)
+
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 20 WHERE name = 'api'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 20 }, time.Second, 5*time.Millisecond)
+	d, err := lim.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, int64(20), d.Limit, "the limiter follows the cache")
+
+	// Overrides are followed too.
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit") VALUES ('api', pgrl_stored_key('api', 'vip'), 100)`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		d, err := lim.Peek(ctx, "vip")
+		return err == nil && d.Limit == 100
+	}, time.Second, 5*time.Millisecond)
+
+	// Another schema's change is ignored.
+	_, err = otherPool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 99 WHERE name = 'api'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return l.Stats().Ignored >= 1 }, time.Second, 5*time.Millisecond)
+	require.Equal(t, int64(20), limitOf(cache, "api"))
+
+	// Kill the listener's backend, change the policy at once: the
+	// listener reconnects, reloads and sees it.
+	pid := l.PID()
+	require.NotZero(t, pid)
+	var killed bool
+	require.NoError(t, admin.QueryRow(ctx, `SELECT pg_terminate_backend($1)`, int32(pid)).Scan(&killed))
+	require.True(t, killed)
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 30 WHERE name = 'api'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		st := l.Stats()
+		return st.Reconnects >= 1 && st.Resyncs >= 2 && st.Connected && limitOf(cache, "api") == 30
+	}, 5*time.Second, 10*time.Millisecond)
+	require.NotEqual(t, pid, l.PID())
+	d, err = lim.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, int64(30), d.Limit)
+
+	// TRUNCATE reloads everything; DELETE removes the policy.
+	_, err = pool.Exec(ctx, `DELETE FROM pgrl_policy WHERE name = 'api'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == -1 }, time.Second, 5*time.Millisecond)
+	_, err = lim.Allow(ctx, "k")
+	require.ErrorIs(t, err, policy.ErrNotFound)
+
+	// Turned off: changes no longer arrive.
+	require.NoError(t, l.Close())
+	require.False(t, l.Stats().Connected)
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "late", Limit: 1, Window: time.Minute})
+	require.NoError(t, err)
+	time.Sleep(200 * time.Millisecond)
+	require.Equal(t, int64(-1), limitOf(cache, "late"))
+}
