@@ -166,7 +166,11 @@ func TestOverridesAndExplain(t *testing.T) {
 	require.NotNil(t, x.Expired)
 	require.Equal(t, int64(2), x.Rate.Limit)
 
-	// The limiter loaded its cache before the override: reload it.
+	// The limiter loaded its own cache before the override, and nothing
+	// refreshes that one.
+	d, err := l.Peek(ctx, "tenant-42")
+	require.NoError(t, err)
+	require.Equal(t, int64(2), d.Limit)
 	cache := policy.NewCache(pool)
 	require.NoError(t, cache.Reload(ctx))
 	l, err = policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
