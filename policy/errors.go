@@ -32,6 +32,9 @@ var (
 // invalid wraps ErrInvalid, and base too when it is not nil.
 func invalid(base error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...)
+	if base != nil && msg == "" {
+		return fmt.Errorf("%w: %w", ErrInvalid, base)
+	}
 	if base != nil {
 		return fmt.Errorf("%w: %w: %s", ErrInvalid, base, msg)
 	}

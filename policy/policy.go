@@ -97,7 +97,7 @@ func (p Policy) Validate() error {
 		return invalid(nil, "key mode %d for %q; use ratelimit.HashedKeys or ratelimit.ReadableKeys", p.KeyMode, p.Name)
 	}
 	if err := p.Config(ratelimit.Config{}).Validate(); err != nil {
-		return invalid(err, "policy %q", p.Name)
+		return invalid(err, "")
 	}
 	return nil
 }
@@ -169,7 +169,7 @@ func (o Override) Validate(p Policy) error {
 	q := p
 	q.Limit, q.Window, q.Burst = r.Limit, r.Window, r.Burst
 	if err := q.Config(ratelimit.Config{}).Validate(); err != nil {
-		return invalid(err, "override of %q", p.Name)
+		return invalid(err, "(the rate this override would give the key)")
 	}
 	return nil
 }
