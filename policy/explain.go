@@ -37,7 +37,10 @@ type Explanation struct {
 
 // Explain reads the policy named name and key's override straight from
 // the database (not from a Cache), and peeks at key's counter with the rate
-// that applies. ErrNotFound when the policy does not exist.
+// that applies. ErrNotFound when the policy does not exist. The peek is
+// that of a limiter with the policy's configuration and no Spread: for an
+// application that spreads the policy over several rows (Config.Spread),
+// use its Limiter's Peek instead.
 func Explain(ctx context.Context, db DB, name, key string) (Explanation, error) {
 	p, err := Get(ctx, db, name)
 	if err != nil {

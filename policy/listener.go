@@ -85,7 +85,9 @@ type Listener struct {
 // Watch starts a Listener on connString (a URL or keyword/value string
 // whose search_path, if it sets one, finds the same schema as the cache's
 // database) and returns at once: it connects, LISTENs and reloads the
-// cache in the background. WaitSynced waits for that first reload.
+// cache in the background. WaitSynced waits for that first reload. ctx
+// gives the listener its values only: its end does not stop the listener,
+// Close does.
 func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOptions) (*Listener, error) {
 	if cache == nil {
 		return nil, errors.New("policy: Watch needs a Cache; pass the one your limiters use (policy.NewCache)")
