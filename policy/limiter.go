@@ -92,25 +92,32 @@ func (l *Limiter) Policy() (Policy, error) {
 // current returns the limiter of the cached policy, building it when the
 // policy changed.
 func (l *Limiter) current() (*built, error) {
+	b, _, err := l.currentEntry()
+	return b, err
+}
+
+// currentEntry is current, with the cache entry it was built from, so that
+// a check reads the policy and the overrides of one reload.
+func (l *Limiter) currentEntry() (*built, *entry, error) {
 	e := l.cache.lookup(l.name)
 	if e == nil {
-		return nil, fmt.Errorf("%w: policy %q does not exist (deleted, renamed, or never created); create it with `rl-policy set %s --limit N --window D`", ErrNotFound, l.name, l.name)
+		return nil, nil, fmt.Errorf("%w: policy %q does not exist (deleted, renamed, or never created); create it with `rl-policy set %s --limit N --window D`", ErrNotFound, l.name, l.name)
 	}
 	if b := l.cur.Load(); b != nil && b.policy.same(e.policy) {
-		return b, nil
+		return b, e, nil
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if b := l.cur.Load(); b != nil && b.policy.same(e.policy) {
-		return b, nil
+		return b, e, nil
 	}
 	lim, err := ratelimit.New(l.db, e.policy.Config(l.base))
 	if err != nil {
-		return nil, invalid(err, "policy %q as stored", l.name)
+		return nil, nil, invalid(err, "")
 	}
 	b := &built{policy: e.policy, lim: lim}
 	l.cur.Store(b)
-	return b, nil
+	return b, e, nil
 }
 
 // For returns the ratelimit.Limiter that decides for key now: the policy's,
@@ -124,12 +131,11 @@ func (l *Limiter) For(key string) (*ratelimit.Limiter, error) {
 
 // resolve returns the limiter for key and the override that applies.
 func (l *Limiter) resolve(key string) (*ratelimit.Limiter, *Override, error) {
-	b, err := l.current()
+	b, e, err := l.currentEntry()
 	if err != nil {
 		return nil, nil, err
 	}
-	e := l.cache.lookup(l.name)
-	if e == nil || len(e.overrides) == 0 || !e.policy.same(b.policy) {
+	if len(e.overrides) == 0 {
 		return b.lim, nil, nil
 	}
 	sk := b.policy.StoredKey(key)

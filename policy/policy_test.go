@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/hex"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -237,4 +239,51 @@ func TestApplicationRoleReadsOnly(t *testing.T) {
 	_, err = policy.Set(ctx, app, policy.Policy{Name: "api", Limit: 1000, Window: time.Hour})
 	require.ErrorIs(t, err, policy.ErrPermission)
 	require.ErrorContains(t, err, "migration role")
+}
+
+// A limiter follows its policy's algorithm and window; an override that a
+// changed policy no longer admits is ignored, with one warning, and the
+// policy applies.
+func TestLimiterFollowsPolicyChanges(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 1, Window: time.Hour})
+	require.NoError(t, err)
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("big"), Burst: ratelimit.MaxTokens})
+	require.NoError(t, err)
+	cache := policy.NewCache(pool)
+	require.NoError(t, cache.Reload(ctx))
+	var logs testkit.LogBuffer
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}})
+	require.NoError(t, err)
+	l, err := lim.For("k")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.FixedWindow, l.Config().Algorithm)
+
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "api", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	require.NoError(t, cache.ReloadPolicy(ctx, "api"))
+	l, err = lim.For("k")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.SlidingWindow, l.Config().Algorithm)
+	require.Equal(t, int64(5), l.Config().Limit)
+	cur, err := lim.Policy()
+	require.NoError(t, err)
+	require.Equal(t, time.Minute, cur.Window)
+
+	// A token bucket of limit 1 per hour cannot hold the override's burst.
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "api", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, cache.ReloadPolicy(ctx, "api"))
+	for range 2 {
+		d, err := lim.Allow(ctx, "big")
+		require.NoError(t, err)
+		require.Equal(t, int64(1), d.Limit)
+	}
+	require.Equal(t, 1, strings.Count(logs.String(), "ignoring an override"), logs.String())
+	x, err := policy.Explain(ctx, pool, "api", "big")
+	require.NoError(t, err)
+	require.Nil(t, x.Override)
+	require.Contains(t, x.Ignored, "1,000 years")
 }
