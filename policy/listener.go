@@ -34,6 +34,11 @@ type ListenerOptions struct {
 	// Logger receives connection losses and recoveries. Defaults to
 	// slog.Default().
 	Logger *slog.Logger
+	// ResyncInterval, when positive, also reloads every policy this often
+	// while connected: a safety net for a change that reached the tables
+	// without its NOTIFY (a trigger disabled for a bulk load, a restore).
+	// Each reload reads every policy and override. Defaults to 0 (off).
+	ResyncInterval time.Duration
 }
 
 // Stats counts what a Listener has done since Watch.
@@ -221,8 +226,25 @@ func (l *Listener) session(ctx context.Context) bool {
 	if l.reconnects.Load() > 0 {
 		l.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", l.reconnects.Load())
 	}
+	next := time.Now().Add(l.opts.ResyncInterval)
 	for {
-		n, err := conn.WaitForNotification(ctx)
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if l.opts.ResyncInterval > 0 {
+			wctx, cancel = context.WithDeadline(ctx, next)
+		}
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
+		if err != nil && ctx.Err() == nil && wctx.Err() != nil && !conn.IsClosed() {
+			// The resync timer, not a failure: pgx leaves the
+			// connection usable when only the wait was cancelled.
+			next = time.Now().Add(l.opts.ResyncInterval)
+			if err := l.cache.Reload(ctx); err != nil {
+				l.fail(err)
+				return true
+			}
+			l.resyncs.Add(1)
+			continue
+		}
 		if err != nil {
 			if ctx.Err() == nil {
 				l.fail(err)

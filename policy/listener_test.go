@@ -99,3 +99,40 @@ func TestListenerFollowsChanges(t *testing.T) {
 	time.Sleep(200 * time.Millisecond)
 	require.Equal(t, int64(-1), limitOf(cache, "late"))
 }
+
+// A change that sends no NOTIFY (triggers off, as in a bulk load) is picked
+// up by the periodic resync, and the connection survives the timer.
+func TestListenerResyncInterval(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+	cache := policy.NewCache(pool)
+	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{ResyncInterval: 100 * time.Millisecond})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+	pid := l.PID()
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SET LOCAL session_replication_role = replica`)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 11 WHERE name = 'api'`)
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 11 }, 2*time.Second, 10*time.Millisecond)
+	require.Zero(t, l.Stats().Received, "no notification was sent")
+
+	// Notifications still arrive on the same connection.
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 12 WHERE name = 'api'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 12 }, time.Second, 5*time.Millisecond)
+	st := l.Stats()
+	require.Equal(t, pid, l.PID())
+	require.Zero(t, st.Reconnects)
+	require.GreaterOrEqual(t, st.Resyncs, uint64(2))
+}

@@ -92,6 +92,17 @@
 // longer key giving ErrKeyTooLong before any round trip. Because the name is part of the stored key, two
 // limiters with different names never share a counter.
 //
+// # Per-call limits
+//
+// AllowRate checks a key at a Rate given with the call (Limit, Window,
+// Burst) instead of the limiter's own: a plan's quota, a tenant's
+// override. A rate is validated as Config is. With the limiter's window
+// it uses the limiter's rows, so the key's count carries over; another
+// window of a fixed or sliding window counts in rows of its own (the
+// stored key of RateName); a token bucket keeps one balance per key at any
+// rate. WithRate returns the limiter of a rate, for AllowAll. Package
+// policy keeps such limits in the database.
+//
 // # Transactions
 //
 // AllowTx, AllowNTx, PeekTx, ResetTx and AllowAllTx run in the caller's
