@@ -103,16 +103,16 @@ DECLARE
     n   bytea := convert_to(name, 'UTF8');
     k   bytea := convert_to(key, 'UTF8');
     len bigint := octet_length(convert_to(name, 'UTF8'));
-    pre bytea := '\x'::bytea;
+    pre bytea := ''::bytea;
 BEGIN
     IF readable THEN
-        RETURN n || '\x3a'::bytea || k;
+        RETURN n || convert_to(':', 'UTF8') || k;
     END IF;
     WHILE len >= 128 LOOP
-        pre := pre || set_byte('\x00'::bytea, 0, ((len % 128) + 128)::int);
+        pre := pre || set_byte(decode('00', 'hex'), 0, ((len % 128) + 128)::int);
         len := len / 128;
     END LOOP;
-    pre := pre || set_byte('\x00'::bytea, 0, len::int);
+    pre := pre || set_byte(decode('00', 'hex'), 0, len::int);
     RETURN substring(sha256(pre || n || k) FROM 1 FOR 16);
 END
 $$;
