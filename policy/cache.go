@@ -180,3 +180,47 @@ SELECT p.name, p.algorithm, p."limit", p."window", coalesce(p.burst, 0), p.penal
 	}
 	return m, nil
 }
+
+// ReloadOverrides reads the overrides of the given stored keys of one
+// policy again and replaces (or, when gone or expired, removes) them in the
+// cache, leaving the policy's other overrides as they are: what a Listener
+// does for a notification that names a key. When the policy itself is not
+// in the cache it is loaded whole.
+func (c *Cache) ReloadOverrides(ctx context.Context, name string, keys [][]byte) error {
+	if c.lookup(name) == nil {
+		return c.ReloadPolicy(ctx, name)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rows, err := c.db.Query(ctx, `SELECT `+overrideColumns+` FROM pgrl_policy_override
+ WHERE policy = $1 AND key = ANY($2) AND (expires_at IS NULL OR expires_at > now())`, name, keys)
+	if err != nil {
+		return mapErr(err)
+	}
+	found, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Override, error) { return scanOverride(r) })
+	if err != nil {
+		return mapErr(err)
+	}
+	old := c.snap.Load()
+	e := old.policies[name]
+	if e == nil {
+		return nil // removed meanwhile, and its overrides with it
+	}
+	ne := &entry{policy: e.policy, overrides: make(map[string]Override, len(e.overrides)+len(found))}
+	for k, v := range e.overrides {
+		ne.overrides[k] = v
+	}
+	for _, k := range keys {
+		delete(ne.overrides, string(k))
+	}
+	for _, o := range found {
+		ne.overrides[string(o.Key)] = o
+	}
+	next := &snapshot{policies: make(map[string]*entry, len(old.policies)), loadedAt: old.loadedAt}
+	for k, v := range old.policies {
+		next.policies[k] = v
+	}
+	next.policies[name] = ne
+	c.snap.Store(next)
+	return nil
+}

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -246,15 +247,48 @@ func (l *Listener) session(ctx context.Context) bool {
 			continue
 		}
 		if err != nil {
-			if ctx.Err() == nil {
-				l.fail(err)
-				l.opts.Logger.Warn("pgrl policy listener: connection lost; reconnecting", "error", err)
+			l.lost(ctx, err)
+			return true
+		}
+		// Take what else has already arrived, so that a burst (a script
+		// changing many overrides) costs one reload per policy.
+		batch := []string{n.Payload}
+		for len(batch) < maxBatch {
+			dctx, cancel := context.WithTimeout(ctx, drainWait)
+			n, err := conn.WaitForNotification(dctx)
+			cancel()
+			if err != nil {
+				if ctx.Err() != nil || dctx.Err() == nil || conn.IsClosed() {
+					l.lost(ctx, err)
+					return true
+				}
+				break // nothing more for now
 			}
+			batch = append(batch, n.Payload)
+		}
+		if !l.apply(ctx, batch) {
 			return true
 		}
-		if !l.apply(ctx, n.Payload) {
-			return true
-		}
+	}
+}
+
+// Batching of notifications.
+const (
+	// drainWait is how long the listener waits for a further notification
+	// before it applies those it has.
+	drainWait = 2 * time.Millisecond
+	// maxBatch caps the notifications applied at once.
+	maxBatch = 10_000
+	// maxKeys is the most changed overrides of one policy reloaded row by
+	// row; beyond it the policy is reloaded whole.
+	maxKeys = 1000
+)
+
+// lost records a lost connection.
+func (l *Listener) lost(ctx context.Context, err error) {
+	if ctx.Err() == nil {
+		l.fail(err)
+		l.opts.Logger.Warn("pgrl policy listener: connection lost; reconnecting", "error", err)
 	}
 }
 
@@ -264,36 +298,90 @@ type notice struct {
 	Table  string  `json:"table"`
 	Op     string  `json:"op"`
 	Policy *string `json:"policy"`
+	Key    string  `json:"key"`
 }
 
-// apply reloads what a notification names. It returns false when the
-// session must end (a reload failed): the next one resynchronises.
-func (l *Listener) apply(ctx context.Context, payload string) bool {
-	var n notice
-	if err := json.Unmarshal([]byte(payload), &n); err != nil {
-		l.dropped.Add(1)
-		l.fail(fmt.Errorf("unreadable notification %q: %w", payload, err))
-		return false
+// change is what a batch asks to reload of one policy.
+type change struct {
+	whole bool     // the policy row changed, or too many keys
+	keys  [][]byte // changed overrides, by stored key
+	n     uint64   // notifications
+}
+
+// apply reloads what a batch of notifications names: everything after a
+// TRUNCATE, else per policy the whole policy or the overrides named. It
+// returns false when the session must end (a reload failed, a payload was
+// unreadable): the next one resynchronises.
+func (l *Listener) apply(ctx context.Context, payloads []string) bool {
+	schema := l.cache.Schema()
+	all, total := false, uint64(0)
+	changes := map[string]*change{}
+	var order []string
+	for _, p := range payloads {
+		var n notice
+		if err := json.Unmarshal([]byte(p), &n); err != nil {
+			l.dropped.Add(1)
+			l.fail(fmt.Errorf("unreadable notification %q: %w", p, err))
+			return false
+		}
+		if n.Schema != schema {
+			l.ignored.Add(1)
+			continue
+		}
+		l.received.Add(1)
+		total++
+		if n.Policy == nil {
+			all = true
+			continue
+		}
+		c := changes[*n.Policy]
+		if c == nil {
+			c = &change{}
+			changes[*n.Policy] = c
+			order = append(order, *n.Policy)
+		}
+		c.n++
+		k, err := hex.DecodeString(n.Key)
+		if n.Key == "" || err != nil || len(c.keys) >= maxKeys {
+			c.whole = true
+		} else if !c.whole {
+			c.keys = append(c.keys, k)
+		}
 	}
-	if n.Schema != l.cache.Schema() {
-		l.ignored.Add(1)
+	if total == 0 {
 		return true
 	}
-	l.received.Add(1)
-	var err error
-	if n.Policy == nil {
-		err = l.cache.Reload(ctx)
-	} else {
-		err = l.cache.ReloadPolicy(ctx, *n.Policy)
-	}
-	if err != nil {
-		l.dropped.Add(1)
-		l.fail(err)
-		if ctx.Err() == nil {
-			l.opts.Logger.Warn("pgrl policy listener: cannot reload after a change; will reconnect and reload everything", "error", err)
+	if all {
+		if err := l.cache.Reload(ctx); err != nil {
+			l.dropped.Add(total)
+			return l.reloadFailed(ctx, err)
 		}
-		return false
+		l.applied.Add(total)
+		return true
 	}
-	l.applied.Add(1)
+	for i, name := range order {
+		c := changes[name]
+		var err error
+		if c.whole {
+			err = l.cache.ReloadPolicy(ctx, name)
+		} else {
+			err = l.cache.ReloadOverrides(ctx, name, c.keys)
+		}
+		if err != nil {
+			for _, rest := range order[i:] {
+				l.dropped.Add(changes[rest].n)
+			}
+			return l.reloadFailed(ctx, err)
+		}
+		l.applied.Add(c.n)
+	}
 	return true
+}
+
+func (l *Listener) reloadFailed(ctx context.Context, err error) bool {
+	l.fail(err)
+	if ctx.Err() == nil {
+		l.opts.Logger.Warn("pgrl policy listener: cannot reload after a change; will reconnect and reload everything", "error", err)
+	}
+	return false
 }

@@ -136,3 +136,59 @@ func TestListenerResyncInterval(t *testing.T) {
 	require.Zero(t, st.Reconnects)
 	require.GreaterOrEqual(t, st.Resyncs, uint64(2))
 }
+
+// Notifications that name overrides reload those rows; a burst of them (one
+// statement changing thousands) reloads the policy once; both leave the
+// cache equal to the tables.
+func TestListenerOverrideNotifications(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "other", Limit: 1, Window: time.Minute})
+	require.NoError(t, err)
+	cache := policy.NewCache(pool)
+	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	require.NoError(t, err)
+	limitFor := func(key string) int64 {
+		d, err := lim.Peek(ctx, key)
+		require.NoError(t, err)
+		return d.Limit
+	}
+
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit")
+		SELECT 'api', pgrl_stored_key('api', 't' || i), 100 + i FROM generate_series(1, 3000) i`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return limitFor("t3000") == 3100 }, 2*time.Second, 10*time.Millisecond)
+	require.Equal(t, int64(101), limitFor("t1"))
+
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy_override SET "limit" = 7 WHERE key = pgrl_stored_key('api', 't1')`)
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `DELETE FROM pgrl_policy_override WHERE key = pgrl_stored_key('api', 't2')`)
+	require.NoError(t, err)
+	// Moving an override to another key sends both keys.
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy_override SET key = pgrl_stored_key('api', 'moved') WHERE key = pgrl_stored_key('api', 't3')`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		return limitFor("t1") == 7 && limitFor("t2") == 10 && limitFor("t3") == 10 && limitFor("moved") == 103
+	}, time.Second, 5*time.Millisecond)
+	require.Equal(t, int64(104), limitFor("t4"), "the other overrides stay")
+	require.Equal(t, int64(1), limitOf(cache, "other"))
+
+	// ReloadOverrides directly: an expired override leaves the cache.
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("t5"), Limit: 5, ExpiresAt: time.Now().Add(-time.Second)})
+	require.NoError(t, err)
+	require.NoError(t, cache.ReloadOverrides(ctx, "api", [][]byte{p.StoredKey("t5")}))
+	require.Equal(t, int64(10), limitFor("t5"))
+	st := l.Stats()
+	require.Zero(t, st.Dropped)
+	require.Zero(t, st.Reconnects)
+	require.GreaterOrEqual(t, st.Received, uint64(3004))
+}

@@ -13,6 +13,10 @@
 -- commits. The payload is a JSON object naming the schema, so listeners of
 -- two installations in two schemas of one database tell their changes apart:
 --   {"schema": "ratelimit", "table": "pgrl_policy", "op": "UPDATE", "policy": "api"}
+-- A change of an override also names its key, in hexadecimal, so that a
+-- listener reloads that one row:
+--   {"schema": "ratelimit", "table": "pgrl_policy_override", "op": "INSERT", "policy": "api",
+--    "key": "76a76cf140ebd8f404397ceaee275625"}
 -- "policy" is null after a TRUNCATE: reload everything.
 --
 -- The bounds in the CHECK constraints are the ones ratelimit.Config accepts:
@@ -128,14 +132,17 @@ END
 $$;
 
 -- pgrl_policy_notify sends the change of a row of either table on channel
--- 'pgrl_policy'. NOTIFY drops identical payloads within one transaction,
--- so a statement that changes many overrides of one policy sends one.
+-- 'pgrl_policy' (for an override, with its key). NOTIFY drops identical
+-- payloads within one transaction. A change that moves a row (a renamed
+-- policy, an override given another key) sends both the old and the new.
 CREATE FUNCTION pgrl_policy_notify() RETURNS trigger
 LANGUAGE plpgsql
 AS $$
 DECLARE
     old_name text;
     new_name text;
+    old_key  text;
+    new_key  text;
 BEGIN
     IF TG_LEVEL = 'STATEMENT' THEN
         PERFORM pg_notify('pgrl_policy', json_build_object(
@@ -146,16 +153,18 @@ BEGIN
         IF TG_OP <> 'INSERT' THEN old_name := OLD.name; END IF;
         IF TG_OP <> 'DELETE' THEN new_name := NEW.name; END IF;
     ELSE
-        IF TG_OP <> 'INSERT' THEN old_name := OLD.policy; END IF;
-        IF TG_OP <> 'DELETE' THEN new_name := NEW.policy; END IF;
+        IF TG_OP <> 'INSERT' THEN old_name := OLD.policy; old_key := encode(OLD.key, 'hex'); END IF;
+        IF TG_OP <> 'DELETE' THEN new_name := NEW.policy; new_key := encode(NEW.key, 'hex'); END IF;
     END IF;
-    IF old_name IS NOT NULL AND old_name IS DISTINCT FROM new_name THEN
-        PERFORM pg_notify('pgrl_policy', json_build_object(
-            'schema', TG_TABLE_SCHEMA, 'table', TG_TABLE_NAME, 'op', TG_OP, 'policy', old_name)::text);
+    IF old_name IS NOT NULL AND (old_name IS DISTINCT FROM new_name OR old_key IS DISTINCT FROM new_key) THEN
+        PERFORM pg_notify('pgrl_policy', json_strip_nulls(json_build_object(
+            'schema', TG_TABLE_SCHEMA, 'table', TG_TABLE_NAME, 'op', TG_OP,
+            'policy', old_name, 'key', old_key))::text);
     END IF;
     IF new_name IS NOT NULL THEN
-        PERFORM pg_notify('pgrl_policy', json_build_object(
-            'schema', TG_TABLE_SCHEMA, 'table', TG_TABLE_NAME, 'op', TG_OP, 'policy', new_name)::text);
+        PERFORM pg_notify('pgrl_policy', json_strip_nulls(json_build_object(
+            'schema', TG_TABLE_SCHEMA, 'table', TG_TABLE_NAME, 'op', TG_OP,
+            'policy', new_name, 'key', new_key))::text);
     END IF;
     RETURN NULL;
 END
