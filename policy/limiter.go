@@ -199,3 +199,19 @@ func (l *Limiter) Reset(ctx context.Context, key string) error {
 	}
 	return lim.Reset(ctx, key)
 }
+
+// Config returns the configuration of the policy's own limiter (the policy
+// as last loaded, with Options.Config for the rest), or, when the policy no
+// longer exists, Options.Config with the policy's name. With it and AllowN
+// a Limiter is an httplimit.Checker: the middleware's per-request headers
+// follow the rate that applies to each key, its RateLimit-Policy header the
+// policy as it was when the middleware was made.
+func (l *Limiter) Config() ratelimit.Config {
+	b, err := l.current()
+	if err != nil {
+		c := l.base
+		c.Name = l.name
+		return c
+	}
+	return b.lim.Config()
+}
