@@ -22,8 +22,10 @@ const Channel = "pgrl_policy"
 
 // Defaults of ListenerOptions.
 const (
-	DefaultMinBackoff = 100 * time.Millisecond
-	DefaultMaxBackoff = 10 * time.Second
+	DefaultMinBackoff   = 100 * time.Millisecond
+	DefaultMaxBackoff   = 10 * time.Second
+	DefaultPingInterval = 30 * time.Second
+	DefaultPingTimeout  = 5 * time.Second
 )
 
 // ListenerOptions configures Watch.
@@ -40,6 +42,16 @@ type ListenerOptions struct {
 	// without its NOTIFY (a trigger disabled for a bulk load, a restore).
 	// Each reload reads every policy and override. Defaults to 0 (off).
 	ResyncInterval time.Duration
+	// PingInterval is how long the connection may stay silent before the
+	// listener checks it with a query (answered within PingTimeout), so
+	// that a connection lost without a word (a failover that moved the
+	// address, a dropped network path) is noticed in seconds rather than
+	// when TCP gives up. Defaults to DefaultPingInterval; negative
+	// disables the check.
+	PingInterval time.Duration
+	// PingTimeout bounds that query, and each connection attempt.
+	// Defaults to DefaultPingTimeout.
+	PingTimeout time.Duration
 }
 
 // Stats counts what a Listener has done since Watch.
@@ -113,6 +125,15 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
+	}
+	if opts.PingInterval == 0 {
+		opts.PingInterval = DefaultPingInterval
+	}
+	if opts.PingTimeout <= 0 {
+		opts.PingTimeout = DefaultPingTimeout
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = opts.PingTimeout
 	}
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	l := &Listener{cache: cache, config: cfg, opts: opts, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
@@ -227,23 +248,43 @@ func (l *Listener) session(ctx context.Context) bool {
 	if l.reconnects.Load() > 0 {
 		l.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", l.reconnects.Load())
 	}
-	next := time.Now().Add(l.opts.ResyncInterval)
+	nextResync := time.Now().Add(l.opts.ResyncInterval)
 	for {
-		wctx, cancel := ctx, context.CancelFunc(func() {})
+		// Wait for a notification until the next resync or ping is due.
+		var due time.Time
 		if l.opts.ResyncInterval > 0 {
-			wctx, cancel = context.WithDeadline(ctx, next)
+			due = nextResync
+		}
+		if l.opts.PingInterval > 0 {
+			if p := time.Now().Add(l.opts.PingInterval); due.IsZero() || p.Before(due) {
+				due = p
+			}
+		}
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if !due.IsZero() {
+			wctx, cancel = context.WithDeadline(ctx, due)
 		}
 		n, err := conn.WaitForNotification(wctx)
 		cancel()
 		if err != nil && ctx.Err() == nil && wctx.Err() != nil && !conn.IsClosed() {
-			// The resync timer, not a failure: pgx leaves the
-			// connection usable when only the wait was cancelled.
-			next = time.Now().Add(l.opts.ResyncInterval)
-			if err := l.cache.Reload(ctx); err != nil {
-				l.fail(err)
+			// A timer, not a failure: pgx leaves the connection usable
+			// when only the wait was cancelled.
+			if l.opts.ResyncInterval > 0 && !time.Now().Before(nextResync) {
+				nextResync = time.Now().Add(l.opts.ResyncInterval)
+				if err := l.cache.Reload(ctx); err != nil {
+					l.fail(err)
+					return true
+				}
+				l.resyncs.Add(1)
+				continue
+			}
+			pctx, cancel := context.WithTimeout(ctx, l.opts.PingTimeout)
+			err := conn.Ping(pctx)
+			cancel()
+			if err != nil {
+				l.lost(ctx, fmt.Errorf("the listening connection did not answer within %v: %w", l.opts.PingTimeout, err))
 				return true
 			}
-			l.resyncs.Add(1)
 			continue
 		}
 		if err != nil {
