@@ -3,10 +3,12 @@ package main
 import (
 	"context"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"os"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -39,6 +41,13 @@ Commands:
   get NAME                 show one policy
   list                     show every policy
   delete NAME              delete the policy and its overrides
+  apply FILE [--prune] [--dry-run]
+                           make the stored policies those of FILE (- for stdin),
+                           in one transaction: a JSON object {"policies": [...]}
+                           as "rl-policy --output json list" prints it (window as
+                           a duration such as "1m"); --prune also deletes the
+                           policies FILE lacks (with their overrides); --dry-run
+                           prints the changes and makes none
   explain NAME KEY         show the policy, the override in force for KEY, the
                            limit that applies and KEY's counter (counts nothing)
   override set NAME KEY [--limit N] [--window D] [--burst N]
@@ -69,7 +78,8 @@ Examples:
   rl-policy set api --limit 200                   # change the limit only
   rl-policy override set api tenant-42 --limit 1000 --expires-in 720h --note "trial, ticket 123"
   rl-policy explain api tenant-42
-  rl-policy --output json list
+  rl-policy --output json list > policies.json   # edit, review, then:
+  rl-policy apply policies.json --prune --dry-run
 
 Exit codes: 0 success, 1 error (database, not found), 2 usage error or a value
 the policy tables refuse (nothing was written).
@@ -108,12 +118,13 @@ func (g *globals) register(fs *flag.FlagSet) {
 }
 
 type app struct {
+	stdin          io.Reader
 	stdout, stderr io.Writer
 	g              globals
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	a := &app{stdout: stdout, stderr: stderr, g: globals{lockTimeout: 5 * time.Second, output: "text"}}
+	a := &app{stdin: os.Stdin, stdout: stdout, stderr: stderr, g: globals{lockTimeout: 5 * time.Second, output: "text"}}
 	for i, arg := range args {
 		if arg == "--" {
 			break
@@ -292,6 +303,21 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 			return usagef("list takes no argument")
 		}
 		return a.list(ctx)
+	case "apply":
+		prune := sub.Bool("prune", false, "")
+		dry := sub.Bool("dry-run", false, "")
+		pos, err := a.parse(sub, rest)
+		if err != nil {
+			return err
+		}
+		if len(pos) != 1 {
+			return usagef("apply takes one argument, the file of policies (- for stdin)")
+		}
+		want, err := readPolicies(pos[0], a.stdin)
+		if err != nil {
+			return err
+		}
+		return a.apply(ctx, want, *prune, *dry)
 	case "explain":
 		pos, err := a.parse(sub, rest)
 		if err != nil {
@@ -469,7 +495,7 @@ func (a *app) set(ctx context.Context, name string, given map[string]bool, apply
 	if created {
 		verb = "created"
 	}
-	fmt.Fprintf(a.stdout, "%s policy %s: %s\n", verb, out.Name, describe(out))
+	fmt.Fprintf(a.stdout, "%s policy %s: %s\n", verb, out.Name, out.Summary())
 	return nil
 }
 
@@ -573,7 +599,7 @@ func (a *app) explain(ctx context.Context, name, key string) error {
 		}
 		return cli.PrintJSON(a.stdout, out)
 	}
-	fmt.Fprintf(a.stdout, "policy     %s: %s\n", x.Policy.Name, describe(x.Policy))
+	fmt.Fprintf(a.stdout, "policy     %s: %s\n", x.Policy.Name, x.Policy.Summary())
 	fmt.Fprintf(a.stdout, "key        %q (stored as %x)\n", x.Key, x.StoredKey)
 	switch {
 	case x.Override != nil:
@@ -752,17 +778,6 @@ func (a *app) finish(err error) int {
 	return code
 }
 
-func describe(p policy.Policy) string {
-	s := fmt.Sprintf("%s, %d per %s", p.Algorithm, p.Limit, p.Window)
-	if p.Algorithm == ratelimit.TokenBucket {
-		s += ", burst " + burstText(p.Burst)
-	}
-	if p.Penalty {
-		s += ", penalty"
-	}
-	return s + ", " + keyModeText(p.KeyMode) + " keys"
-}
-
 func describeOverride(o policy.Override) string {
 	parts := []string{"limit " + inherit(o.Limit), "window " + inheritDuration(o.Window), "burst " + inherit(o.Burst)}
 	if o.ExpiresAt.IsZero() {
@@ -849,4 +864,133 @@ func overrideJSON(o policy.Override, p policy.Policy) map[string]any {
 		"expires_at": expires, "expired": !o.Applies(time.Now()), "note": o.Note,
 		"created_at": o.CreatedAt.UTC().Format(time.RFC3339Nano), "updated_at": o.UpdatedAt.UTC().Format(time.RFC3339Nano),
 	}
+}
+
+// policyFile is one policy as apply reads it: the JSON of list, whose
+// other fields (window_seconds, created_at, ...) are ignored.
+type policyFile struct {
+	Name        string `json:"name"`
+	Algorithm   string `json:"algorithm"`
+	Limit       int64  `json:"limit"`
+	Window      string `json:"window"`
+	Burst       *int64 `json:"burst"`
+	Penalty     bool   `json:"penalty"`
+	KeyMode     string `json:"key_mode"`
+	Description string `json:"description"`
+}
+
+// readPolicies reads apply's file (or stdin for "-").
+func readPolicies(path string, stdin io.Reader) ([]policy.Policy, error) {
+	var r io.Reader = stdin
+	if path != "-" {
+		f, err := os.Open(path)
+		if err != nil {
+			return nil, usagef("apply: %v", err)
+		}
+		defer f.Close()
+		r = f
+	}
+	var doc struct {
+		Policies *[]policyFile `json:"policies"`
+	}
+	dec := json.NewDecoder(r)
+	if err := dec.Decode(&doc); err != nil {
+		return nil, usagef("apply: %s is not a JSON object {\"policies\": [...]}: %v", path, err)
+	}
+	if doc.Policies == nil {
+		return nil, usagef("apply: %s has no \"policies\" array; write {\"policies\": []} to mean none", path)
+	}
+	out := make([]policy.Policy, 0, len(*doc.Policies))
+	for i, f := range *doc.Policies {
+		w, err := time.ParseDuration(f.Window)
+		if err != nil {
+			return nil, usagef("apply: policy %d (%q): window %q is not a duration such as 1m or 24h", i, f.Name, f.Window)
+		}
+		mode, err := policy.ParseKeyMode(f.KeyMode)
+		if err != nil {
+			return nil, usagef("apply: policy %d (%q): key_mode %q: use hashed or readable", i, f.Name, f.KeyMode)
+		}
+		p := policy.Policy{Name: f.Name, Algorithm: ratelimit.Algorithm(f.Algorithm), Limit: f.Limit, Window: w,
+			Penalty: f.Penalty, KeyMode: mode, Description: f.Description}
+		if f.Burst != nil {
+			p.Burst = *f.Burst
+		}
+		out = append(out, p)
+	}
+	return out, nil
+}
+
+// apply plans and, unless dry, makes the changes in one transaction, which
+// also holds the policies' rows so that the plan stays true until commit.
+func (a *app) apply(ctx context.Context, want []policy.Policy, prune, dry bool) error {
+	conn, err := a.connect(ctx)
+	if err != nil {
+		return err
+	}
+	defer closeConn(conn)
+	var changes []policy.Change
+	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `LOCK TABLE pgrl_policy IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		stored, err := policy.List(ctx, tx)
+		if err != nil {
+			return err
+		}
+		if changes, err = policy.Plan(stored, want, prune); err != nil {
+			return err
+		}
+		if dry {
+			return nil
+		}
+		for _, c := range changes {
+			if c.Op == "delete" {
+				err = policy.Delete(ctx, tx, c.Name)
+			} else {
+				_, err = policy.Set(ctx, tx, *c.After)
+			}
+			if err != nil {
+				return fmt.Errorf("%s: %w", c, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if a.json() {
+		out := make([]map[string]any, len(changes))
+		for i, c := range changes {
+			m := map[string]any{"op": c.Op, "name": c.Name, "before": nil, "after": nil}
+			if c.Before != nil {
+				m["before"] = policyJSON(*c.Before)
+			}
+			if c.After != nil {
+				m["after"] = policyFileJSON(*c.After)
+			}
+			out[i] = m
+		}
+		return cli.PrintJSON(a.stdout, map[string]any{"command": "apply", "dry_run": dry, "changes": out})
+	}
+	if len(changes) == 0 {
+		fmt.Fprintln(a.stdout, "nothing to change: the stored policies are those of the file")
+		return nil
+	}
+	for _, c := range changes {
+		fmt.Fprintln(a.stdout, c.String())
+	}
+	if dry {
+		fmt.Fprintf(a.stdout, "dry run: %d changes, none made\n", len(changes))
+	} else {
+		fmt.Fprintf(a.stdout, "applied %d changes in one transaction\n", len(changes))
+	}
+	return nil
+}
+
+// policyFileJSON is policyJSON without the instants a wanted policy lacks.
+func policyFileJSON(p policy.Policy) map[string]any {
+	m := policyJSON(p)
+	delete(m, "created_at")
+	delete(m, "updated_at")
+	return m
 }

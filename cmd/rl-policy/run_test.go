@@ -205,3 +205,75 @@ func TestBinaryEnvAndHelp(t *testing.T) {
 	require.Equal(t, cli.ExitOK, code)
 	require.Contains(t, oneJSON(t, stdout)["usage"], "rl-policy")
 }
+
+// apply makes the stored policies those of a file, in one transaction: the
+// output of list round-trips, --dry-run changes nothing, --prune deletes,
+// and a bad file writes nothing.
+func TestApply(t *testing.T) {
+	t.Parallel()
+	_, s := dbtest.Pool(t)
+	dir := t.TempDir()
+	write := func(name, body string) string {
+		p := filepath.Join(dir, name)
+		require.NoError(t, os.WriteFile(p, []byte(body), 0o644))
+		return p
+	}
+	_, stderr, code := runFn(t, db(s, "set", "old", "--limit", "1", "--window", "1h")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	_, stderr, code = runFn(t, db(s, "set", "api", "--limit", "100", "--window", "1m")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	_, stderr, code = runFn(t, db(s, "override", "set", "old", "k", "--limit", "5")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+
+	// list's output applies as is: nothing to change.
+	stdout, _, code := runFn(t, jsonDB(s, "list")...)
+	require.Equal(t, cli.ExitOK, code)
+	stdout, stderr, code = runFn(t, db(s, "apply", write("same.json", stdout))...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "nothing to change")
+
+	want := write("want.json", `{"policies": [
+		{"name": "api", "limit": 200, "window": "1m"},
+		{"name": "uploads", "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 50, "description": "bytes"}]}`)
+	stdout, stderr, code = runFn(t, db(s, "apply", want, "--prune", "--dry-run")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "update api: fixed_window, 100 per 1m0s, hashed keys -> fixed_window, 200 per 1m0s, hashed keys")
+	require.Contains(t, stdout, "create uploads: token_bucket, 10 per 1s, burst 50, hashed keys")
+	require.Contains(t, stdout, "delete old")
+	require.Contains(t, stdout, "dry run: 3 changes, none made")
+	stdout, _, _ = runFn(t, jsonDB(s, "list")...)
+	require.Len(t, oneJSON(t, stdout)["policies"], 2, "the dry run changed nothing")
+
+	stdout, stderr, code = runFn(t, jsonDB(s, "apply", want, "--prune")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	res := oneJSON(t, stdout)
+	require.Equal(t, false, res["dry_run"])
+	require.Len(t, res["changes"], 3)
+	stdout, _, _ = runFn(t, jsonDB(s, "list")...)
+	ps := oneJSON(t, stdout)["policies"].([]any)
+	require.Len(t, ps, 2)
+	require.Equal(t, "api", ps[0].(map[string]any)["name"])
+	require.Equal(t, float64(200), ps[0].(map[string]any)["limit"])
+	require.Equal(t, "bytes", ps[1].(map[string]any)["description"])
+	stdout, _, _ = runFn(t, jsonDB(s, "override", "list")...)
+	require.Empty(t, oneJSON(t, stdout)["overrides"], "deleted with its policy")
+	stdout, _, code = runFn(t, db(s, "apply", want, "--prune")...)
+	require.Equal(t, cli.ExitOK, code)
+	require.Contains(t, stdout, "nothing to change")
+
+	// Bad files: exit 2, nothing written.
+	for _, tc := range []struct{ body, want string }{
+		{`{"policies": [{"name": "api", "limit": 0, "window": "1m"}]}`, "the limit must be at least 1"},
+		{`{"policies": [{"name": "x", "limit": 1, "window": "1m"}, {"name": "x", "limit": 2, "window": "1m"}]}`, "given twice"},
+		{`{"policies": [{"name": "x", "limit": 1, "window": "a minute"}]}`, "not a duration"},
+		{`{"policy": []}`, `no "policies" array`},
+		{`not json`, "is not a JSON object"},
+	} {
+		stdout, stderr, code := runFn(t, db(s, "apply", write("bad.json", tc.body), "--prune")...)
+		require.Equal(t, cli.ExitUsage, code, "%s: %s", tc.body, stderr)
+		require.Empty(t, stdout)
+		require.Contains(t, stderr, tc.want)
+	}
+	stdout, _, _ = runFn(t, jsonDB(s, "list")...)
+	require.Len(t, oneJSON(t, stdout)["policies"], 2)
+}
