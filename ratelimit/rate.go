@@ -96,6 +96,10 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 	if r.Window != l.cfg.Window && l.cfg.Algorithm != TokenBucket {
 		cfg.Name = RateName(l.cfg.Name, r.Window)
 	}
+	if cfg.Observer != nil {
+		// Metrics and dashboards see one limiter, whatever the rate.
+		cfg.Observer = renamedObserver{Observer: cfg.Observer, name: l.cfg.Name}
+	}
 	d, err := newLimiter(l.db, cfg)
 	if err != nil {
 		return nil, err
@@ -115,8 +119,8 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 // limiter's own: the per-call limit of clients that pass their limit with
 // every check (a plan's quota, a per-tenant override). Counters follow the
 // rules of Rate. Everything else is AllowN's: the failure policy, the deny
-// cache, Shadow, Penalty and the Observer, which sees the name of the
-// limiter that counted (RateName for a window algorithm at another window).
+// cache, Shadow, Penalty and the Observer, which sees the limiter's own
+// name at every rate.
 func (l *Limiter) AllowRate(ctx context.Context, key string, n int64, r Rate) (Decision, error) {
 	d, err := l.WithRate(r)
 	if err != nil {
@@ -156,3 +160,16 @@ func (c Config) Validate() error {
 	_, err := c.withDefaults()
 	return err
 }
+
+// renamedObserver reports a rate's decisions under the name of the limiter
+// the rate belongs to.
+type renamedObserver struct {
+	Observer
+	name string
+}
+
+func (o renamedObserver) ObserveDecision(_ string, d Decision, took time.Duration, err error) {
+	o.Observer.ObserveDecision(o.name, d, took, err)
+}
+
+func (o renamedObserver) ObserveBreaker(_ string, open bool) { o.Observer.ObserveBreaker(o.name, open) }
