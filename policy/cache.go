@@ -224,3 +224,13 @@ func (c *Cache) ReloadOverrides(ctx context.Context, name string, keys [][]byte)
 	c.snap.Store(next)
 	return nil
 }
+
+// Size reports how many policies, and overrides in force when loaded, the
+// cache holds.
+func (c *Cache) Size() (policies, overrides int) {
+	s := c.snap.Load()
+	for _, e := range s.policies {
+		overrides += len(e.overrides)
+	}
+	return len(s.policies), overrides
+}
