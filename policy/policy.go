@@ -247,7 +247,8 @@ func scanOverride(row pgx.Row) (Override, error) {
 // written when it fails. The change reaches every Listener of the schema.
 // Overrides of the policy stay; one that the new policy makes invalid (a
 // burst too large for a new algorithm, say) is ignored by limiters, which
-// then apply the policy and log a warning.
+// then apply the policy and log a warning. The key mode of a policy with
+// overrides cannot change (their keys are stored in it): ErrInvalid.
 func Set(ctx context.Context, db DB, p Policy) (Policy, error) {
 	if p.Algorithm == "" {
 		p.Algorithm = ratelimit.DefaultAlgorithm
@@ -266,9 +267,14 @@ ON CONFLICT (name) DO UPDATE
    SET algorithm = excluded.algorithm, "limit" = excluded."limit", "window" = excluded."window",
        burst = excluded.burst, penalty = excluded.penalty, key_mode = excluded.key_mode,
        description = excluded.description
+ WHERE t.key_mode = excluded.key_mode
+    OR NOT EXISTS (SELECT 1 FROM pgrl_policy_override AS o WHERE o.policy = t.name)
 RETURNING `+policyColumns,
 		p.Name, string(p.Algorithm), p.Limit, interval(p.Window), burst, p.Penalty, keyModeName(p.KeyMode), p.Description)
 	out, err := scanPolicy(row)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Policy{}, invalid(nil, "policy %q has overrides, whose keys are stored in its current key mode; changing it to %s would orphan them: delete them first (rl-policy override list %s), then set them again", p.Name, keyModeName(p.KeyMode), p.Name)
+	}
 	return out, mapErr(err)
 }
 

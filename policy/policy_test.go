@@ -287,3 +287,29 @@ func TestLimiterFollowsPolicyChanges(t *testing.T) {
 	require.Nil(t, x.Override)
 	require.Contains(t, x.Ignored, "1,000 years")
 }
+
+// The key mode of a policy with overrides stays: their keys are stored in
+// it.
+func TestKeyModeChangeWithOverridesRefused(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("k"), Limit: 9})
+	require.NoError(t, err)
+	p.KeyMode = ratelimit.ReadableKeys
+	_, err = policy.Set(ctx, pool, p)
+	require.ErrorIs(t, err, policy.ErrInvalid)
+	require.ErrorContains(t, err, "delete them first")
+	got, err := policy.Get(ctx, pool, "api")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.HashedKeys, got.KeyMode)
+	p.KeyMode, p.Limit = ratelimit.HashedKeys, 6
+	_, err = policy.Set(ctx, pool, p)
+	require.NoError(t, err, "other changes go through")
+	require.NoError(t, policy.DeleteOverride(ctx, pool, "api", p.StoredKey("k")))
+	p.KeyMode = ratelimit.ReadableKeys
+	_, err = policy.Set(ctx, pool, p)
+	require.NoError(t, err)
+}
