@@ -62,6 +62,7 @@ var constraintFix = map[string]string{
 	"pgrl_policy_override_policy_fkey":     "the override's policy does not exist: create the policy first (rl-policy set)",
 	"pgrl_policy_override_pkey":            "this key already has an override",
 	"pgrl_policy_pkey":                     "a policy of this name already exists",
+	"pgrl_policy_key_mode_overrides_check": "the policy has overrides, whose keys are stored in its key mode: delete them first, change the key mode, then set them again",
 }
 
 // mapErr turns database errors into this package's errors, keeping the

@@ -313,3 +313,21 @@ func TestKeyModeChangeWithOverridesRefused(t *testing.T) {
 	_, err = policy.Set(ctx, pool, p)
 	require.NoError(t, err)
 }
+
+// Plain SQL meets the same refusal, from the trigger.
+func TestKeyModeChangeWithOverridesRefusedInSQL(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("k"), Limit: 9})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET key_mode = 'readable' WHERE name = 'api'`)
+	var pgErr *pgconn.PgError
+	require.True(t, errors.As(err, &pgErr))
+	require.Equal(t, "pgrl_policy_key_mode_overrides_check", pgErr.ConstraintName)
+	require.Equal(t, "23514", pgErr.Code)
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 6 WHERE name = 'api'`)
+	require.NoError(t, err)
+}

@@ -4,5 +4,6 @@
 DROP TABLE IF EXISTS pgrl_policy_override;
 DROP TABLE IF EXISTS pgrl_policy;
 DROP FUNCTION IF EXISTS pgrl_policy_notify();
+DROP FUNCTION IF EXISTS pgrl_policy_keep_key_mode();
 DROP FUNCTION IF EXISTS pgrl_policy_touch();
 DROP FUNCTION IF EXISTS pgrl_stored_key(text, text, boolean);

@@ -131,6 +131,23 @@ BEGIN
 END
 $$;
 
+-- pgrl_policy_keep_key_mode refuses to change the key mode of a policy that
+-- has overrides: their keys are stored in the old mode and would no longer
+-- match any key.
+CREATE FUNCTION pgrl_policy_keep_key_mode() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    IF NEW.key_mode IS DISTINCT FROM OLD.key_mode
+       AND EXISTS (SELECT 1 FROM pgrl_policy_override AS o WHERE o.policy = OLD.name) THEN
+        RAISE EXCEPTION USING ERRCODE = 'check_violation', CONSTRAINT = 'pgrl_policy_key_mode_overrides_check',
+            MESSAGE = format('policy %s has overrides, whose keys are stored in key mode %s', OLD.name, OLD.key_mode),
+            HINT = 'delete its overrides first, change the key mode, then set them again';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
 -- pgrl_policy_notify sends the change of a row of either table on channel
 -- 'pgrl_policy' (for an override, with its key). NOTIFY drops identical
 -- payloads within one transaction. A change that moves a row (a renamed
@@ -172,6 +189,8 @@ $$;
 
 CREATE TRIGGER pgrl_policy_touch BEFORE UPDATE ON pgrl_policy
     FOR EACH ROW EXECUTE FUNCTION pgrl_policy_touch();
+CREATE TRIGGER pgrl_policy_keep_key_mode BEFORE UPDATE OF key_mode ON pgrl_policy
+    FOR EACH ROW EXECUTE FUNCTION pgrl_policy_keep_key_mode();
 CREATE TRIGGER pgrl_policy_override_touch BEFORE UPDATE ON pgrl_policy_override
     FOR EACH ROW EXECUTE FUNCTION pgrl_policy_touch();
 CREATE TRIGGER pgrl_policy_notify AFTER INSERT OR UPDATE OR DELETE ON pgrl_policy
