@@ -54,6 +54,19 @@
 // and Keys and Costs have the same length. Rows come back in key order, with
 // the key hex-encoded in KeyHex.
 //
+// The …TakeQueue forms decide several checks per key in one statement (a
+// hot key's waiting checks): each key's row is locked and written once, its
+// checks decided one after another in the order given, and each check gets
+// the row the single take would have returned at that instant, matched by
+// CheckIndex (its 1-based position in Costs). Keys are sorted, Ends[i] is
+// the position in Costs of key i's last check, and each key carries its own
+// limit and window (MaxCounts, WindowsUs, Penalties; Capacities and
+// RefillsPerUs for the token bucket), so the keys of several limits share a
+// statement. A check with UpTo set is a partial grant. The …TakeUpTo forms
+// are a single partial grant: as many of N units as are left, possibly
+// none, returned in Granted (under penalty all N are counted). These call
+// the PL/pgSQL functions of migration 000006.
+//
 // # Units
 //
 // Durations and instants are integers of microseconds: WindowUs is the

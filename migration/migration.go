@@ -475,8 +475,11 @@ func (e *PartitionCountError) Is(target error) bool {
 // Grant gives each role the rights an application's checks need in the
 // migrated schema, and nothing more: USAGE on the schema; SELECT, INSERT,
 // UPDATE and DELETE on pgrl_fixed_window, pgrl_token_bucket and
-// pgrl_sliding_window; EXECUTE on pgrl_abort_unless and the arithmetic
-// functions the checks inline (appFunctions). Partitions made later
+// pgrl_sliding_window; SELECT on the policy tables pgrl_policy and
+// pgrl_policy_override (read by package policy, written by the migration
+// role or a DBA, never by the application); EXECUTE on pgrl_abort_unless,
+// the arithmetic functions the checks inline and pgrl_stored_key
+// (appFunctions). Partitions made later
 // need no grant of their own: PostgreSQL checks a query's rights on the
 // table it names, the partitioned parent. Granting again is harmless; Up
 // calls it with Config.GrantTo. Run it as the owner of pgrl's tables.
@@ -523,10 +526,15 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 // appTables are the counter tables a check reads and writes.
 var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
 
-// appFunctions are the functions a check calls: pgrl_abort_unless, and the
+// appReadTables are the tables an application only reads: the policies of
+// migration 000007, which package policy loads and the DBA (or rl-policy,
+// as the migration role) writes.
+var appReadTables = []string{"pgrl_policy", "pgrl_policy_override"}
+
+// appFunctions are the functions a check calls: pgrl_abort_unless, the
 // named-arithmetic functions of migration 000005, which the planner inlines
 // only for a user who may execute them (without EXECUTE a check fails with
-// 42501).
+// 42501), and the check-queue functions of migration 000006.
 var appFunctions = []string{
 	"pgrl_abort_unless(boolean, text)",
 	"pgrl_epoch_us(timestamptz)",
@@ -543,6 +551,10 @@ var appFunctions = []string{
 	"pgrl_sliding_window_elapsed_us(bigint, timestamptz, bigint)",
 	"pgrl_sliding_window_allows(bigint, bigint, bigint, bigint, bigint, bigint)",
 	"pgrl_saturating_add(bigint, bigint)",
+	"pgrl_fixed_window_take_queue(bytea[], bigint[], boolean[], integer[], bigint[], bigint[], boolean[], timestamptz)",
+	"pgrl_token_bucket_take_queue(bytea[], bigint[], boolean[], integer[], float8[], float8[], boolean[], timestamptz)",
+	"pgrl_sliding_window_take_queue(bytea[], bigint[], boolean[], integer[], bigint[], bigint[], boolean[], timestamptz)",
+	"pgrl_stored_key(text, text, boolean)",
 }
 
 // grantStatements returns the GRANT statements that give role the
@@ -557,6 +569,15 @@ func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, role string) ([
 		}
 		if ok {
 			out = append(out, "GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE "+qualified(schemaName, t)+" TO "+r)
+		}
+	}
+	for _, t := range appReadTables {
+		var ok bool
+		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&ok); err != nil {
+			return nil, err
+		}
+		if ok {
+			out = append(out, "GRANT SELECT ON TABLE "+qualified(schemaName, t)+" TO "+r)
 		}
 	}
 	for _, f := range appFunctions {

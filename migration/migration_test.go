@@ -68,7 +68,7 @@ func requireCounterTables(t *testing.T, schemaName string) int {
 		       coalesce((SELECT split_part(o, '=', 2)::int FROM unnest(c.reloptions) o WHERE o LIKE 'fillfactor=%'), 100)
 		  FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 		 WHERE n.nspname = $1 AND c.relname LIKE 'pgrl\_%' AND c.relkind IN ('r', 'p')
-		   AND c.relname NOT IN ('pgrl_schema_migrations', 'pgrl_partition_settings')`, schemaName)
+		   AND c.relname NOT IN ('pgrl_schema_migrations', 'pgrl_partition_settings', 'pgrl_policy', 'pgrl_policy_override')`, schemaName)
 	require.NoError(t, err)
 	type rel struct {
 		name, kind, persistence string

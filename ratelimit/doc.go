@@ -25,6 +25,30 @@
 // number of processes, are serialised by the database and admit exactly the
 // limit. Checks of different keys do not wait for each other.
 //
+// Concurrent checks share statements. Every limiter on one database handle
+// (a *pgxpool.Pool, or a DB of your own that wraps one) with the same
+// MaxBatch and MaxInFlight shares one coalescer: a check goes out at once,
+// alone, when fewer than MaxInFlight of the handle's round trips are running
+// and no check of its key is in flight, so a lone caller pays nothing (the
+// same statement, p50 within a few percent of the raw SQL in rl-bench);
+// otherwise it waits for the next round trip, which decides up to MaxBatch
+// waiting checks of every limiter on the handle in one statement per
+// algorithm. The waiting checks of one key, a hot key, are decided by one
+// update of its row, one after another in arrival order, with exactly the
+// arithmetic of the single-check statement: each caller gets its own
+// Decision. DisableCoalescing turns it off for one limiter. AllowAll is not
+// coalesced with other callers' checks: an AllOrNothing decision must roll
+// back as a whole, which a statement shared with other requests cannot;
+// its own checks go out as one statement per algorithm plus the vote, in
+// one round trip.
+//
+// # Partial grants
+//
+// AllowUpTo takes as many of n units as the key has left and reports how
+// many in Decision.Granted: the bytes an upload may still send, the rows a
+// batch job may still process. Under Penalty all n are counted, as for any
+// denied check.
+//
 // # Time
 //
 // The database's clock decides: windows, refill and retry times come from
@@ -91,6 +115,17 @@
 // MaxReadableKeyBytes (2,048) and names up to MaxReadableNameBytes (256), a
 // longer key giving ErrKeyTooLong before any round trip. Because the name is part of the stored key, two
 // limiters with different names never share a counter.
+//
+// # Per-call limits
+//
+// AllowRate checks a key at a Rate given with the call (Limit, Window,
+// Burst) instead of the limiter's own: a plan's quota, a tenant's
+// override. A rate is validated as Config is. With the limiter's window
+// it uses the limiter's rows, so the key's count carries over; another
+// window of a fixed or sliding window counts in rows of its own (the
+// stored key of RateName); a token bucket keeps one balance per key at any
+// rate. WithRate returns the limiter of a rate, for AllowAll. Package
+// policy keeps such limits in the database.
 //
 // # Transactions
 //

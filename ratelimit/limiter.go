@@ -36,6 +36,7 @@ type Limiter struct {
 	shards       []*Limiter // with Spread > 1: one limiter per row
 	nextShard    atomic.Uint64
 	coalescer    *coalescer // nil when coalescing is off
+	rates        rateCache  // limiters for per-call rates (rate.go)
 }
 
 // New returns a limiter that keeps its counters in db, which must have

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the tests that talk SQL on other PostgreSQL majors, each on a server
-# of its own started by scripts/pg.sh: the migration, cleanup and ratelimit
-# packages, rl-migrate and rl-cleanup, the multi-process tests, and a smoke
+# of its own started by scripts/pg.sh: the migration, cleanup, ratelimit and
+# policy packages, rl-migrate, rl-cleanup and rl-policy, the multi-process
+# tests, and a smoke
 # run of both commands (up, layout partitioned, cleanup in both modes, down
 # --all). Without the race detector and with -short (the 30 s multi-limit
 # soak runs 5 s; a memory-only test that allocates 150 MB is left out), to
@@ -38,8 +39,8 @@ if [[ ${#majors[@]} -eq 0 ]]; then
 fi
 
 # The packages whose tests send SQL, and the multi-process tests.
-sql_pkgs=(./migration/... ./cleanup/... ./ratelimit/... ./cmd/rl-migrate/... ./cmd/rl-cleanup/...)
-multi_run='^(TestMultiprocess|TestMultiConcurrent|TestMultiSingleAlgorithm|TestMultiBadInputs)'
+sql_pkgs=(./migration/... ./cleanup/... ./ratelimit/... ./policy/... ./cmd/rl-migrate/... ./cmd/rl-cleanup/... ./cmd/rl-policy/...)
+multi_run='^(TestMultiprocess|TestMultiConcurrent|TestMultiSingleAlgorithm|TestMultiBadInputs|TestPolicyTwoProcesses)'
 
 bin=$(mktemp -d)
 current=""

@@ -62,8 +62,9 @@ func TestLayoutTooManyPartitionsIsUsageError(t *testing.T) {
 	require.Equal(t, float64(60), oneJSON(t, stdout)["partition_width_seconds"])
 }
 
-// up --grant-to gives the application role its rights, on every run, and
-// refuses a role that does not exist.
+// up --grant-to gives the application role its rights (DML on the
+// counters, SELECT only on the policy tables), on every run, and refuses a
+// role that does not exist.
 func TestUpGrantTo(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -81,9 +82,12 @@ func TestUpGrantTo(t *testing.T) {
 			AND has_table_privilege($1, $5, 'SELECT, INSERT, UPDATE, DELETE')
 			AND has_function_privilege($1, $6, 'EXECUTE')
 			AND NOT has_schema_privilege($1, $2, 'CREATE')
-			AND NOT has_table_privilege($1, $3, 'TRUNCATE')`,
+			AND NOT has_table_privilege($1, $3, 'TRUNCATE')
+			AND has_table_privilege($1, $7, 'SELECT') AND NOT has_table_privilege($1, $7, 'INSERT, UPDATE, DELETE')
+			AND has_table_privilege($1, $8, 'SELECT') AND NOT has_table_privilege($1, $8, 'INSERT, UPDATE, DELETE')`,
 			role, s, s+".pgrl_fixed_window", s+".pgrl_token_bucket", s+".pgrl_sliding_window",
-			pgx.Identifier{s}.Sanitize()+".pgrl_abort_unless(boolean, text)").Scan(&ok))
+			pgx.Identifier{s}.Sanitize()+".pgrl_abort_unless(boolean, text)",
+			s+".pgrl_policy", s+".pgrl_policy_override").Scan(&ok))
 		return ok
 	}
 	require.True(t, can(app))

@@ -32,8 +32,8 @@ Commands:
   up [N] [--grant-to ROLE] apply every pending migration (or those up to version N);
                            --grant-to (repeatable, or a comma list) then grants each
                            role the application's rights (USAGE on the schema, DML
-                           on the counter tables, EXECUTE on pgrl's functions), also
-                           when nothing was pending
+                           on the counter tables, SELECT on the policy tables,
+                           EXECUTE on pgrl's functions), also when nothing was pending
   down [--all]             revert the newest applied migration; --all reverts every
                            one and drops pgrl's tables with all their counters
   status [--check]         show the version, applied and pending migrations and the

@@ -21,6 +21,9 @@
 //   - pgrl_deny_cache_hits_total{limiter}: checks the local deny cache
 //     answered without a round trip.
 //
+// NewPolicyCollector exports a policy.Listener and its Cache (limits
+// stored in the database) as the pgrl_policy_* series.
+//
 // Events (the breaker opening and closing, outages) are logged by the
 // limiters themselves through their Config.Logger (log/slog); the
 // Collector only counts.

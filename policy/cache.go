@@ -1,0 +1,236 @@
+package policy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Cache holds every policy of one schema and its overrides in process
+// memory, so that a check reads them without a round trip. Reload and
+// ReloadPolicy refresh it; a Listener calls them on every change. Readers
+// never wait for a reload: they see the previous contents until the new
+// ones are complete. A Cache is safe for concurrent use.
+type Cache struct {
+	db     DB
+	mu     sync.Mutex // serialises reloads, so that a later one always wins
+	snap   atomic.Pointer[snapshot]
+	schema atomic.Pointer[string]
+}
+
+// snapshot is the cache's contents at one reload.
+type snapshot struct {
+	policies map[string]*entry
+	loadedAt time.Time
+}
+
+// entry is one policy with its overrides, by stored key.
+type entry struct {
+	policy    Policy
+	overrides map[string]Override
+}
+
+// NewCache returns an empty cache of the policies in db (the schema on
+// db's search_path). Call Reload before use, or let NewLimiter and Watch
+// load it.
+func NewCache(db DB) *Cache {
+	c := &Cache{db: db}
+	c.snap.Store(&snapshot{policies: map[string]*entry{}})
+	return c
+}
+
+// LoadedAt is when the last full Reload completed; zero before the first.
+func (c *Cache) LoadedAt() time.Time { return c.snap.Load().loadedAt }
+
+// Schema is the schema the policy tables were found in at the last Reload
+// ("" before the first): a Listener applies the notifications of this
+// schema only.
+func (c *Cache) Schema() string {
+	if s := c.schema.Load(); s != nil {
+		return *s
+	}
+	return ""
+}
+
+// Policy returns the cached policy named name.
+func (c *Cache) Policy(name string) (Policy, bool) {
+	e, ok := c.snap.Load().policies[name]
+	if !ok {
+		return Policy{}, false
+	}
+	return e.policy, true
+}
+
+// Policies returns every cached policy, in no order.
+func (c *Cache) Policies() []Policy {
+	s := c.snap.Load()
+	out := make([]Policy, 0, len(s.policies))
+	for _, e := range s.policies {
+		out = append(out, e.policy)
+	}
+	return out
+}
+
+// lookup returns the cached entry of name, or nil.
+func (c *Cache) lookup(name string) *entry { return c.snap.Load().policies[name] }
+
+const schemaQuery = `SELECT n.nspname::text FROM pg_catalog.pg_class c
+  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+ WHERE c.oid = to_regclass('pgrl_policy')`
+
+// Reload reads every policy and override, in one snapshot of the
+// database, and replaces the cache's contents. On failure the contents stay
+// as they were.
+func (c *Cache) Reload(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var schema string
+	err := c.db.QueryRow(ctx, schemaQuery).Scan(&schema)
+	if errors.Is(err, pgx.ErrNoRows) || (err == nil && schema == "") {
+		return fmt.Errorf("%w: no table pgrl_policy on the search_path; run `rl-migrate up` (migration 7), and set search_path to pgrl's schema", ErrNotMigrated)
+	}
+	if err != nil {
+		return mapErr(err)
+	}
+	m, err := load(ctx, c.db, "")
+	if err != nil {
+		return err
+	}
+	c.schema.Store(&schema)
+	c.snap.Store(&snapshot{policies: m, loadedAt: time.Now()})
+	return nil
+}
+
+// ReloadPolicy reads one policy and its overrides again, and replaces (or,
+// when it no longer exists, removes) it in the cache.
+func (c *Cache) ReloadPolicy(ctx context.Context, name string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	m, err := load(ctx, c.db, name)
+	if err != nil {
+		return err
+	}
+	old := c.snap.Load()
+	next := &snapshot{policies: make(map[string]*entry, len(old.policies)+1), loadedAt: old.loadedAt}
+	for k, v := range old.policies {
+		next.policies[k] = v
+	}
+	delete(next.policies, name)
+	if e, ok := m[name]; ok {
+		next.policies[name] = e
+	}
+	c.snap.Store(next)
+	return nil
+}
+
+// load reads the policy named name (every policy when name is "") with
+// its overrides in one statement, hence one snapshot. Expired overrides are
+// left out.
+func load(ctx context.Context, db DB, name string) (map[string]*entry, error) {
+	rows, err := db.Query(ctx, `
+SELECT p.name, p.algorithm, p."limit", p."window", coalesce(p.burst, 0), p.penalty, p.key_mode,
+       coalesce(p.description, ''), p.created_at, p.updated_at,
+       o.policy, o.key, coalesce(o."limit", 0), o."window", coalesce(o.burst, 0), o.expires_at,
+       coalesce(o.note, ''), o.created_at, o.updated_at
+  FROM pgrl_policy AS p
+  LEFT JOIN pgrl_policy_override AS o
+    ON o.policy = p.name AND (o.expires_at IS NULL OR o.expires_at > now())
+ WHERE $1 = '' OR p.name = $1`, name)
+	if err != nil {
+		return nil, mapErr(err)
+	}
+	defer rows.Close()
+	m := map[string]*entry{}
+	for rows.Next() {
+		var p Policy
+		var o Override
+		var alg, mode string
+		var pw, ow = newInterval(), newInterval()
+		var opolicy *string
+		var exp, ocreated, oupdated *time.Time
+		if err := rows.Scan(&p.Name, &alg, &p.Limit, pw, &p.Burst, &p.Penalty, &mode, &p.Description, &p.CreatedAt, &p.UpdatedAt,
+			&opolicy, &o.Key, &o.Limit, ow, &o.Burst, &exp, &o.Note, &ocreated, &oupdated); err != nil {
+			return nil, mapErr(err)
+		}
+		p.Algorithm, p.Window = algorithmOf(alg), duration(*pw)
+		p.KeyMode, _ = ParseKeyMode(mode)
+		e := m[p.Name]
+		if e == nil {
+			e = &entry{policy: p, overrides: map[string]Override{}}
+			m[p.Name] = e
+		}
+		if opolicy != nil {
+			o.Policy, o.Window = *opolicy, duration(*ow)
+			if exp != nil {
+				o.ExpiresAt = *exp
+			}
+			if ocreated != nil {
+				o.CreatedAt, o.UpdatedAt = *ocreated, *oupdated
+			}
+			e.overrides[string(o.Key)] = o
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return nil, mapErr(err)
+	}
+	return m, nil
+}
+
+// ReloadOverrides reads the overrides of the given stored keys of one
+// policy again and replaces (or, when gone or expired, removes) them in the
+// cache, leaving the policy's other overrides as they are: what a Listener
+// does for a notification that names a key. When the policy itself is not
+// in the cache it is loaded whole.
+func (c *Cache) ReloadOverrides(ctx context.Context, name string, keys [][]byte) error {
+	if c.lookup(name) == nil {
+		return c.ReloadPolicy(ctx, name)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	rows, err := c.db.Query(ctx, `SELECT `+overrideColumns+` FROM pgrl_policy_override
+ WHERE policy = $1 AND key = ANY($2) AND (expires_at IS NULL OR expires_at > now())`, name, keys)
+	if err != nil {
+		return mapErr(err)
+	}
+	found, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Override, error) { return scanOverride(r) })
+	if err != nil {
+		return mapErr(err)
+	}
+	old := c.snap.Load()
+	e := old.policies[name]
+	if e == nil {
+		return nil // removed meanwhile, and its overrides with it
+	}
+	ne := &entry{policy: e.policy, overrides: make(map[string]Override, len(e.overrides)+len(found))}
+	for k, v := range e.overrides {
+		ne.overrides[k] = v
+	}
+	for _, k := range keys {
+		delete(ne.overrides, string(k))
+	}
+	for _, o := range found {
+		ne.overrides[string(o.Key)] = o
+	}
+	next := &snapshot{policies: make(map[string]*entry, len(old.policies)), loadedAt: old.loadedAt}
+	for k, v := range old.policies {
+		next.policies[k] = v
+	}
+	next.policies[name] = ne
+	c.snap.Store(next)
+	return nil
+}
+
+// Size reports how many policies, and overrides in force when loaded, the
+// cache holds.
+func (c *Cache) Size() (policies, overrides int) {
+	s := c.snap.Load()
+	for _, e := range s.policies {
+		overrides += len(e.overrides)
+	}
+	return len(s.policies), overrides
+}

@@ -1,0 +1,93 @@
+package policy
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// Errors of this package. Test with errors.Is; the returned error's text adds
+// the offending value and the fix. An invalid limit, window or burst also
+// matches ratelimit's error for it (ratelimit.ErrInvalidLimit, ...).
+var (
+	// ErrNotFound: no policy has this name (or no override this key).
+	ErrNotFound = errors.New("policy: not found")
+	// ErrInvalid: a policy or override that ratelimit.Config or the
+	// tables' constraints refuse (a limit of 0, an unknown algorithm, a
+	// window of a month, a name with a space, a key that is too long).
+	ErrInvalid = errors.New("policy: invalid policy")
+	// ErrNotMigrated: the policy tables are missing; it is
+	// ratelimit.ErrNotMigrated, so errors.Is matches either.
+	ErrNotMigrated = ratelimit.ErrNotMigrated
+	// ErrPermission: the database user may not read or write the policy
+	// tables. The application role reads them only (rl-migrate up
+	// --grant-to); write them as the migration role.
+	ErrPermission = errors.New("policy: permission denied on the policy tables")
+)
+
+// invalid wraps ErrInvalid, and base too when it is not nil.
+func invalid(base error, format string, args ...any) error {
+	msg := fmt.Sprintf(format, args...)
+	if base != nil && msg == "" {
+		return fmt.Errorf("%w: %w", ErrInvalid, base)
+	}
+	if base != nil {
+		return fmt.Errorf("%w: %w: %s", ErrInvalid, base, msg)
+	}
+	return fmt.Errorf("%w: %s", ErrInvalid, msg)
+}
+
+// constraintFix explains each constraint of migration 000007 in words that
+// name the fix.
+var constraintFix = map[string]string{
+	"pgrl_policy_name_check":               "a policy name is 1 to 128 characters of A-Z a-z 0-9 _ . : / + -, starting with a letter or digit",
+	"pgrl_policy_algorithm_check":          "the algorithm must be fixed_window, token_bucket or sliding_window",
+	"pgrl_policy_limit_check":              "the limit must be at least 1",
+	"pgrl_policy_window_check":             "the window must be from 1 millisecond to 366 days, without months or years (write '30 days', not '1 month')",
+	"pgrl_policy_burst_check":              "the burst must be NULL (the limit) or from 1 to 2^53",
+	"pgrl_policy_token_bucket_check":       "a token bucket holds at most 2^53 tokens and must refill within 1,000 years: lower the burst or raise the limit",
+	"pgrl_policy_key_mode_check":           "key_mode must be hashed or readable",
+	"pgrl_policy_readable_name_check":      "with readable keys a policy name may not contain ':'",
+	"pgrl_policy_description_check":        "a description is at most 1,000 characters",
+	"pgrl_policy_override_key_check":       "an override's key is the stored key, 1 to 2,305 bytes (pgrl_stored_key(policy, key))",
+	"pgrl_policy_override_limit_check":     "an override's limit must be NULL (inherit) or at least 1",
+	"pgrl_policy_override_window_check":    "an override's window must be NULL (inherit) or from 1 millisecond to 366 days, without months or years",
+	"pgrl_policy_override_burst_check":     "an override's burst must be NULL (inherit) or from 1 to 2^53",
+	"pgrl_policy_override_something_check": "an override must set at least one of limit, window and burst",
+	"pgrl_policy_override_note_check":      "a note is at most 1,000 characters",
+	"pgrl_policy_override_policy_fkey":     "the override's policy does not exist: create the policy first (rl-policy set)",
+	"pgrl_policy_override_pkey":            "this key already has an override",
+	"pgrl_policy_pkey":                     "a policy of this name already exists",
+	"pgrl_policy_key_mode_overrides_check": "the policy has overrides, whose keys are stored in its key mode: delete them first, change the key mode, then set them again",
+}
+
+// mapErr turns database errors into this package's errors, keeping the
+// *pgconn.PgError in the chain for errors.As.
+func mapErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) {
+		return fmt.Errorf("policy: %w", err)
+	}
+	switch {
+	case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
+		return fmt.Errorf("%w: the policy tables are missing; run `rl-migrate up` (migration 7 adds pgrl_policy and pgrl_policy_override): %w", ErrNotMigrated, pgErr)
+	case pgErr.Code == "42501":
+		return fmt.Errorf("%w: the application role may only read the policies (rl-migrate up --grant-to grants SELECT); write them as the migration role, the tables' owner, or GRANT SELECT, INSERT, UPDATE, DELETE ON pgrl_policy, pgrl_policy_override TO <role>: %w", ErrPermission, pgErr)
+	case pgErr.Code == "23503":
+		return fmt.Errorf("%w: %s: %w", ErrNotFound, constraintFix[pgErr.ConstraintName], pgErr)
+	case strings.HasPrefix(pgErr.Code, "23"), strings.HasPrefix(pgErr.Code, "22"):
+		fix := constraintFix[pgErr.ConstraintName]
+		if fix == "" {
+			fix = pgErr.Message
+		}
+		return fmt.Errorf("%w: %s: %w", ErrInvalid, fix, pgErr)
+	}
+	return fmt.Errorf("policy: %w", err)
+}

@@ -1,0 +1,217 @@
+package policy
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// Options configures NewLimiter.
+type Options struct {
+	// Config supplies everything a policy does not hold: OnFailure,
+	// Timeout, FallbackLimit, Observer, Logger, Shadow, Spread and the
+	// other tuning fields. Its Name, Algorithm, Limit, Window, Burst,
+	// Penalty and KeyMode are replaced by the policy's.
+	Config ratelimit.Config
+	// Cache is where the limiter reads its policy. Share one Cache among
+	// all limiters of a schema, kept current by one Listener (Watch).
+	// When nil, NewLimiter makes and loads a cache of its own, which
+	// nothing refreshes: the limiter keeps the policy it started with.
+	Cache *Cache
+}
+
+// Limiter is a ratelimit.Limiter whose limit is a stored policy. Each check
+// reads the policy and the key's override from the Cache (no round trip),
+// and asks PostgreSQL exactly as a ratelimit.Limiter does: one statement.
+// When the policy's algorithm, limit, window, burst, penalty or key mode
+// change, the next check uses a limiter built for the new policy. A key
+// with an override in force is checked at the override's rate
+// (ratelimit.Limiter.AllowRate), so what the key has used carries over as
+// ratelimit.Rate describes. A Limiter is safe for concurrent use.
+type Limiter struct {
+	name  string
+	db    DB
+	cache *Cache
+	base  ratelimit.Config
+	mu    sync.Mutex // serialises rebuilds
+	cur   atomic.Pointer[built]
+	// warned remembers the overrides already logged as invalid, by
+	// policy version and key, so that a bad one is logged once.
+	warned sync.Map
+}
+
+// built is the ratelimit.Limiter of one version of the policy.
+type built struct {
+	policy Policy
+	lim    *ratelimit.Limiter
+}
+
+// NewLimiter returns a limiter for the policy named name in db. It loads
+// the cache when it has not been loaded, and fails with ErrNotFound when
+// no such policy exists, or with ratelimit's error when opts.Config is
+// invalid.
+func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter, error) {
+	c := opts.Cache
+	if c == nil {
+		c = NewCache(db)
+	}
+	if c.LoadedAt().IsZero() {
+		if err := c.Reload(ctx); err != nil {
+			return nil, err
+		}
+	}
+	if c.lookup(name) == nil {
+		// Created after the last reload, perhaps.
+		if err := c.ReloadPolicy(ctx, name); err != nil {
+			return nil, err
+		}
+	}
+	l := &Limiter{name: name, db: db, cache: c, base: opts.Config}
+	if _, err := l.current(); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// Name is the policy's name.
+func (l *Limiter) Name() string { return l.name }
+
+// Policy returns the policy the limiter applies now.
+func (l *Limiter) Policy() (Policy, error) {
+	b, err := l.current()
+	if err != nil {
+		return Policy{}, err
+	}
+	return b.policy, nil
+}
+
+// current returns the limiter of the cached policy, building it when the
+// policy changed.
+func (l *Limiter) current() (*built, error) {
+	b, _, err := l.currentEntry()
+	return b, err
+}
+
+// currentEntry is current, with the cache entry it was built from, so that
+// a check reads the policy and the overrides of one reload.
+func (l *Limiter) currentEntry() (*built, *entry, error) {
+	e := l.cache.lookup(l.name)
+	if e == nil {
+		return nil, nil, fmt.Errorf("%w: policy %q does not exist (deleted, renamed, or never created); create it with `rl-policy set %s --limit N --window D`", ErrNotFound, l.name, l.name)
+	}
+	if b := l.cur.Load(); b != nil && b.policy.same(e.policy) {
+		return b, e, nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if b := l.cur.Load(); b != nil && b.policy.same(e.policy) {
+		return b, e, nil
+	}
+	lim, err := ratelimit.New(l.db, e.policy.Config(l.base))
+	if err != nil {
+		return nil, nil, invalid(err, "")
+	}
+	b := &built{policy: e.policy, lim: lim}
+	l.cur.Store(b)
+	return b, e, nil
+}
+
+// For returns the ratelimit.Limiter that decides for key now: the policy's,
+// or with an override in force, the policy's at the override's rate. Put it
+// in a ratelimit.Check to decide a policy's limit together with others
+// (ratelimit.AllowAll).
+func (l *Limiter) For(key string) (*ratelimit.Limiter, error) {
+	lim, _, err := l.resolve(key)
+	return lim, err
+}
+
+// resolve returns the limiter for key and the override that applies.
+func (l *Limiter) resolve(key string) (*ratelimit.Limiter, *Override, error) {
+	b, e, err := l.currentEntry()
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(e.overrides) == 0 {
+		return b.lim, nil, nil
+	}
+	sk := b.policy.StoredKey(key)
+	o, ok := e.overrides[string(sk)]
+	if !ok || !o.Applies(l.now()) {
+		return b.lim, nil, nil
+	}
+	lim, err := b.lim.WithRate(o.Rate(b.policy))
+	if err != nil {
+		// Valid when written (SetOverride and the constraints check it),
+		// invalid for the policy as it is now: apply the policy.
+		wk := fmt.Sprintf("%d/%x", b.policy.UpdatedAt.UnixNano(), sk)
+		if _, seen := l.warned.LoadOrStore(wk, true); !seen {
+			b.lim.Config().Logger.Warn("pgrl: ignoring an override that the policy no longer admits; fix or delete it (rl-policy override list)",
+				"policy", l.name, "key", fmt.Sprintf("%x", sk), "error", err)
+		}
+		return b.lim, nil, nil
+	}
+	return lim, &o, nil
+}
+
+func (l *Limiter) now() time.Time {
+	if l.base.Now != nil {
+		return l.base.Now()
+	}
+	return time.Now()
+}
+
+// Allow checks and counts one unit for key.
+func (l *Limiter) Allow(ctx context.Context, key string) (ratelimit.Decision, error) {
+	return l.AllowN(ctx, key, 1)
+}
+
+// AllowN checks and counts n units for key under the policy, or under the
+// key's override when one is in force (ratelimit.Limiter.AllowN describes
+// the answer and the errors). A policy deleted since the limiter was made
+// gives ErrNotFound.
+func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error) {
+	lim, _, err := l.resolve(key)
+	if err != nil {
+		return ratelimit.Decision{}, err
+	}
+	return lim.AllowN(ctx, key, n)
+}
+
+// Peek reports key's state under the rate that applies to it, counting
+// nothing.
+func (l *Limiter) Peek(ctx context.Context, key string) (ratelimit.Decision, error) {
+	lim, _, err := l.resolve(key)
+	if err != nil {
+		return ratelimit.Decision{}, err
+	}
+	return lim.Peek(ctx, key)
+}
+
+// Reset forgets what key counted under the rate that applies to it.
+func (l *Limiter) Reset(ctx context.Context, key string) error {
+	lim, _, err := l.resolve(key)
+	if err != nil {
+		return err
+	}
+	return lim.Reset(ctx, key)
+}
+
+// Config returns the configuration of the policy's own limiter (the policy
+// as last loaded, with Options.Config for the rest), or, when the policy no
+// longer exists, Options.Config with the policy's name. With it and AllowN
+// a Limiter is an httplimit.Checker: the middleware's per-request headers
+// follow the rate that applies to each key, its RateLimit-Policy header the
+// policy as it was when the middleware was made.
+func (l *Limiter) Config() ratelimit.Config {
+	b, err := l.current()
+	if err != nil {
+		c := l.base
+		c.Name = l.name
+		return c
+	}
+	return b.lim.Config()
+}

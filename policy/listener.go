@@ -1,0 +1,428 @@
+package policy
+
+import (
+	"context"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Channel is the NOTIFY channel of migration 000007's triggers. Its payload
+// is a JSON object: {"schema", "table", "op", "policy"}; "policy" is null
+// after a TRUNCATE.
+const Channel = "pgrl_policy"
+
+// Defaults of ListenerOptions.
+const (
+	DefaultMinBackoff   = 100 * time.Millisecond
+	DefaultMaxBackoff   = 10 * time.Second
+	DefaultPingInterval = 30 * time.Second
+	DefaultPingTimeout  = 5 * time.Second
+)
+
+// ListenerOptions configures Watch.
+type ListenerOptions struct {
+	// MinBackoff is the wait before the first reconnection after a
+	// failure; it doubles (with jitter) up to MaxBackoff. Defaults to
+	// DefaultMinBackoff and DefaultMaxBackoff.
+	MinBackoff, MaxBackoff time.Duration
+	// Logger receives connection losses and recoveries. Defaults to
+	// slog.Default().
+	Logger *slog.Logger
+	// ResyncInterval, when positive, also reloads every policy this often
+	// while connected: a safety net for a change that reached the tables
+	// without its NOTIFY (a trigger disabled for a bulk load, a restore).
+	// Each reload reads every policy and override. Defaults to 0 (off).
+	ResyncInterval time.Duration
+	// PingInterval is how long the connection may stay silent before the
+	// listener checks it with a query (answered within PingTimeout), so
+	// that a connection lost without a word (a failover that moved the
+	// address, a dropped network path) is noticed in seconds rather than
+	// when TCP gives up. Defaults to DefaultPingInterval; negative
+	// disables the check.
+	PingInterval time.Duration
+	// PingTimeout bounds that query, and each connection attempt.
+	// Defaults to DefaultPingTimeout.
+	PingTimeout time.Duration
+}
+
+// Stats counts what a Listener has done since Watch.
+type Stats struct {
+	// Received is the notifications of the cache's schema; Applied those
+	// whose reload succeeded; Ignored those of another schema.
+	Received, Applied, Ignored uint64
+	// Dropped is the notifications that could not be applied (a reload
+	// failed, or a payload was unreadable). Each drop closes the
+	// connection, and the next connection resynchronises the whole cache.
+	Dropped uint64
+	// Reconnects is the connections made after the first; each may have
+	// missed notifications, so each is followed by a full reload.
+	Reconnects uint64
+	// Resyncs is the full reloads done (the first one included).
+	Resyncs uint64
+	// Connected reports whether the listener is connected and listening.
+	Connected bool
+	// LastError is the last connection or reload error, "" when none.
+	LastError string
+}
+
+// Listener keeps a Cache current: it LISTENs on Channel on a connection of
+// its own and reloads the policy named in each notification of the
+// cache's schema. After any failure it reconnects with exponential backoff
+// and reloads everything, since notifications sent while it was away are
+// lost. Checks never wait for it: they read the cache's last complete
+// contents. Close turns it off.
+//
+// The connection must be a direct one (or through PgBouncer in session
+// mode): LISTEN needs a session that stays on one server connection, which
+// PgBouncer's transaction and statement modes do not give. It holds one
+// connection of the server's max_connections for as long as it runs.
+type Listener struct {
+	cache  *Cache
+	config *pgx.ConnConfig
+	opts   ListenerOptions
+	cancel context.CancelFunc
+	done   chan struct{}
+	synced chan struct{}
+	once   sync.Once
+
+	received, applied, ignored, dropped, reconnects, resyncs atomic.Uint64
+	connected                                                atomic.Bool
+	pid                                                      atomic.Uint32
+	lastErr                                                  atomic.Pointer[string]
+}
+
+// Watch starts a Listener on connString (a URL or keyword/value string
+// whose search_path, if it sets one, finds the same schema as the cache's
+// database) and returns at once: it connects, LISTENs and reloads the
+// cache in the background. WaitSynced waits for that first reload. ctx
+// gives the listener its values only: its end does not stop the listener,
+// Close does.
+func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOptions) (*Listener, error) {
+	if cache == nil {
+		return nil, errors.New("policy: Watch needs a Cache; pass the one your limiters use (policy.NewCache)")
+	}
+	cfg, err := pgx.ParseConfig(connString)
+	if err != nil {
+		return nil, fmt.Errorf("policy: listener connection string: %w", err)
+	}
+	if opts.MinBackoff <= 0 {
+		opts.MinBackoff = DefaultMinBackoff
+	}
+	if opts.MaxBackoff <= 0 {
+		opts.MaxBackoff = DefaultMaxBackoff
+	}
+	if opts.MaxBackoff < opts.MinBackoff {
+		opts.MaxBackoff = opts.MinBackoff
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
+	if opts.PingInterval == 0 {
+		opts.PingInterval = DefaultPingInterval
+	}
+	if opts.PingTimeout <= 0 {
+		opts.PingTimeout = DefaultPingTimeout
+	}
+	if cfg.ConnectTimeout == 0 {
+		cfg.ConnectTimeout = opts.PingTimeout
+	}
+	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	l := &Listener{cache: cache, config: cfg, opts: opts, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
+	go l.run(ctx)
+	return l, nil
+}
+
+// WaitSynced waits until the listener has listened and loaded the cache
+// once, or ctx ends.
+func (l *Listener) WaitSynced(ctx context.Context) error {
+	select {
+	case <-l.synced:
+		return nil
+	case <-ctx.Done():
+		if e := l.lastErr.Load(); e != nil {
+			return fmt.Errorf("policy: listener not synchronised (%s): %w", *e, ctx.Err())
+		}
+		return fmt.Errorf("policy: listener not synchronised: %w", ctx.Err())
+	}
+}
+
+// PID is the server process of the listener's connection, 0 when not
+// connected.
+func (l *Listener) PID() uint32 { return l.pid.Load() }
+
+// Stats returns the listener's counters.
+func (l *Listener) Stats() Stats {
+	s := Stats{
+		Received: l.received.Load(), Applied: l.applied.Load(), Ignored: l.ignored.Load(),
+		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(),
+		Connected: l.connected.Load(),
+	}
+	if e := l.lastErr.Load(); e != nil {
+		s.LastError = *e
+	}
+	return s
+}
+
+// Close stops the listener and closes its connection. The cache keeps its
+// contents, which nothing refreshes any more.
+func (l *Listener) Close() error {
+	l.cancel()
+	<-l.done
+	return nil
+}
+
+func (l *Listener) fail(err error) {
+	s := err.Error()
+	l.lastErr.Store(&s)
+}
+
+func (l *Listener) run(ctx context.Context) {
+	defer close(l.done)
+	backoff := l.opts.MinBackoff
+	for first := true; ; first = false {
+		if !first {
+			l.reconnects.Add(1)
+		}
+		healthy := l.session(ctx)
+		if ctx.Err() != nil {
+			return
+		}
+		if healthy {
+			backoff = l.opts.MinBackoff
+		}
+		// Full jitter between half and all of the backoff.
+		wait := backoff/2 + rand.N(backoff/2+1)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
+		backoff = min(backoff*2, l.opts.MaxBackoff)
+	}
+}
+
+// session connects, listens, resynchronises and applies notifications until
+// something fails. It reports whether it got as far as listening.
+func (l *Listener) session(ctx context.Context) bool {
+	conn, err := pgx.ConnectConfig(ctx, l.config)
+	if err != nil {
+		l.fail(err)
+		if ctx.Err() == nil {
+			l.opts.Logger.Warn("pgrl policy listener: cannot connect; retrying with backoff", "error", err)
+		}
+		return false
+	}
+	defer func() {
+		l.connected.Store(false)
+		l.pid.Store(0)
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
+		l.fail(err)
+		return false
+	}
+	l.pid.Store(conn.PgConn().PID())
+	// Listening first, then reloading: a change committed after the LISTEN
+	// is notified, one committed before is in the reload.
+	if err := l.cache.Reload(ctx); err != nil {
+		l.fail(err)
+		if ctx.Err() == nil {
+			l.opts.Logger.Warn("pgrl policy listener: cannot load the policies; retrying with backoff", "error", err)
+		}
+		return false
+	}
+	l.resyncs.Add(1)
+	l.connected.Store(true)
+	l.once.Do(func() { close(l.synced) })
+	if l.reconnects.Load() > 0 {
+		l.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", l.reconnects.Load())
+	}
+	nextResync := time.Now().Add(l.opts.ResyncInterval)
+	for {
+		// Wait for a notification until the next resync or ping is due.
+		var due time.Time
+		if l.opts.ResyncInterval > 0 {
+			due = nextResync
+		}
+		if l.opts.PingInterval > 0 {
+			if p := time.Now().Add(l.opts.PingInterval); due.IsZero() || p.Before(due) {
+				due = p
+			}
+		}
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if !due.IsZero() {
+			wctx, cancel = context.WithDeadline(ctx, due)
+		}
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
+		if err != nil && ctx.Err() == nil && wctx.Err() != nil && !conn.IsClosed() {
+			// A timer, not a failure: pgx leaves the connection usable
+			// when only the wait was cancelled.
+			if l.opts.ResyncInterval > 0 && !time.Now().Before(nextResync) {
+				nextResync = time.Now().Add(l.opts.ResyncInterval)
+				if err := l.cache.Reload(ctx); err != nil {
+					l.fail(err)
+					return true
+				}
+				l.resyncs.Add(1)
+				continue
+			}
+			pctx, cancel := context.WithTimeout(ctx, l.opts.PingTimeout)
+			err := conn.Ping(pctx)
+			cancel()
+			if err != nil {
+				l.lost(ctx, fmt.Errorf("the listening connection did not answer within %v: %w", l.opts.PingTimeout, err))
+				return true
+			}
+			continue
+		}
+		if err != nil {
+			l.lost(ctx, err)
+			return true
+		}
+		// Take what else has already arrived, so that a burst (a script
+		// changing many overrides) costs one reload per policy.
+		batch := []string{n.Payload}
+		for len(batch) < maxBatch {
+			dctx, cancel := context.WithTimeout(ctx, drainWait)
+			n, err := conn.WaitForNotification(dctx)
+			cancel()
+			if err != nil {
+				if ctx.Err() != nil || dctx.Err() == nil || conn.IsClosed() {
+					l.lost(ctx, err)
+					return true
+				}
+				break // nothing more for now
+			}
+			batch = append(batch, n.Payload)
+		}
+		if !l.apply(ctx, batch) {
+			return true
+		}
+	}
+}
+
+// Batching of notifications.
+const (
+	// drainWait is how long the listener waits for a further notification
+	// before it applies those it has.
+	drainWait = 2 * time.Millisecond
+	// maxBatch caps the notifications applied at once.
+	maxBatch = 10_000
+	// maxKeys is the most changed overrides of one policy reloaded row by
+	// row; beyond it the policy is reloaded whole.
+	maxKeys = 1000
+)
+
+// lost records a lost connection.
+func (l *Listener) lost(ctx context.Context, err error) {
+	if ctx.Err() == nil {
+		l.fail(err)
+		l.opts.Logger.Warn("pgrl policy listener: connection lost; reconnecting", "error", err)
+	}
+}
+
+// notice is a notification's payload.
+type notice struct {
+	Schema string  `json:"schema"`
+	Table  string  `json:"table"`
+	Op     string  `json:"op"`
+	Policy *string `json:"policy"`
+	Key    string  `json:"key"`
+}
+
+// change is what a batch asks to reload of one policy.
+type change struct {
+	whole bool     // the policy row changed, or too many keys
+	keys  [][]byte // changed overrides, by stored key
+	n     uint64   // notifications
+}
+
+// apply reloads what a batch of notifications names: everything after a
+// TRUNCATE, else per policy the whole policy or the overrides named. It
+// returns false when the session must end (a reload failed, a payload was
+// unreadable): the next one resynchronises.
+func (l *Listener) apply(ctx context.Context, payloads []string) bool {
+	schema := l.cache.Schema()
+	all, total := false, uint64(0)
+	changes := map[string]*change{}
+	var order []string
+	for _, p := range payloads {
+		var n notice
+		if err := json.Unmarshal([]byte(p), &n); err != nil {
+			l.dropped.Add(1)
+			l.fail(fmt.Errorf("unreadable notification %q: %w", p, err))
+			return false
+		}
+		if n.Schema != schema {
+			l.ignored.Add(1)
+			continue
+		}
+		l.received.Add(1)
+		total++
+		if n.Policy == nil {
+			all = true
+			continue
+		}
+		c := changes[*n.Policy]
+		if c == nil {
+			c = &change{}
+			changes[*n.Policy] = c
+			order = append(order, *n.Policy)
+		}
+		c.n++
+		k, err := hex.DecodeString(n.Key)
+		if n.Key == "" || err != nil || len(c.keys) >= maxKeys {
+			c.whole = true
+		} else if !c.whole {
+			c.keys = append(c.keys, k)
+		}
+	}
+	if total == 0 {
+		return true
+	}
+	if all {
+		if err := l.cache.Reload(ctx); err != nil {
+			l.dropped.Add(total)
+			return l.reloadFailed(ctx, err)
+		}
+		l.applied.Add(total)
+		return true
+	}
+	for i, name := range order {
+		c := changes[name]
+		var err error
+		if c.whole {
+			err = l.cache.ReloadPolicy(ctx, name)
+		} else {
+			err = l.cache.ReloadOverrides(ctx, name, c.keys)
+		}
+		if err != nil {
+			for _, rest := range order[i:] {
+				l.dropped.Add(changes[rest].n)
+			}
+			return l.reloadFailed(ctx, err)
+		}
+		l.applied.Add(c.n)
+	}
+	return true
+}
+
+func (l *Listener) reloadFailed(ctx context.Context, err error) bool {
+	l.fail(err)
+	if ctx.Err() == nil {
+		l.opts.Logger.Warn("pgrl policy listener: cannot reload after a change; will reconnect and reload everything", "error", err)
+	}
+	return false
+}

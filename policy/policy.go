@@ -1,0 +1,382 @@
+// Package policy keeps rate limits in the database: named policies in table
+// pgrl_policy and per-key overrides in pgrl_policy_override (migration
+// 000007), so that operations can change a limit with one UPDATE, or with
+// rl-policy, and every instance of the application follows within a second.
+//
+// Set, Get, List and Delete manage policies; SetOverride, ListOverrides and
+// DeleteOverride the overrides of one key; Explain says which limit applies
+// to a key and what it has used. NewLimiter builds a limiter from a stored
+// policy: it reads the policy from a Cache held in memory, applies the
+// key's override on each check as a per-call rate (ratelimit.Rate), and
+// never queries the policy tables on the request path. A Listener keeps the
+// Cache current from the NOTIFY that every change of either table sends.
+//
+// The tables are described, with plain SQL for a DBA, in docs/POLICIES.md.
+package policy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"regexp"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// DB runs this package's statements: a *pgxpool.Pool, a *pgx.Conn or a
+// pgx.Tx (ratelimit.DB).
+type DB = ratelimit.DB
+
+// Policy is one row of pgrl_policy: a named limit.
+type Policy struct {
+	// Name is the limiter's name: it scopes the keys, as
+	// ratelimit.Config.Name does. 1 to 128 characters of A-Z a-z 0-9 and
+	// _ . : / + -, starting with a letter or digit.
+	Name string
+	// Algorithm defaults to ratelimit.FixedWindow.
+	Algorithm ratelimit.Algorithm
+	// Limit, Window and Burst are ratelimit.Config's; Burst 0 means Limit.
+	Limit  int64
+	Window time.Duration
+	Burst  int64
+	// Penalty counts denied attempts too (ratelimit.Config.Penalty).
+	Penalty bool
+	// KeyMode is how keys are stored, in the counters and in the overrides.
+	KeyMode ratelimit.KeyMode
+	// Description is free text for people, at most 1,000 characters.
+	Description string
+	// CreatedAt and UpdatedAt are set by the database; Set ignores them.
+	CreatedAt, UpdatedAt time.Time
+}
+
+// Rate is the policy's own rate.
+func (p Policy) Rate() ratelimit.Rate {
+	return ratelimit.Rate{Limit: p.Limit, Window: p.Window, Burst: p.Burst}
+}
+
+// Config returns base with the policy's name, algorithm, limit, window,
+// burst, penalty and key mode: the configuration a limiter of this policy
+// has. Everything else (failure policy, timeout, observer, ...) is base's.
+func (p Policy) Config(base ratelimit.Config) ratelimit.Config {
+	base.Name, base.Algorithm, base.Limit, base.Window, base.Burst = p.Name, p.Algorithm, p.Limit, p.Window, p.Burst
+	base.Penalty, base.KeyMode = p.Penalty, p.KeyMode
+	return base
+}
+
+// StoredKey is key as the policy's counters, and pgrl_policy_override.key,
+// store it (ratelimit.StoredKey with the policy's name and key mode; in SQL,
+// pgrl_stored_key(name, key, key_mode = 'readable')).
+func (p Policy) StoredKey(key string) []byte {
+	return ratelimit.StoredKey(p.KeyMode, p.Name, key)
+}
+
+// same reports whether p and q describe the same limit.
+func (p Policy) same(q Policy) bool {
+	return p.Name == q.Name && p.Algorithm == q.Algorithm && p.Limit == q.Limit && p.Window == q.Window &&
+		p.Burst == q.Burst && p.Penalty == q.Penalty && p.KeyMode == q.KeyMode
+}
+
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,127}$`)
+
+// Validate refuses what the table's constraints or ratelimit.Config would.
+func (p Policy) Validate() error {
+	if !nameRE.MatchString(p.Name) {
+		return invalid(ratelimit.ErrInvalidName, "%q; %s", p.Name, constraintFix["pgrl_policy_name_check"])
+	}
+	if p.Algorithm == "" {
+		p.Algorithm = ratelimit.DefaultAlgorithm
+	}
+	if len(p.Description) > 1000 {
+		return invalid(nil, "description of %d characters for %q; %s", len(p.Description), p.Name, constraintFix["pgrl_policy_description_check"])
+	}
+	if p.KeyMode != ratelimit.HashedKeys && p.KeyMode != ratelimit.ReadableKeys {
+		return invalid(nil, "key mode %d for %q; use ratelimit.HashedKeys or ratelimit.ReadableKeys", p.KeyMode, p.Name)
+	}
+	if err := p.Config(ratelimit.Config{}).Validate(); err != nil {
+		return invalid(err, "")
+	}
+	return nil
+}
+
+// Override is one row of pgrl_policy_override: another limit, window or
+// burst for one key of a policy, until ExpiresAt.
+type Override struct {
+	// Policy is the policy's name; it must exist.
+	Policy string
+	// Key is the key in its stored form: Policy.StoredKey(key).
+	Key []byte
+	// Limit, Window and Burst replace the policy's; 0 inherits it. At
+	// least one is set.
+	Limit  int64
+	Window time.Duration
+	Burst  int64
+	// ExpiresAt, when not zero, is when the override stops applying.
+	ExpiresAt time.Time
+	// Note is free text for people (who, why, a ticket), at most 1,000
+	// characters. The key is stored hashed by default, so the note is
+	// where to say whose key it is.
+	Note string
+	// CreatedAt and UpdatedAt are set by the database.
+	CreatedAt, UpdatedAt time.Time
+}
+
+// Applies reports whether the override is in force at now.
+func (o Override) Applies(now time.Time) bool {
+	return o.ExpiresAt.IsZero() || now.Before(o.ExpiresAt)
+}
+
+// Rate is the rate a key of p gets under the override.
+func (o Override) Rate(p Policy) ratelimit.Rate {
+	r := p.Rate()
+	if o.Limit != 0 {
+		r.Limit = o.Limit
+		if o.Burst == 0 && p.Burst == 0 {
+			r.Burst = 0 // the burst follows the limit it defaults to
+		}
+	}
+	if o.Window != 0 {
+		r.Window = o.Window
+	}
+	if o.Burst != 0 {
+		r.Burst = o.Burst
+	}
+	return r
+}
+
+// Validate refuses an override that the constraints refuse, or whose rate
+// under p ratelimit would refuse.
+func (o Override) Validate(p Policy) error {
+	if o.Policy != p.Name {
+		return invalid(nil, "override of policy %q checked against policy %q", o.Policy, p.Name)
+	}
+	if len(o.Key) == 0 || len(o.Key) > maxStoredKey {
+		return invalid(ratelimit.ErrKeyTooLong, "stored key of %d bytes for %q; %s", len(o.Key), p.Name, constraintFix["pgrl_policy_override_key_check"])
+	}
+	if o.Limit < 0 || o.Window < 0 || o.Burst < 0 {
+		return invalid(nil, "negative limit, window or burst in an override of %q; use 0 to inherit the policy's", p.Name)
+	}
+	if o.Limit == 0 && o.Window == 0 && o.Burst == 0 {
+		return invalid(nil, "override of %q; %s", p.Name, constraintFix["pgrl_policy_override_something_check"])
+	}
+	if len(o.Note) > 1000 {
+		return invalid(nil, "note of %d characters for %q; %s", len(o.Note), p.Name, constraintFix["pgrl_policy_override_note_check"])
+	}
+	r := o.Rate(p)
+	q := p
+	q.Limit, q.Window, q.Burst = r.Limit, r.Window, r.Burst
+	if err := q.Config(ratelimit.Config{}).Validate(); err != nil {
+		return invalid(err, "(the rate this override would give the key)")
+	}
+	return nil
+}
+
+// maxStoredKey is the longest stored key: a readable key with its name and
+// separator.
+const maxStoredKey = ratelimit.MaxReadableNameBytes + 1 + ratelimit.MaxReadableKeyBytes
+
+func interval(d time.Duration) pgtype.Interval {
+	if d == 0 {
+		return pgtype.Interval{}
+	}
+	return pgtype.Interval{Microseconds: d.Microseconds(), Valid: true}
+}
+
+func duration(iv pgtype.Interval) time.Duration {
+	if !iv.Valid {
+		return 0
+	}
+	return time.Duration(iv.Days)*24*time.Hour + time.Duration(iv.Microseconds)*time.Microsecond
+}
+
+func keyModeName(m ratelimit.KeyMode) string {
+	if m == ratelimit.ReadableKeys {
+		return "readable"
+	}
+	return "hashed"
+}
+
+// ParseKeyMode accepts "hashed" or "readable", as the table spells them.
+func ParseKeyMode(s string) (ratelimit.KeyMode, error) {
+	switch s {
+	case "hashed", "":
+		return ratelimit.HashedKeys, nil
+	case "readable":
+		return ratelimit.ReadableKeys, nil
+	}
+	return 0, invalid(nil, "key mode %q; use hashed or readable", s)
+}
+
+const policyColumns = `name, algorithm, "limit", "window", coalesce(burst, 0), penalty, key_mode, coalesce(description, ''), created_at, updated_at`
+
+func scanPolicy(row pgx.Row) (Policy, error) {
+	var p Policy
+	var alg, mode string
+	var w pgtype.Interval
+	if err := row.Scan(&p.Name, &alg, &p.Limit, &w, &p.Burst, &p.Penalty, &mode, &p.Description, &p.CreatedAt, &p.UpdatedAt); err != nil {
+		return p, err
+	}
+	p.Algorithm, p.Window = ratelimit.Algorithm(alg), duration(w)
+	if mode == "readable" {
+		p.KeyMode = ratelimit.ReadableKeys
+	}
+	return p, nil
+}
+
+const overrideColumns = `policy, key, coalesce("limit", 0), "window", coalesce(burst, 0), expires_at, coalesce(note, ''), created_at, updated_at`
+
+func scanOverride(row pgx.Row) (Override, error) {
+	var o Override
+	var w pgtype.Interval
+	var exp *time.Time
+	if err := row.Scan(&o.Policy, &o.Key, &o.Limit, &w, &o.Burst, &exp, &o.Note, &o.CreatedAt, &o.UpdatedAt); err != nil {
+		return o, err
+	}
+	o.Window = duration(w)
+	if exp != nil {
+		o.ExpiresAt = *exp
+	}
+	return o, nil
+}
+
+// Set creates the policy, or replaces the one of that name, in one
+// statement, and returns it as stored. It validates first: nothing is
+// written when it fails. The change reaches every Listener of the schema.
+// Overrides of the policy stay; one that the new policy makes invalid (a
+// burst too large for a new algorithm, say) is ignored by limiters, which
+// then apply the policy and log a warning. The key mode of a policy with
+// overrides cannot change (their keys are stored in it): ErrInvalid.
+func Set(ctx context.Context, db DB, p Policy) (Policy, error) {
+	if p.Algorithm == "" {
+		p.Algorithm = ratelimit.DefaultAlgorithm
+	}
+	if err := p.Validate(); err != nil {
+		return Policy{}, err
+	}
+	var burst *int64
+	if p.Burst != 0 {
+		burst = &p.Burst
+	}
+	row := db.QueryRow(ctx, `
+INSERT INTO pgrl_policy AS t (name, algorithm, "limit", "window", burst, penalty, key_mode, description)
+VALUES ($1, $2, $3, $4, $5, $6, $7, nullif($8, ''))
+ON CONFLICT (name) DO UPDATE
+   SET algorithm = excluded.algorithm, "limit" = excluded."limit", "window" = excluded."window",
+       burst = excluded.burst, penalty = excluded.penalty, key_mode = excluded.key_mode,
+       description = excluded.description
+ WHERE t.key_mode = excluded.key_mode
+    OR NOT EXISTS (SELECT 1 FROM pgrl_policy_override AS o WHERE o.policy = t.name)
+RETURNING `+policyColumns,
+		p.Name, string(p.Algorithm), p.Limit, interval(p.Window), burst, p.Penalty, keyModeName(p.KeyMode), p.Description)
+	out, err := scanPolicy(row)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Policy{}, invalid(nil, "policy %q has overrides, whose keys are stored in its current key mode; changing it to %s would orphan them: delete them first (rl-policy override list %s), then set them again", p.Name, keyModeName(p.KeyMode), p.Name)
+	}
+	return out, mapErr(err)
+}
+
+// Get returns the policy named name, or ErrNotFound.
+func Get(ctx context.Context, db DB, name string) (Policy, error) {
+	p, err := scanPolicy(db.QueryRow(ctx, `SELECT `+policyColumns+` FROM pgrl_policy WHERE name = $1`, name))
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Policy{}, fmt.Errorf("%w: no policy is named %q; list them with `rl-policy list`, create it with `rl-policy set %s --limit N --window D`", ErrNotFound, name, name)
+	}
+	return p, mapErr(err)
+}
+
+// List returns every policy, by name.
+func List(ctx context.Context, db DB) ([]Policy, error) {
+	rows, err := db.Query(ctx, `SELECT `+policyColumns+` FROM pgrl_policy ORDER BY name`)
+	if err != nil {
+		return nil, mapErr(err)
+	}
+	ps, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Policy, error) { return scanPolicy(r) })
+	if ps == nil {
+		ps = []Policy{}
+	}
+	return ps, mapErr(err)
+}
+
+// Delete removes the policy and its overrides (ON DELETE CASCADE), or
+// returns ErrNotFound. Limiters of a deleted policy return ErrNotFound from
+// then on. The counters stay until rl-cleanup removes them.
+func Delete(ctx context.Context, db DB, name string) error {
+	tag, err := db.Exec(ctx, `DELETE FROM pgrl_policy WHERE name = $1`, name)
+	if err != nil {
+		return mapErr(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: no policy is named %q; nothing deleted", ErrNotFound, name)
+	}
+	return nil
+}
+
+// SetOverride creates or replaces the override of o.Key under o.Policy and
+// returns it as stored. It reads the policy to validate the rate the key
+// would get; an override of a policy that does not exist is ErrNotFound.
+// Nothing is written when it fails.
+func SetOverride(ctx context.Context, db DB, o Override) (Override, error) {
+	p, err := Get(ctx, db, o.Policy)
+	if err != nil {
+		return Override{}, err
+	}
+	if err := o.Validate(p); err != nil {
+		return Override{}, err
+	}
+	nz := func(v int64) *int64 {
+		if v == 0 {
+			return nil
+		}
+		return &v
+	}
+	var exp *time.Time
+	if !o.ExpiresAt.IsZero() {
+		exp = &o.ExpiresAt
+	}
+	row := db.QueryRow(ctx, `
+INSERT INTO pgrl_policy_override AS t (policy, key, "limit", "window", burst, expires_at, note)
+VALUES ($1, $2, $3, $4, $5, $6, nullif($7, ''))
+ON CONFLICT (policy, key) DO UPDATE
+   SET "limit" = excluded."limit", "window" = excluded."window", burst = excluded.burst,
+       expires_at = excluded.expires_at, note = excluded.note
+RETURNING `+overrideColumns,
+		o.Policy, o.Key, nz(o.Limit), interval(o.Window), nz(o.Burst), exp, o.Note)
+	out, err := scanOverride(row)
+	return out, mapErr(err)
+}
+
+// ListOverrides returns the overrides of the policy named policyName (of
+// every policy when it is empty), expired ones included, by policy and
+// key.
+func ListOverrides(ctx context.Context, db DB, policyName string) ([]Override, error) {
+	rows, err := db.Query(ctx, `SELECT `+overrideColumns+` FROM pgrl_policy_override
+ WHERE $1 = '' OR policy = $1 ORDER BY policy, key`, policyName)
+	if err != nil {
+		return nil, mapErr(err)
+	}
+	os, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Override, error) { return scanOverride(r) })
+	if os == nil {
+		os = []Override{}
+	}
+	return os, mapErr(err)
+}
+
+// DeleteOverride removes the override of the stored key under policyName,
+// or returns ErrNotFound.
+func DeleteOverride(ctx context.Context, db DB, policyName string, key []byte) error {
+	tag, err := db.Exec(ctx, `DELETE FROM pgrl_policy_override WHERE policy = $1 AND key = $2`, policyName, key)
+	if err != nil {
+		return mapErr(err)
+	}
+	if tag.RowsAffected() == 0 {
+		return fmt.Errorf("%w: policy %q has no override for this key; nothing deleted", ErrNotFound, policyName)
+	}
+	return nil
+}
+
+func newInterval() *pgtype.Interval { return &pgtype.Interval{} }
+
+func algorithmOf(s string) ratelimit.Algorithm { return ratelimit.Algorithm(s) }

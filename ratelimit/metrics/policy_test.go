@@ -1,0 +1,62 @@
+package metrics_test
+
+import (
+	"context"
+	"net/http/httptest"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit/metrics"
+)
+
+// The policy collector's series are scraped with the listener's counters
+// and the cache's size, and each is named in docs/METRICS.md.
+func TestPolicyCollector(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	cache := policy.NewCache(pool)
+	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+
+	reg := prometheus.NewRegistry()
+	_, err = metrics.NewPolicyCollector(reg, l, cache)
+	require.NoError(t, err)
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("k"), Limit: 9})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return l.Stats().Applied == 1 }, time.Second, 5*time.Millisecond)
+	samples, types := scrape(t, srv.URL)
+	require.Equal(t, "1", samples[`pgrl_policy_notifications_total{outcome="applied"}`])
+	require.Equal(t, "0", samples[`pgrl_policy_notifications_total{outcome="dropped"}`])
+	require.Equal(t, "1", samples[metrics.PolicyListenerConnected])
+	require.Equal(t, "1", samples[metrics.PolicyResyncsTotal])
+	require.Equal(t, "0", samples[metrics.PolicyReconnectsTotal])
+	require.Equal(t, "1", samples[metrics.PolicyCachePolicies])
+	require.Equal(t, "1", samples[metrics.PolicyCacheOverrides])
+	require.NotEqual(t, "0", samples[metrics.PolicyCacheLoaded])
+	require.Equal(t, "counter", types[metrics.PolicyNotificationsTotal])
+	require.Equal(t, "gauge", types[metrics.PolicyListenerConnected])
+
+	doc, err := os.ReadFile("../../docs/METRICS.md")
+	require.NoError(t, err)
+	for _, name := range []string{metrics.PolicyNotificationsTotal, metrics.PolicyReconnectsTotal, metrics.PolicyResyncsTotal,
+		metrics.PolicyListenerConnected, metrics.PolicyCachePolicies, metrics.PolicyCacheOverrides, metrics.PolicyCacheLoaded} {
+		require.Contains(t, string(doc), "`"+name, "docs/METRICS.md does not name %s", name)
+	}
+}

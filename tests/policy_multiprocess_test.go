@@ -1,0 +1,143 @@
+package tests
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// policyChildEnv, when set to a database URL, makes
+// TestPolicyChildProcess the other process of TestPolicyTwoProcesses.
+const policyChildEnv = "PGRL_TEST_POLICY_CHILD_URL"
+
+// policyAnswer is one check's result, as the child prints it.
+type policyAnswer struct {
+	Allowed bool   `json:"allowed"`
+	Limit   int64  `json:"limit"`
+	Error   string `json:"error,omitempty"`
+}
+
+// TestPolicyChildProcess is not a test of its own: run by
+// TestPolicyTwoProcesses as a second OS process, it follows the policies
+// with a Listener and answers "KEY" lines on stdin with one check each.
+func TestPolicyChildProcess(t *testing.T) {
+	url := os.Getenv(policyChildEnv)
+	if url == "" {
+		t.Skip("the other process of TestPolicyTwoProcesses")
+	}
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	cache := policy.NewCache(pool)
+	l, err := policy.Watch(ctx, url, cache, policy.ListenerOptions{})
+	require.NoError(t, err)
+	defer func() { _ = l.Close() }()
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{OnFailure: ratelimit.FailError}})
+	require.NoError(t, err)
+	fmt.Println("ready")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		var a policyAnswer
+		d, err := lim.Allow(ctx, strings.TrimSpace(in.Text()))
+		if err != nil {
+			a.Error = err.Error()
+		}
+		a.Allowed, a.Limit = d.Allowed, d.Limit
+		b, _ := json.Marshal(a)
+		fmt.Println(string(b))
+	}
+}
+
+// Two OS processes share one stored policy: a change made by plain SQL in a
+// third session reaches the other process within a second, an override set
+// from this one applies there too, and both count in one counter.
+func TestPolicyTwoProcesses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 3, Window: time.Hour})
+	require.NoError(t, err)
+
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(cctx, os.Args[0], "-test.run=^TestPolicyChildProcess$", "-test.count=1")
+	cmd.Env = append(os.Environ(), policyChildEnv+"="+dbtest.URLWithSchema(s))
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdoutPipe, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
+	out := bufio.NewScanner(stdoutPipe)
+	for out.Scan() && out.Text() != "ready" {
+	}
+	require.Equal(t, "ready", out.Text(), "child: %s", stderr.String())
+	check := func(key string) policyAnswer {
+		t.Helper()
+		_, err := io.WriteString(stdin, key+"\n")
+		require.NoError(t, err)
+		require.True(t, out.Scan(), "child: %s", stderr.String())
+		var a policyAnswer
+		require.NoError(t, json.Unmarshal(out.Bytes(), &a), out.Text())
+		require.Empty(t, a.Error)
+		return a
+	}
+
+	require.Equal(t, policyAnswer{Allowed: true, Limit: 3}, check("k"))
+
+	// A DBA's UPDATE reaches the other process within a second.
+	_, err = dbtest.Admin(t).Exec(ctx, `UPDATE "`+s+`".pgrl_policy SET "limit" = 10 WHERE name = 'api'`)
+	require.NoError(t, err)
+	start := time.Now()
+	for check("probe").Limit != 10 {
+		require.Less(t, time.Since(start), time.Second, "the other process still applies the old limit")
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("the other process applied the change after %v", time.Since(start).Round(time.Millisecond))
+
+	// Both processes count in one counter: 10 in all, whoever checks.
+	mine, err := policy.NewLimiter(ctx, pool, "api", policy.Options{})
+	require.NoError(t, err)
+	admitted := 1 // the child's first check of "k"
+	for i := range 12 {
+		var allowed bool
+		if i%2 == 0 {
+			d, err := mine.Allow(ctx, "k")
+			require.NoError(t, err)
+			allowed = d.Allowed
+		} else {
+			allowed = check("k").Allowed
+		}
+		if allowed {
+			admitted++
+		}
+	}
+	require.Equal(t, 10, admitted)
+
+	// An override set here applies there.
+	p, err := policy.Get(ctx, pool, "api")
+	require.NoError(t, err)
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("vip"), Limit: 50})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return check("vip").Limit == 50 }, time.Second, 10*time.Millisecond)
+}
