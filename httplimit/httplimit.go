@@ -60,12 +60,29 @@ type Checker interface {
 	Config() ratelimit.Config
 }
 
+// KeyedLimiter is a limit whose rate depends on the key and may change
+// while the middleware runs: *policy.Limiter, a limit stored in PostgreSQL
+// with per-key overrides. For returns the *ratelimit.Limiter that decides
+// for key now; Config names the limit. The middleware checks each request
+// with the limiter For returns, and its RateLimit-Policy member reports
+// that limiter's rate: the quota and window in force for this key and this
+// request (an override's, when one applies), not the policy as it was when
+// the middleware was made.
+type KeyedLimiter interface {
+	For(key string) (*ratelimit.Limiter, error)
+	Config() ratelimit.Config
+}
+
 // Rule is one limit of a multi-limit middleware, decided together with the
 // others in one round trip by ratelimit.AllowAll.
 type Rule struct {
-	// Limiter is the limit. Required. Every rule's limiter must use the
-	// same database.
+	// Limiter is the limit. Either Limiter or Keyed is required. Every
+	// rule's limiter must use the same database.
 	Limiter *ratelimit.Limiter
+	// Keyed is a limit whose rate depends on the key (*policy.Limiter),
+	// set instead of Limiter: each request is checked with the limiter
+	// Keyed.For returns for its key.
+	Keyed KeyedLimiter
 	// Key returns the request's key for this limit; false skips this
 	// limit (the others still apply). Defaults to Config.Key.
 	Key KeyFunc
@@ -99,7 +116,8 @@ const (
 // (several limits decided together).
 type Config struct {
 	// Limiter is the limit checked for every request. Either Limiter or
-	// Rules is required.
+	// Rules is required. A Checker that is also a KeyedLimiter (such as
+	// *policy.Limiter) is checked through For, per request.
 	Limiter Checker
 
 	// Rules are several limits decided together, in one round trip, by
@@ -169,6 +187,7 @@ type Middleware struct {
 type rule struct {
 	checker Checker
 	limiter *ratelimit.Limiter // set for Rules
+	keyed   KeyedLimiter       // set for a limit resolved per key
 	key     KeyFunc
 	cost    CostFunc
 	name    string
@@ -214,9 +233,13 @@ func New(cfg Config) (*Middleware, error) {
 		if cfg.Key == nil {
 			return nil, invalid("no Key function; use ByIP, ByHeader, ByRoute, Constant or your own")
 		}
-		r, err := newRule(cfg.Limiter, nil, cfg.Key, cost, cfg.Policy)
+		r, err := newRule(cfg.Limiter.Config(), cfg.Key, cost, cfg.Policy)
 		if err != nil {
 			return nil, err
+		}
+		r.checker = cfg.Limiter
+		if k, ok := cfg.Limiter.(KeyedLimiter); ok {
+			r.keyed = k
 		}
 		m.rules = []rule{r}
 	case len(cfg.Rules) > 0:
@@ -225,23 +248,32 @@ func New(cfg Config) (*Middleware, error) {
 		}
 		names := map[string]int{}
 		for i, rr := range cfg.Rules {
-			if rr.Limiter == nil {
-				return nil, invalid("rule %d has no Limiter", i)
+			var lc ratelimit.Config
+			switch {
+			case rr.Limiter != nil && rr.Keyed != nil:
+				return nil, invalid("rule %d has both Limiter and Keyed; set one", i)
+			case rr.Limiter != nil:
+				lc = rr.Limiter.Config()
+			case rr.Keyed != nil:
+				lc = rr.Keyed.Config()
+			default:
+				return nil, invalid("rule %d has no Limiter (nor Keyed)", i)
 			}
 			key, c := rr.Key, rr.Cost
 			if key == nil {
 				key = cfg.Key
 			}
 			if key == nil {
-				return nil, invalid("rule %d (%q) has no Key, and Config.Key is not set", i, rr.Limiter.Config().Name)
+				return nil, invalid("rule %d (%q) has no Key, and Config.Key is not set", i, lc.Name)
 			}
 			if c == nil {
 				c = cost
 			}
-			r, err := newRule(rr.Limiter, rr.Limiter, key, c, rr.Policy)
+			r, err := newRule(lc, key, c, rr.Policy)
 			if err != nil {
 				return nil, fmt.Errorf("rule %d: %w", i, err)
 			}
+			r.limiter, r.keyed = rr.Limiter, rr.Keyed
 			if j, dup := names[r.name]; dup {
 				return nil, invalid("rules %d and %d are both named %q in the RateLimit fields; set Rule.Policy to tell them apart", j, i, r.name)
 			}
@@ -265,19 +297,21 @@ func isNilChecker(c Checker) bool {
 	return false
 }
 
-func newRule(c Checker, l *ratelimit.Limiter, key KeyFunc, cost CostFunc, name string) (rule, error) {
-	lc := c.Config()
+func newRule(lc ratelimit.Config, key KeyFunc, cost CostFunc, name string) (rule, error) {
 	if name == "" {
 		name = lc.Name
 	}
 	if err := validPolicyName(name); err != nil {
 		return rule{}, err
 	}
-	q, w := quota(lc)
-	return rule{
-		checker: c, limiter: l, key: key, cost: cost, name: name,
-		policy: sfString(name) + ";q=" + strconv.FormatInt(q, 10) + ";w=" + strconv.FormatInt(w, 10),
-	}, nil
+	return rule{key: key, cost: cost, name: name, policy: policyMember(name, lc)}, nil
+}
+
+// policyMember is the RateLimit-Policy member of the limit c named name:
+// "name";q=Q;w=W.
+func policyMember(name string, c ratelimit.Config) string {
+	q, w := quota(c)
+	return sfString(name) + ";q=" + strconv.FormatInt(q, 10) + ";w=" + strconv.FormatInt(w, 10)
 }
 
 // quota is a limit's RateLimit-Policy quota and window in seconds: Limit
@@ -337,6 +371,12 @@ type active struct {
 	r    *rule
 	key  string
 	cost int64
+	// lim is the limiter that checks this request: the rule's, or for a
+	// keyed rule the one For returned; nil for a Config.Limiter checked
+	// through its Checker.
+	lim *ratelimit.Limiter
+	// policy is the RateLimit-Policy member of the rate lim applies.
+	policy string
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
@@ -351,7 +391,18 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if cost <= 0 {
 			continue
 		}
-		act = append(act, active{ru, key, cost})
+		a := active{r: ru, key: key, cost: cost, lim: ru.limiter, policy: ru.policy}
+		if ru.keyed != nil {
+			// The rate in force for this key now (a stored policy, or the
+			// key's override), reported as such in RateLimit-Policy.
+			lim, err := ru.keyed.For(key)
+			if err != nil {
+				m.fail(w, r, append(act, a), err)
+				return
+			}
+			a.lim, a.policy = lim, policyMember(ru.name, lim.Config())
+		}
+		act = append(act, a)
 	}
 	if len(act) == 0 {
 		next.ServeHTTP(w, r)
@@ -359,12 +410,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	md, err := m.decide(r.Context(), act)
 	if err != nil {
-		names := make([]string, len(act))
-		for i, a := range act {
-			names[i] = a.r.name
-		}
-		m.logger.ErrorContext(r.Context(), "pgrl: rate limit check failed", "policies", names, "method", r.Method, "path", r.URL.Path, "err", err)
-		m.onError(w, r, err)
+		m.fail(w, r, act, err)
 		return
 	}
 	shown := representative(md)
@@ -379,10 +425,26 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	m.deny(w, r, md)
 }
 
+// fail logs a check's error and answers with OnError.
+func (m *Middleware) fail(w http.ResponseWriter, r *http.Request, act []active, err error) {
+	names := make([]string, len(act))
+	for i, a := range act {
+		names[i] = a.r.name
+	}
+	m.logger.ErrorContext(r.Context(), "pgrl: rate limit check failed", "policies", names, "method", r.Method, "path", r.URL.Path, "err", err)
+	m.onError(w, r, err)
+}
+
 // decide checks the active rules: one alone, several in one round trip.
 func (m *Middleware) decide(ctx context.Context, act []active) (ratelimit.MultiDecision, error) {
 	if len(act) == 1 {
-		d, err := act[0].r.checker.AllowN(ctx, act[0].key, act[0].cost)
+		var d ratelimit.Decision
+		var err error
+		if act[0].lim != nil {
+			d, err = act[0].lim.AllowN(ctx, act[0].key, act[0].cost)
+		} else {
+			d, err = act[0].r.checker.AllowN(ctx, act[0].key, act[0].cost)
+		}
 		if err != nil {
 			return ratelimit.MultiDecision{}, err
 		}
@@ -394,7 +456,7 @@ func (m *Middleware) decide(ctx context.Context, act []active) (ratelimit.MultiD
 	}
 	checks := make([]ratelimit.Check, len(act))
 	for i, a := range act {
-		checks[i] = ratelimit.Check{Limiter: a.r.limiter, Key: a.key, Cost: a.cost}
+		checks[i] = ratelimit.Check{Limiter: a.lim, Key: a.key, Cost: a.cost}
 	}
 	return ratelimit.AllowAll(ctx, m.mode, checks...)
 }
@@ -435,7 +497,7 @@ func (m *Middleware) setFields(h http.Header, act []active, d ratelimit.Decision
 	}
 	policies := make([]string, len(act))
 	for i, a := range act {
-		policies[i] = a.r.policy
+		policies[i] = a.policy
 	}
 	h.Set(HeaderRateLimitPolicy, strings.Join(policies, ", "))
 	remaining := max(d.Remaining, 0)

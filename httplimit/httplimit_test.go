@@ -518,6 +518,68 @@ func TestCostExceedingTheLimit(t *testing.T) {
 	require.Zero(t, *reached)
 }
 
+// perKey is a KeyedLimiter that gives the key "vip" three times its
+// limiter's limit, over twice its window.
+type perKey struct{ l *ratelimit.Limiter }
+
+func (p perKey) Config() ratelimit.Config { return p.l.Config() }
+
+func (p perKey) For(key string) (*ratelimit.Limiter, error) {
+	if key != "vip" {
+		return p.l, nil
+	}
+	r := p.l.Rate()
+	return p.l.WithRate(ratelimit.Rate{Limit: 3 * r.Limit, Window: 2 * r.Window})
+}
+
+// A KeyedLimiter is checked with the limiter its For returns for each
+// request's key, and RateLimit-Policy reports that limiter's rate.
+func TestKeyedLimiterReportsTheRateApplied(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	c := testkit.NewClock(base)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "keyed", Limit: 1, Window: time.Minute, Now: c.Now})
+	for _, cfg := range []httplimit.Config{
+		{Limiter: keyedChecker{perKey{l}}, Key: httplimit.ByHeader("X-Key")},
+		{Rules: []httplimit.Rule{{Keyed: perKey{l}, Key: httplimit.ByHeader("X-Key")}}},
+	} {
+		srv, _ := server(t, cfg)
+		send := func(k string) response {
+			req, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+			require.NoError(t, err)
+			req.Header.Set("X-Key", k)
+			resp, err := srv.Client().Do(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			return response{status: resp.StatusCode, header: resp.Header}
+		}
+		for i, want := range []int{200, 200, 200, 429} {
+			r := send("vip")
+			require.Equal(t, want, r.status, "vip request %d", i+1)
+			require.Equal(t, `"keyed";q=3;w=120`, r.header.Get("RateLimit-Policy"))
+		}
+		r := send("other")
+		require.Equal(t, 200, r.status)
+		require.Equal(t, `"keyed";q=1;w=60`, r.header.Get("RateLimit-Policy"))
+		require.NoError(t, l.Reset(context.Background(), "other"))
+		vip, err := perKey{l}.For("vip")
+		require.NoError(t, err)
+		require.NoError(t, vip.Reset(context.Background(), "vip"))
+	}
+}
+
+// keyedChecker is a KeyedLimiter that is also a Checker (as
+// *policy.Limiter is), for Config.Limiter.
+type keyedChecker struct{ perKey }
+
+func (k keyedChecker) AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error) {
+	l, err := k.For(key)
+	if err != nil {
+		return ratelimit.Decision{}, err
+	}
+	return l.AllowN(ctx, key, n)
+}
+
 func TestNewRejectsBadConfig(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
@@ -536,6 +598,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{httplimit.Config{Limiter: l, Key: key, Rules: []httplimit.Rule{{Limiter: l2, Key: key}}}, "both Limiter and Rules"},
 		{httplimit.Config{Rules: []httplimit.Rule{{Limiter: l}}}, `rule 0 ("a") has no Key`},
 		{httplimit.Config{Rules: []httplimit.Rule{{Key: key}}}, "rule 0 has no Limiter"},
+		{httplimit.Config{Rules: []httplimit.Rule{{Key: key, Limiter: l, Keyed: perKey{l}}}}, "rule 0 has both Limiter and Keyed"},
 		{httplimit.Config{Key: key, Rules: []httplimit.Rule{{Limiter: l}, {Limiter: l2, Policy: "a"}}}, `rules 0 and 1 are both named "a"`},
 		{httplimit.Config{Key: key, Policy: "x", Rules: []httplimit.Rule{{Limiter: l}}}, "Policy is set with Rules"},
 		{httplimit.Config{Limiter: utf, Key: key}, `policy name "connexion-é" has a byte`},

@@ -203,9 +203,11 @@ func (l *Limiter) Reset(ctx context.Context, key string) error {
 // Config returns the configuration of the policy's own limiter (the policy
 // as last loaded, with Options.Config for the rest), or, when the policy no
 // longer exists, Options.Config with the policy's name. With it and AllowN
-// a Limiter is an httplimit.Checker: the middleware's per-request headers
-// follow the rate that applies to each key, its RateLimit-Policy header the
-// policy as it was when the middleware was made.
+// a Limiter is an httplimit.Checker, and with For an httplimit.KeyedLimiter:
+// the middleware checks each request with For's limiter, so that its
+// RateLimit-Policy and RateLimit fields report the rate in force for the
+// request's key (the override's, when one applies, and the policy as last
+// loaded).
 func (l *Limiter) Config() ratelimit.Config {
 	b, err := l.current()
 	if err != nil {
