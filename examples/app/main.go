@@ -2,7 +2,7 @@
 // website (login, contact form, confirmation emails, admin writes, uploads,
 // public API, analytics beacon), kept in PostgreSQL with pgrl so that every
 // instance shares them. It is written to be copied: see limits.go for the
-// policy table and docs/HTTP.md for how to run it.
+// limits and docs/HTTP.md for how to run it.
 //
 //	go run ./examples/app --addr 127.0.0.1:8080
 //
@@ -15,10 +15,40 @@
 //	                   whose X-Forwarded-For is believed (default: none)
 //	--ipv6-prefix      group IPv6 clients by this prefix length (default 64)
 //	--legacy-headers   also send X-RateLimit-Limit/Remaining/Reset
+//	--policy-listener  follow changes of the stored limits as they are
+//	                   committed (default true); false: keep the limits
+//	                   loaded at start-up until a restart
+//	--listener-url     PostgreSQL URL of the listener's own connection: a
+//	                   direct one, or PgBouncer in session mode, never
+//	                   transaction mode (default: --database-url)
 //
 // At start-up it creates the schema named first on the URL's search_path and
 // applies pgrl's migrations to it (several instances may start at once). It
 // stops cleanly on SIGINT or SIGTERM, finishing requests in flight.
+//
+// # Limits from the database
+//
+// The shared limits are rows of table pgrl_policy (docs/POLICIES.md). At
+// start-up the app inserts those that are missing with the values of
+// limits.go, never changing a stored one; then it reads them from an
+// in-memory cache that a listener (LISTEN pgrl_policy) keeps current. A DBA
+// changes a limit for every running instance, within a second, with
+//
+//	UPDATE pgrl_policy SET "limit" = 240 WHERE name = 'public-api';
+//
+// or rl-policy set public-api --limit 240. One API key gets ten times the
+// public API's quota (1,200 a minute) with an override; the app keys API
+// calls by "key:" and the X-API-Key header, so for the API key K:
+//
+//	rl-policy override set public-api key:K --limit 1200 --note "partner, ticket 123"
+//
+// or, in SQL, with search_path set to the app's schema:
+//
+//	INSERT INTO pgrl_policy_override (policy, key, "limit", note)
+//	VALUES ('public-api', pgrl_stored_key('public-api', 'key:K'), 1200, 'partner, ticket 123');
+//
+// The key's next request is checked against 1,200, and its RateLimit-Policy
+// field says "public-api";q=1200;w=60.
 package main
 
 import (
@@ -44,6 +74,7 @@ import (
 	"github.com/pgrl/pgrl/clientip"
 	"github.com/pgrl/pgrl/httplimit"
 	"github.com/pgrl/pgrl/migration"
+	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
@@ -64,6 +95,8 @@ type options struct {
 	trustedProxies string
 	ipv6Prefix     int
 	legacyHeaders  bool
+	policyListener bool
+	listenerURL    string
 }
 
 // run runs the service until ctx ends. It returns the exit code: 0 after a
@@ -78,6 +111,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.StringVar(&o.trustedProxies, "trusted-proxies", "", "comma-separated CIDRs of trusted reverse proxies")
 	fs.IntVar(&o.ipv6Prefix, "ipv6-prefix", 64, "group IPv6 clients by this prefix length (0: no grouping)")
 	fs.BoolVar(&o.legacyHeaders, "legacy-headers", false, "also send X-RateLimit-Limit, -Remaining and -Reset")
+	fs.BoolVar(&o.policyListener, "policy-listener", true, "follow changes of the limits stored in pgrl_policy (LISTEN); false: keep those loaded at start-up")
+	fs.StringVar(&o.listenerURL, "listener-url", "", "PostgreSQL URL of the policy listener's own connection: direct, or PgBouncer in session mode (default --database-url)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -93,6 +128,9 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	}
 	if o.databaseURL == "" {
 		o.databaseURL = DefaultDatabaseURL
+	}
+	if o.listenerURL == "" {
+		o.listenerURL = o.databaseURL
 	}
 	proxies, err := clientip.ParsePrefixes(o.trustedProxies)
 	if err != nil {
@@ -128,11 +166,16 @@ func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Log
 	if err != nil {
 		return err
 	}
+	cache, stopListener, err := loadPolicies(ctx, o, pool, reg, log)
+	if err != nil {
+		return err
+	}
+	defer stopListener() // after the server's shutdown: requests in flight still follow changes
 	headers := httplimit.HeadersDraft
 	if o.legacyHeaders {
 		headers = httplimit.HeadersDraftAndLegacy
 	}
-	lims, err := newLimits(pool, ips, col, httplimit.Config{Headers: headers, Logger: log})
+	lims, err := newLimits(ctx, pool, cache, ips, col, httplimit.Config{Headers: headers, Logger: log})
 	if err != nil {
 		return err
 	}
@@ -166,6 +209,45 @@ func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Log
 	}
 	log.Info("stopped")
 	return nil
+}
+
+// loadPolicies stores the default limits that pgrl_policy lacks, and
+// returns the cache the limiters read them from: kept current by a
+// listener on its own connection, which stop closes, or with
+// --policy-listener=false, loaded once.
+func loadPolicies(ctx context.Context, o options, pool *pgxpool.Pool, reg prometheus.Registerer, log *slog.Logger) (cache *policy.Cache, stop func(), err error) {
+	created, err := seedPolicies(ctx, pool)
+	if err != nil {
+		return nil, nil, err
+	}
+	if len(created) > 0 {
+		log.Info("stored the default limits", "policies", created)
+	}
+	cache = policy.NewCache(pool)
+	if !o.policyListener {
+		if err := cache.Reload(ctx); err != nil {
+			return nil, nil, err
+		}
+		log.Info("policy listener off: the limits stay as loaded until a restart")
+		return cache, func() {}, nil
+	}
+	l, err := policy.Watch(ctx, o.listenerURL, cache, policy.ListenerOptions{Logger: log})
+	if err != nil {
+		return nil, nil, fmt.Errorf("--listener-url: %w", err)
+	}
+	stop = func() { _ = l.Close() }
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := l.WaitSynced(wctx); err != nil {
+		stop()
+		return nil, nil, fmt.Errorf("%w; check --listener-url (a direct connection, or PgBouncer in session mode), or run with --policy-listener=false", err)
+	}
+	if _, err := metrics.NewPolicyCollector(reg, l, cache); err != nil {
+		stop()
+		return nil, nil, err
+	}
+	log.Info("following the limits stored in pgrl_policy", "schema", cache.Schema())
+	return cache, stop, nil
 }
 
 // migrate applies pgrl's migrations to the schema named first on the URL's
