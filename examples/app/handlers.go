@@ -36,7 +36,8 @@ func login(w http.ResponseWriter, r *http.Request) {
 }
 
 // contact accepts a message and sends a confirmation to the address typed
-// into the form, at most 3 times a day per address: anyone can type anyone's
+// into the form, at most 3 times a day per address (policy
+// confirmation-email): anyone can type anyone's
 // address, and the form must not become a way to flood an inbox. Past that
 // limit the message is still accepted, without a confirmation.
 func contact(l *limits, log *slog.Logger) http.HandlerFunc {

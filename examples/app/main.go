@@ -154,11 +154,19 @@ func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Log
 	if err := migrate(ctx, o.databaseURL, log); err != nil {
 		return err
 	}
-	pool, err := openPool(ctx, o.databaseURL)
+	pool, err := openPool(ctx, o.databaseURL, checkPool)
 	if err != nil {
 		return err
 	}
 	defer pool.Close()
+	// The policy reads (a reload reads every override) are not checks:
+	// they get a small pool of their own, without the checks' short
+	// statement timeout.
+	policyPool, err := openPool(ctx, o.databaseURL, policiesPool)
+	if err != nil {
+		return err
+	}
+	defer policyPool.Close()
 
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -166,7 +174,7 @@ func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Log
 	if err != nil {
 		return err
 	}
-	cache, stopListener, err := loadPolicies(ctx, o, pool, reg, log)
+	cache, stopListener, err := loadPolicies(ctx, o, policyPool, reg, log)
 	if err != nil {
 		return err
 	}
@@ -285,10 +293,22 @@ func firstSchema(searchPath string) string {
 	return first
 }
 
-// openPool connects to PostgreSQL with a server-side statement timeout a
-// little shorter than the limiters' client timeout, so that a slow check is
-// abandoned by the server and the connection survives.
-func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
+// poolKind says what a pool is for.
+type poolKind int
+
+const (
+	// checkPool runs the limiters' checks: its server-side statement
+	// timeout is a little shorter than the limiters' client timeout, so
+	// that a slow check is abandoned by the server and the connection
+	// survives.
+	checkPool poolKind = iota
+	// policiesPool seeds the policies and loads them into the cache: two
+	// connections at most, statements of up to 30 s.
+	policiesPool
+)
+
+// openPool connects to PostgreSQL for the given use.
+func openPool(ctx context.Context, url string, kind poolKind) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("database URL: %w", err)
@@ -296,7 +316,13 @@ func openPool(ctx context.Context, url string) (*pgxpool.Pool, error) {
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "pgrl-example-app"
 	}
-	cfg.ConnConfig.RuntimeParams[ratelimit.StatementTimeoutParam] = "200ms"
+	switch kind {
+	case checkPool:
+		cfg.ConnConfig.RuntimeParams[ratelimit.StatementTimeoutParam] = "200ms"
+	case policiesPool:
+		cfg.ConnConfig.RuntimeParams[ratelimit.StatementTimeoutParam] = "30s"
+		cfg.MaxConns, cfg.MinConns = 2, 0
+	}
 	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	pool, err := pgxpool.NewWithConfig(pctx, cfg)

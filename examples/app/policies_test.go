@@ -114,6 +114,21 @@ func callAPI(t *testing.T, a *testApp, apiKey string) apiResponse {
 	return apiResponse{resp.StatusCode, resp.Header.Get("RateLimit-Policy"), resp.Header.Get("RateLimit")}
 }
 
+// get returns the body of GET path.
+func get(t *testing.T, a *testApp, path string) string {
+	t.Helper()
+	resp, err := (&http.Client{Timeout: 10 * time.Second}).Get("http://" + a.addr + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
 // sql runs a statement, as a DBA would in psql.
 func sql(t *testing.T, db *pgxpool.Pool, stmt string, args ...any) {
 	t.Helper()
@@ -133,6 +148,9 @@ func TestPolicyUpdateAppliesWithoutRestart(t *testing.T) {
 	a := startApp(t, url)
 	if r := callAPI(t, a, "first"); r.status != http.StatusOK || r.policy != `"public-api";q=120;w=60` {
 		t.Fatalf("before the update: %+v, want 200 with the default 120 per minute", r)
+	}
+	if m := get(t, a, "/metrics"); !strings.Contains(m, "\npgrl_policy_listener_connected 1\n") || !strings.Contains(m, "\npgrl_policy_cache_policies 8\n") {
+		t.Errorf("/metrics lacks the policy listener's series:\n%s", m)
 	}
 	var n int
 	if err := db.QueryRow(context.Background(), `SELECT count(*) FROM pgrl_policy`).Scan(&n); err != nil || n != 8 {
@@ -159,10 +177,14 @@ func TestPolicyUpdateAppliesWithoutRestart(t *testing.T) {
 	}
 	stopApp(t, a)
 
-	// A restart seeds only what is missing: the DBA's 3 stays.
-	b := startApp(t, url)
+	// A restart seeds only what is missing: the DBA's 3 stays. Without the
+	// listener the app still reads the stored limits, once.
+	b := startApp(t, url, "--policy-listener=false")
 	if r := callAPI(t, b, "after-restart"); r.policy != `"public-api";q=3;w=60` {
 		t.Fatalf("after a restart: %+v, want the stored q=3, not the default", r)
+	}
+	if !strings.Contains(b.log.String(), "policy listener off") {
+		t.Errorf("--policy-listener=false not logged:\n%s", b.log)
 	}
 }
 
