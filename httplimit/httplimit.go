@@ -53,8 +53,9 @@ type KeyFunc func(r *http.Request) (key string, ok bool)
 // skips the limit for that request.
 type CostFunc func(r *http.Request) int64
 
-// Checker is one limit: *ratelimit.Limiter (in PostgreSQL) and
-// *ratelimit.MemoryLimiter (in process memory) both satisfy it.
+// Checker is one limit: *ratelimit.Limiter (in PostgreSQL),
+// *ratelimit.MemoryLimiter (in process memory) and *policy.Limiter (a
+// limit stored in PostgreSQL, also a KeyedLimiter) satisfy it.
 type Checker interface {
 	AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error)
 	Config() ratelimit.Config
