@@ -310,16 +310,9 @@ func newFlagSet(name string) *flag.FlagSet {
 // parse parses a subcommand's flags, which may come before, between or after
 // its positional arguments, and returns the positional arguments.
 func parse(fs *flag.FlagSet, args []string, a *app) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, usagef("%s: %v", fs.Name(), err)
-		}
-		if fs.NArg() == 0 {
-			break
-		}
-		pos = append(pos, fs.Arg(0))
-		args = fs.Args()[1:]
+	pos, err := cli.Positional(fs, args)
+	if err != nil {
+		return nil, usagef("%s: %v", fs.Name(), err)
 	}
 	if err := a.checkGlobals(); err != nil {
 		return nil, err

@@ -149,16 +149,9 @@ func newFlagSet(name string) *flag.FlagSet {
 // parse parses flags placed anywhere among the positional arguments and
 // returns those arguments.
 func (a *app) parse(fs *flag.FlagSet, args []string) ([]string, error) {
-	var pos []string
-	for {
-		if err := fs.Parse(args); err != nil {
-			return nil, usagef("%s: %v", fs.Name(), err)
-		}
-		if fs.NArg() == 0 {
-			break
-		}
-		pos = append(pos, fs.Arg(0))
-		args = fs.Args()[1:]
+	pos, err := cli.Positional(fs, args)
+	if err != nil {
+		return nil, usagef("%s: %v", fs.Name(), err)
 	}
 	if err := a.checkGlobals(); err != nil {
 		return nil, err

@@ -128,3 +128,21 @@ func RunChart[R any](name string, args []string, stdin io.Reader, stdout, stderr
 	}
 	return ExitOK
 }
+
+// Positional parses fs's flags wherever they stand among args (before,
+// between or after the positional arguments, as `rl-migrate layout
+// partitioned --partition-width 1h` puts them) and returns the positional
+// arguments in order. The error is fs.Parse's.
+func Positional(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		if fs.NArg() == 0 {
+			return pos, nil
+		}
+		pos = append(pos, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
+}
