@@ -228,13 +228,16 @@ type Config struct {
 	// wraps a single connection. Defaults to false (coalescing on).
 	DisableCoalescing bool
 
-	// MaxBatch caps the checks that one coalesced statement decides.
+	// MaxBatch caps the checks that one coalesced round trip decides.
+	// Limiters on one database handle with the same MaxBatch and
+	// MaxInFlight share one coalescer (see the package documentation).
 	// Defaults to DefaultMaxBatch (256). Negative values are refused with
 	// ErrInvalidOption.
 	MaxBatch int
 
-	// MaxInFlight is how many of this limiter's round trips may run at once
-	// before further checks wait to be coalesced (a check of a key in
+	// MaxInFlight is how many round trips of the coalescer this limiter
+	// shares (with the other limiters on its database handle and the same
+	// settings) may run at once before further checks wait to be coalesced (a check of a key in
 	// flight always waits: see DisableCoalescing). Measured on two cores,
 	// 2 gave the best throughput from 8 to 64 callers without raising the
 	// median latency (docs/REDIS.md). Defaults to DefaultMaxInFlight (2).
