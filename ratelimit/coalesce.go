@@ -38,7 +38,8 @@ type coalescer struct {
 	maxBatch    int
 	maxInFlight int
 
-	batched atomic.Uint64 // checks decided in statements of two or more
+	batched       atomic.Uint64 // checks decided in statements of two or more
+	warnedMissing atomic.Bool   // a missing queue function was logged
 
 	mu       sync.Mutex
 	inFlight int
@@ -352,6 +353,10 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		if err != nil && errors.As(err, &pgErr) {
 			// The statement failed as a whole: decide each check on its
 			// own so that every error reaches the check it belongs to.
+			if pgErr.Code == "42883" && c.warnedMissing.CompareAndSwap(false, true) {
+				l.cfg.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
+					"limiter", l.cfg.Name, "error", pgErr.Message)
+			}
 			for _, r := range group {
 				r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
 			}

@@ -3,11 +3,13 @@ package ratelimit_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -255,4 +257,26 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 			require.Equal(t, want, got[i], "round %d check %d (%s)", round, i, cfgs[idx[i]].Name)
 		}
 	}
+}
+
+// TestQueueFunctionMissingFallsBack: against a schema whose queue function
+// is missing (migrated to 5, or revoked), a batch holding a key twice is
+// decided one check at a time, correctly, and the limiter logs once what to
+// run.
+func TestQueueFunctionMissingFallsBack(t *testing.T) {
+	t.Parallel()
+	pool, schemaName := dbtest.Pool(t)
+	ctx := context.Background()
+	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_queue"}.Sanitize())
+	require.NoError(t, err)
+	var logs testkit.LogBuffer
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour,
+		DenyCacheSize: -1, Now: testkit.Pinned(base), Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	ls := []*ratelimit.Limiter{l, l, l, l}
+	got, err := ratelimit.TakeMixed(ctx, ls, []string{"k", "k", "k", "k"}, []int64{1, 1, 1, 1}, make([]bool, 4))
+	require.NoError(t, err)
+	for i, d := range got {
+		require.Equal(t, i < 3, d.Allowed, "check %d", i)
+	}
+	require.Contains(t, logs.String(), "run `rl-migrate up`")
 }
