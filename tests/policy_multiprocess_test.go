@@ -8,7 +8,10 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -56,6 +59,29 @@ func TestPolicyChildProcess(t *testing.T) {
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
 		var a policyAnswer
+		if f := strings.Fields(in.Text()); len(f) == 3 && f[0] == "BURST" {
+			// BURST KEY N: N concurrent checks of KEY; Limit carries how
+			// many were admitted.
+			n, _ := strconv.Atoi(f[2])
+			var admitted atomic.Int64
+			var wg sync.WaitGroup
+			for range n {
+				wg.Go(func() {
+					d, err := lim.Allow(ctx, f[1])
+					if err != nil {
+						a.Error = err.Error()
+					}
+					if d.Allowed {
+						admitted.Add(1)
+					}
+				})
+			}
+			wg.Wait()
+			a.Limit = admitted.Load()
+			b, _ := json.Marshal(a)
+			fmt.Println(string(b))
+			continue
+		}
 		d, err := lim.Allow(ctx, strings.TrimSpace(in.Text()))
 		if err != nil {
 			a.Error = err.Error()
@@ -140,4 +166,70 @@ func TestPolicyTwoProcesses(t *testing.T) {
 	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("vip"), Limit: 50})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return check("vip").Limit == 50 }, time.Second, 10*time.Millisecond)
+}
+
+// policyChild is one running TestPolicyChildProcess.
+type policyChild struct {
+	stdin  io.WriteCloser
+	out    *bufio.Scanner
+	stderr *strings.Builder
+}
+
+// startPolicyChild starts a child process following the policies of the
+// schema and waits until it has loaded them.
+func startPolicyChild(t *testing.T, ctx context.Context, schemaName string) *policyChild {
+	t.Helper()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestPolicyChildProcess$", "-test.count=1")
+	cmd.Env = append(os.Environ(), policyChildEnv+"="+dbtest.URLWithSchema(schemaName))
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	c := &policyChild{stdin: stdin, out: bufio.NewScanner(stdout), stderr: &strings.Builder{}}
+	cmd.Stderr = c.stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
+	for c.out.Scan() && c.out.Text() != "ready" {
+	}
+	require.Equal(t, "ready", c.out.Text(), "child: %s", c.stderr.String())
+	return c
+}
+
+// Four OS processes, each firing 50 concurrent checks at one key of a
+// stored policy, admit exactly the policy's limit in all; on a key with an
+// override, exactly the override's.
+func TestPolicyMultiprocessExact(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 20, Window: time.Hour})
+	require.NoError(t, err)
+	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("vip"), Limit: 35})
+	require.NoError(t, err)
+
+	cctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
+	defer cancel()
+	children := make([]*policyChild, 4)
+	for i := range children {
+		children[i] = startPolicyChild(t, cctx, s)
+	}
+	for _, trial := range []struct {
+		key  string
+		want int64
+	}{{"plain", 20}, {"vip", 35}} {
+		// Send every burst first, so that the four processes fire at once.
+		for _, c := range children {
+			_, err := io.WriteString(c.stdin, "BURST "+trial.key+" 50\n")
+			require.NoError(t, err)
+		}
+		var admitted int64
+		for _, c := range children {
+			require.True(t, c.out.Scan(), "child: %s", c.stderr.String())
+			var a policyAnswer
+			require.NoError(t, json.Unmarshal(c.out.Bytes(), &a), c.out.Text())
+			require.Empty(t, a.Error)
+			admitted += a.Limit
+		}
+		require.Equal(t, trial.want, admitted, "key %s: 4 processes x 50 checks", trial.key)
+	}
 }
