@@ -219,6 +219,93 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 	return items, nil
 }
 
+const fixedWindowTakePolicy = `-- name: FixedWindowTakePolicy :one
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
+), pol AS (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
+           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+      FROM pgrl_policy AS p
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = $4::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+     WHERE p.name = $5::text AND p.algorithm = 'fixed_window'
+       AND p.key_mode = $6::text
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, pol.window_us) AS expires_us,
+           pol.max_count, pol.penalty
+      FROM clock, pol
+     WHERE pol.window_us = $7::bigint
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT $1::bytea,
+       pgrl_from_epoch_us(win.expires_us),
+       CASE WHEN $2::bigint <= win.max_count OR win.penalty THEN $2::bigint ELSE 0 END,
+       $2::bigint <= win.max_count
+  FROM win
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count <= (SELECT max_count FROM win) - $2::bigint
+                    THEN t.count + $2::bigint
+                    WHEN NOT (SELECT penalty FROM win) THEN t.count
+                    WHEN t.count <= 9223372036854775807 - greatest($2::bigint, 0)
+                    THEN t.count + $2::bigint
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= (SELECT max_count FROM win) - $2::bigint
+RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count
+`
+
+type FixedWindowTakePolicyParams struct {
+	Key         []byte
+	Cost        int64
+	At          *time.Time
+	OverrideKey []byte
+	Policy      string
+	KeyMode     string
+	WindowUs    int64
+}
+
+type FixedWindowTakePolicyRow struct {
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
+	MaxCount    int64
+}
+
+// FixedWindowTakePolicy is FixedWindowTake with the limit stored in the
+// database: the limit, window and penalty are read, in this same statement,
+// from the pgrl_policy row named policy and the key's pgrl_policy_override
+// (override_key is the key stored under the policy's own name; an override
+// applies until its expires_at), so that a changed policy is obeyed by the
+// very next check of every process. The caller names the counter row (key)
+// and so must know the window, the algorithm and the key mode: when the
+// policy (with the key's override) no longer has window_us, is no longer a
+// fixed window, no longer stores keys in key_mode ('hashed' or 'readable'),
+// or does not exist, nothing is counted and no row comes back: reload the
+// policy and check again. max_count is the limit that was applied.
+func (q *Queries) FixedWindowTakePolicy(ctx context.Context, db DBTX, arg FixedWindowTakePolicyParams) (FixedWindowTakePolicyRow, error) {
+	row := db.QueryRow(ctx, fixedWindowTakePolicy,
+		arg.Key,
+		arg.Cost,
+		arg.At,
+		arg.OverrideKey,
+		arg.Policy,
+		arg.KeyMode,
+		arg.WindowUs,
+	)
+	var i FixedWindowTakePolicyRow
+	err := row.Scan(
+		&i.Count,
+		&i.ExpiresAtUs,
+		&i.Allowed,
+		&i.NowUs,
+		&i.MaxCount,
+	)
+	return i, err
+}
+
 const fixedWindowTakeQueue = `-- name: FixedWindowTakeQueue :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us

@@ -284,6 +284,111 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 	return items, nil
 }
 
+const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($4::timestamptz, now()) AS ts) AS c
+), pol AS (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
+           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+      FROM pgrl_policy AS p
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = $5::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+     WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
+       AND p.key_mode = $7::text
+), win AS (
+    SELECT clock.now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, pol.window_us)) AS window_start,
+           pol.max_count, pol.penalty, pol.window_us
+      FROM clock, pol
+     WHERE pol.window_us = $3::bigint
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT $1::bytea,
+       win.window_start,
+       CASE WHEN $2::bigint <= win.max_count OR win.penalty THEN $2::bigint ELSE 0 END,
+       0,
+       win.window_start + 2 * win.window_us * interval '1 microsecond',
+       $2::bigint <= win.max_count
+  FROM win
+ON CONFLICT (key) DO UPDATE
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = pgrl_saturating_add(
+                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                   CASE WHEN pgrl_sliding_window_allows(
+                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                              $3::bigint, t.count, t.prev_count),
+                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                                 $2::bigint, (SELECT max_count FROM win), $3::bigint,
+                                 pgrl_sliding_window_elapsed_us(
+                                     pgrl_epoch_us(coalesce($4::timestamptz, now())),
+                                     greatest(t.window_start, excluded.window_start), $3::bigint))
+                          OR (SELECT penalty FROM win)
+                        THEN $2::bigint ELSE 0 END),
+       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                 $3::bigint, t.count, t.prev_count),
+       expires_at = greatest(t.window_start, excluded.window_start)
+                    + 2 * $3::bigint * interval '1 microsecond',
+       allowed = pgrl_sliding_window_allows(
+                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                  $3::bigint, t.count, t.prev_count),
+                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                     $2::bigint, (SELECT max_count FROM win), $3::bigint,
+                     pgrl_sliding_window_elapsed_us(
+                         pgrl_epoch_us(coalesce($4::timestamptz, now())),
+                         greatest(t.window_start, excluded.window_start), $3::bigint))
+RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count
+`
+
+type SlidingWindowTakePolicyParams struct {
+	Key         []byte
+	Cost        int64
+	WindowUs    int64
+	At          *time.Time
+	OverrideKey []byte
+	Policy      string
+	KeyMode     string
+}
+
+type SlidingWindowTakePolicyRow struct {
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+	MaxCount      int64
+}
+
+// SlidingWindowTakePolicy is SlidingWindowTake with the limit stored in the
+// database, read in this same statement under the rules of
+// FixedWindowTakePolicy: no row comes back, and nothing is counted, when
+// the policy (with the key's override) no longer has window_us, is no
+// longer a sliding window, no longer stores keys in key_mode, or does not
+// exist. max_count is the limit that was applied.
+func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyParams) (SlidingWindowTakePolicyRow, error) {
+	row := db.QueryRow(ctx, slidingWindowTakePolicy,
+		arg.Key,
+		arg.Cost,
+		arg.WindowUs,
+		arg.At,
+		arg.OverrideKey,
+		arg.Policy,
+		arg.KeyMode,
+	)
+	var i SlidingWindowTakePolicyRow
+	err := row.Scan(
+		&i.WindowStartUs,
+		&i.Count,
+		&i.PrevCount,
+		&i.Allowed,
+		&i.NowUs,
+		&i.MaxCount,
+	)
+	return i, err
+}
+
 const slidingWindowTakeQueue = `-- name: SlidingWindowTakeQueue :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,

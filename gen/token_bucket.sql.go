@@ -243,6 +243,126 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 	return items, nil
 }
 
+const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
+), stored AS (
+    SELECT p."limit" AS policy_limit, (extract(epoch FROM p."window") * 1000000)::bigint AS policy_window_us,
+           coalesce(p.burst, p."limit") AS policy_burst, p.penalty,
+           coalesce(o."limit", p."limit") AS key_limit,
+           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS key_window_us,
+           coalesce(o.burst, p.burst, o."limit", p."limit") AS key_burst
+      FROM pgrl_policy AS p
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = $4::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+     WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
+       AND p.key_mode = $6::text
+), pol AS (
+    SELECT CASE WHEN v.ok THEN s.key_limit ELSE s.policy_limit END AS "limit",
+           CASE WHEN v.ok THEN s.key_window_us ELSE s.policy_window_us END AS window_us,
+           CASE WHEN v.ok THEN s.key_burst ELSE s.policy_burst END AS burst,
+           s.penalty
+      FROM stored AS s,
+           LATERAL (SELECT s.key_burst <= 9007199254740992
+                           AND s.key_burst::numeric * s.key_window_us
+                               <= s.key_limit::numeric * 31557600000000000 AS ok) AS v
+), rate AS (
+    SELECT pol."limit", pol.window_us, pol.burst, pol.penalty, pol.burst::float8 AS capacity,
+           pol."limit"::float8 / pol.window_us::float8 AS refill_per_us
+      FROM pol
+)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT $1::bytea,
+       f.tokens,
+       clock.ts,
+       pgrl_token_bucket_full_at(clock.ts, f.tokens, rate.capacity, rate.refill_per_us),
+       f.allowed
+  FROM clock, rate,
+       LATERAL (
+           SELECT CASE WHEN $2::float8 <= rate.capacity OR rate.penalty
+                       THEN rate.capacity - $2::float8
+                       ELSE rate.capacity END AS tokens,
+                  $2::float8 <= rate.capacity AS allowed
+       ) AS f
+ON CONFLICT (key) DO UPDATE
+   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate),
+                                          $2::float8, (SELECT penalty FROM rate)),
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_full_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                               (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate),
+                                               $2::float8, (SELECT penalty FROM rate)),
+                     (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate)),
+       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                          (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate))
+                 >= $2::float8
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_epoch_us(updated_at) AS updated_at_us,
+          pgrl_epoch_us(full_at) AS full_at_us,
+          allowed,
+          (SELECT "limit" FROM rate)::bigint AS "limit",
+          (SELECT window_us FROM rate)::bigint AS window_us,
+          (SELECT burst FROM rate)::bigint AS burst
+`
+
+type TokenBucketTakePolicyParams struct {
+	Key         []byte
+	Cost        float64
+	At          *time.Time
+	OverrideKey []byte
+	Policy      string
+	KeyMode     string
+}
+
+type TokenBucketTakePolicyRow struct {
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+	Limit       int64
+	WindowUs    int64
+	Burst       int64
+}
+
+// TokenBucketTakePolicy is TokenBucketTake with the rate stored in the
+// database: the limit, window, burst and penalty are read, in this same
+// statement, from the pgrl_policy row named policy and the key's
+// pgrl_policy_override (override_key is the key stored under the policy's
+// own name; an override applies until its expires_at), so that a changed
+// policy is obeyed by the very next check of every process. A key has one
+// bucket whatever its rate, so the window may change too. An override whose
+// rate the library would refuse under the policy as it is now (a burst
+// beyond 2^53 tokens, or more than 1,000 years to refill) is ignored, as
+// package policy ignores it. When the policy is no longer a token bucket,
+// no longer stores keys in key_mode ('hashed' or 'readable'), or does not
+// exist, nothing is counted and no row comes back: reload the policy and
+// check again. limit, window_us and burst are the rate that was applied.
+func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenBucketTakePolicyParams) (TokenBucketTakePolicyRow, error) {
+	row := db.QueryRow(ctx, tokenBucketTakePolicy,
+		arg.Key,
+		arg.Cost,
+		arg.At,
+		arg.OverrideKey,
+		arg.Policy,
+		arg.KeyMode,
+	)
+	var i TokenBucketTakePolicyRow
+	err := row.Scan(
+		&i.TokensBits,
+		&i.UpdatedAtUs,
+		&i.FullAtUs,
+		&i.Allowed,
+		&i.Limit,
+		&i.WindowUs,
+		&i.Burst,
+	)
+	return i, err
+}
+
 const tokenBucketTakeQueue = `-- name: TokenBucketTakeQueue :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed

@@ -21,6 +21,8 @@ type Cache struct {
 	mu     sync.Mutex // serialises reloads, so that a later one always wins
 	snap   atomic.Pointer[snapshot]
 	schema atomic.Pointer[string]
+	// listeners counts the running Listeners that keep the cache current.
+	listeners atomic.Int32
 }
 
 // snapshot is the cache's contents at one reload.
@@ -75,6 +77,9 @@ func (c *Cache) Policies() []Policy {
 	}
 	return out
 }
+
+// watched reports whether a Listener keeps the cache current.
+func (c *Cache) watched() bool { return c.listeners.Load() > 0 }
 
 // lookup returns the cached entry of name, or nil.
 func (c *Cache) lookup(name string) *entry { return c.snap.Load().policies[name] }

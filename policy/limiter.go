@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -20,16 +21,29 @@ type Options struct {
 	// Cache is where the limiter reads its policy. Share one Cache among
 	// all limiters of a schema, kept current by one Listener (Watch).
 	// When nil, NewLimiter makes and loads a cache of its own, which
-	// nothing refreshes: the limiter keeps the policy it started with.
+	// nothing refreshes but the limiter itself (see FromCache).
 	Cache *Cache
+	// FromCache makes checks use the policy and override as last loaded
+	// into the Cache, instead of reading them in each check's statement.
+	// By default (false) every check reads its policy and the key's
+	// override in the statement that counts (ratelimit.Config.Policy): a
+	// change made by plain SQL is obeyed by the very next check of every
+	// process, listener or not, for two primary-key lookups more per
+	// statement (docs/POLICIES.md has the measured cost). With FromCache
+	// a change reaches a process when its Listener reloads the Cache
+	// (milliseconds), or never without one; in exchange, concurrent checks
+	// of the policy are coalesced (a hot key's checks share one row update)
+	// and Spread may be used.
+	FromCache bool
 }
 
 // Limiter is a ratelimit.Limiter whose limit is a stored policy. Each check
-// reads the policy and the key's override from the Cache (no round trip),
-// and asks PostgreSQL exactly as a ratelimit.Limiter does: one statement.
-// When the policy's algorithm, limit, window, burst, penalty or key mode
-// change, the next check uses a limiter built for the new policy. A key
-// with an override in force is checked at the override's rate
+// is one statement, as a ratelimit.Limiter's is, which by default reads the
+// policy and the key's override itself (Options.FromCache). The Cache
+// tells the limiter which counter row a key uses (the algorithm, key mode
+// and window); when the statement finds the policy changed in a way that
+// moves the row, the limiter reloads the policy and checks again, once.
+// A key with an override in force is checked at the override's rate
 // (ratelimit.Limiter.AllowRate), so what the key has used carries over as
 // ratelimit.Rate describes. A Limiter is safe for concurrent use.
 type Limiter struct {
@@ -37,15 +51,20 @@ type Limiter struct {
 	db    DB
 	cache *Cache
 	base  ratelimit.Config
-	mu    sync.Mutex // serialises rebuilds
+	// inStatement: checks read the policy in their statement.
+	inStatement bool
+	mu          sync.Mutex // serialises rebuilds
 	cur   atomic.Pointer[built]
 	// warned remembers the overrides already logged as invalid, by
 	// policy version and key, so that a bad one is logged once.
 	warned sync.Map
 }
 
-// built is the ratelimit.Limiter of one version of the policy.
+// built is the ratelimit.Limiter of one load of the policy: it is built
+// again whenever the cache entry is replaced (the policy or one of its
+// overrides reloaded), so that no deny cache outlives a change.
 type built struct {
+	entry  *entry
 	policy Policy
 	lim    *ratelimit.Limiter
 }
@@ -70,7 +89,7 @@ func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter
 			return nil, err
 		}
 	}
-	l := &Limiter{name: name, db: db, cache: c, base: opts.Config}
+	l := &Limiter{name: name, db: db, cache: c, base: opts.Config, inStatement: !opts.FromCache}
 	if _, err := l.current(); err != nil {
 		return nil, err
 	}
@@ -103,19 +122,28 @@ func (l *Limiter) currentEntry() (*built, *entry, error) {
 	if e == nil {
 		return nil, nil, fmt.Errorf("%w: policy %q does not exist (deleted, renamed, or never created); create it with `rl-policy set %s --limit N --window D`", ErrNotFound, l.name, l.name)
 	}
-	if b := l.cur.Load(); b != nil && b.policy.same(e.policy) {
+	if b := l.cur.Load(); b != nil && b.entry == e {
 		return b, e, nil
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if b := l.cur.Load(); b != nil && b.policy.same(e.policy) {
+	if b := l.cur.Load(); b != nil && b.entry == e {
 		return b, e, nil
 	}
-	lim, err := ratelimit.New(l.db, e.policy.Config(l.base))
+	cfg := e.policy.Config(l.base)
+	if l.inStatement {
+		cfg.Policy = l.name
+		if !l.cache.watched() {
+			// Nothing would tell this process that a denied key's limit
+			// was raised: a cached denial could outlive the change.
+			cfg.DenyCacheSize = -1
+		}
+	}
+	lim, err := ratelimit.New(l.db, cfg)
 	if err != nil {
 		return nil, nil, invalid(err, "")
 	}
-	b := &built{policy: e.policy, lim: lim}
+	b := &built{entry: e, policy: e.policy, lim: lim}
 	l.cur.Store(b)
 	return b, e, nil
 }
@@ -173,12 +201,34 @@ func (l *Limiter) Allow(ctx context.Context, key string) (ratelimit.Decision, er
 // key's override when one is in force (ratelimit.Limiter.AllowN describes
 // the answer and the errors). A policy deleted since the limiter was made
 // gives ErrNotFound.
+//
+// When the check finds the policy changed under the cached one (its
+// statement reports ratelimit.ErrPolicyChanged: the policy was deleted,
+// or its algorithm, key mode or the key's window changed; or the cost
+// exceeds the cached limit, which may have been raised), the limiter
+// reloads the policy and checks once more. Nothing was counted by the
+// first attempt.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error) {
-	lim, _, err := l.resolve(key)
-	if err != nil {
-		return ratelimit.Decision{}, err
+	for attempt := 0; ; attempt++ {
+		lim, _, err := l.resolve(key)
+		if err != nil {
+			return ratelimit.Decision{}, err
+		}
+		d, err := lim.AllowN(ctx, key, n)
+		if attempt == 0 && l.inStatement && stale(err) {
+			if rerr := l.cache.ReloadPolicy(ctx, l.name); rerr != nil {
+				return ratelimit.Decision{}, rerr
+			}
+			continue
+		}
+		return d, err
 	}
-	return lim.AllowN(ctx, key, n)
+}
+
+// stale reports a check refused because the cached policy may be out of
+// date.
+func stale(err error) bool {
+	return errors.Is(err, ratelimit.ErrPolicyChanged) || errors.Is(err, ratelimit.ErrCostExceedsLimit)
 }
 
 // Peek reports key's state under the rate that applies to it, counting

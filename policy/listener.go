@@ -137,6 +137,7 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 	}
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	l := &Listener{cache: cache, config: cfg, opts: opts, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
+	cache.listeners.Add(1) // until run returns
 	go l.run(ctx)
 	return l, nil
 }
@@ -187,6 +188,7 @@ func (l *Listener) fail(err error) {
 
 func (l *Listener) run(ctx context.Context) {
 	defer close(l.done)
+	defer l.cache.listeners.Add(-1)
 	backoff := l.opts.MinBackoff
 	for first := true; ; first = false {
 		if !first {

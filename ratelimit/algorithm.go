@@ -39,6 +39,11 @@ type algorithm interface {
 
 	// take counts cost units for the stored key k in one statement.
 	take(ctx context.Context, l *Limiter, db DB, k []byte, cost int64) (Decision, error)
+	// takePolicy is take with the figures read from the stored policy
+	// Config.Policy and the key's override in the same statement; ok is the
+	// key stored under the policy's name. An empty answer is
+	// ErrPolicyChanged.
+	takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error)
 	// takeMany decides checks of distinct stored keys in one statement,
 	// as if one after another, and returns their decisions in order.
 	takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error)

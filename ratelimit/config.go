@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"log/slog"
+	"regexp"
 	"strings"
 	"time"
 
@@ -154,6 +155,32 @@ type Config struct {
 	// MaxReadableKeyBytes (2048) bytes: a longer key gets ErrKeyTooLong.
 	KeyMode KeyMode
 
+	// Policy, when set, names a row of pgrl_policy (migration 7) that each
+	// check reads in its own statement: the check's Limit, Burst and
+	// Penalty, and its Window (for the token bucket; the window algorithms
+	// count the window in Window, see below), are the policy's, or those of
+	// the key's pgrl_policy_override while one is in force. A change made
+	// by plain SQL is obeyed by the very next check of every process, with
+	// no extra round trip: two primary-key lookups join the counter's
+	// statement. The limiter's own figures remain what it believes the
+	// policy to be: they size the memory tier, check costs, and fill
+	// decisions that PostgreSQL did not make.
+	//
+	// The counter row is the one the limiter names: Name, KeyMode and, for
+	// the window algorithms, Window. A check whose policy no longer matches
+	// them (deleted; another algorithm or key mode; for the window
+	// algorithms another window for this key) counts nothing and returns
+	// ErrPolicyChanged. Package policy builds such limiters from its cache
+	// and rebuilds them on that error; use it unless you manage policies
+	// yourself.
+	//
+	// Only single checks read the policy: Allow, AllowN, AllowNTx and
+	// AllowRate (whose rate then only chooses the window's rows). AllowUpTo,
+	// AllowAll and Peek use the limiter's own figures. Checks are never
+	// coalesced, and Spread must be 1. Empty (the default) uses the
+	// limiter's own figures for everything.
+	Policy string
+
 	// OnFailure chooses the answer when the database cannot give one in
 	// time (down, slow, connection killed, breaker open). Defaults to
 	// FailToMemory.
@@ -275,6 +302,9 @@ type Config struct {
 	Now func() time.Time
 }
 
+// policyName is the pattern of pgrl_policy.name (its CHECK constraint).
+var policyName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,127}$`)
+
 // capacity is the most units one check can ask for.
 func (c Config) capacity() int64 {
 	return algorithmOf(c.Algorithm).capacity(c)
@@ -363,6 +393,12 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Spread == 0 {
 		c.Spread = DefaultSpread
+	}
+	if c.Policy != "" && !policyName.MatchString(c.Policy) {
+		return c, invalid(ErrInvalidName, "policy %q for %q; a policy name is 1 to 128 of A-Z a-z 0-9 _ . : / + - (starting with a letter or digit), as pgrl_policy.name", c.Policy, c.Name)
+	}
+	if c.Policy != "" && c.Spread > 1 {
+		return c, invalid(ErrInvalidOption, "Spread %d for %q, whose figures come from policy %q; a stored policy is read by single-row checks: use Spread 1", c.Spread, c.Name, c.Policy)
 	}
 	if c.Spread > 1 && (c.Limit < int64(c.Spread) || c.Burst < int64(c.Spread)) {
 		return c, invalid(ErrInvalidLimit, "limit %d (burst %d) for %q cannot be spread over %d rows; each row needs at least 1", c.Limit, c.Burst, c.Name, c.Spread)

@@ -89,6 +89,13 @@ var (
 	// caller's transaction found no partition for its window. The limiter
 	// has created it; retry the transaction.
 	ErrPartitionMissing = errors.New("ratelimit: partition for this window was missing and has now been created; retry the transaction")
+	// ErrPolicyChanged: a limiter whose figures are read from a stored
+	// policy (Config.Policy) found the policy no longer matching it: the
+	// policy was deleted, or its algorithm or key mode changed, or (for the
+	// window algorithms) the window that applies to the key did. Nothing was
+	// counted. Build the limiter again from the policy as it is now;
+	// package policy's Limiter does this itself and checks again.
+	ErrPolicyChanged = errors.New("ratelimit: the stored policy no longer matches the limiter; nothing was counted")
 )
 
 func invalid(base error, format string, args ...any) error {

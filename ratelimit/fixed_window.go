@@ -30,6 +30,18 @@ func (fixedWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
 }
 
+func (fixedWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
+	r, err := l.q.FixedWindowTakePolicy(ctx, db, gen.FixedWindowTakePolicyParams{
+		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs,
+		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
+	})
+	if err != nil {
+		return Decision{}, l.policyErr(err)
+	}
+	s := l.applied(Rate{Limit: r.MaxCount, Window: l.cfg.Window})
+	return s.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
+}
+
 func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
 	rows, err := l.q.FixedWindowTakeMany(ctx, db, gen.FixedWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,

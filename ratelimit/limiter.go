@@ -78,7 +78,9 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 		// else (a pool, or a wrapper around one that traces or counts
 		// statements) can run several round trips at once. A spread
 		// limit's rows coalesce on their own.
-		if !singleConn(db) && cfg.Spread <= 1 {
+		// A check that reads a stored policy goes out alone: the queue
+		// statements take their figures from the caller.
+		if !singleConn(db) && cfg.Spread <= 1 && cfg.Policy == "" {
 			l.coalescer = sharedCoalescer(db, cfg.MaxBatch, cfg.MaxInFlight)
 		}
 	}
@@ -421,7 +423,53 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision,
 		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
 		return l.spreadDecision(d), err
 	}
+	if l.cfg.Policy != "" && !a.upTo {
+		k := l.key(key)
+		return l.alg.takePolicy(ctx, l, db, k, l.policyKey(key, k), a.n)
+	}
 	return l.takeKey(ctx, db, l.key(key), a)
+}
+
+// policyKey is key as pgrl_policy_override stores it: under the policy's
+// name, which is the limiter's own (k, the key stored under Name) unless a
+// rate with another window renamed it.
+func (l *Limiter) policyKey(key string, k []byte) []byte {
+	if l.cfg.Policy == l.cfg.Name {
+		return k
+	}
+	return StoredKey(l.cfg.KeyMode, l.cfg.Policy, key)
+}
+
+// applied returns the arithmetic of the rate a policy statement applied:
+// the limiter's own when the policy still holds it.
+func (l *Limiter) applied(r Rate) *shape {
+	if r.Burst == 0 {
+		r.Burst = r.Limit
+	}
+	if r == l.Rate() {
+		return &l.shape
+	}
+	cfg := l.cfg
+	cfg.Limit, cfg.Window, cfg.Burst = r.Limit, r.Window, r.Burst
+	s := newShape(cfg)
+	return &s
+}
+
+// policyErr turns a policy statement's empty answer into ErrPolicyChanged.
+func (l *Limiter) policyErr(err error) error {
+	if errors.Is(err, pgx.ErrNoRows) {
+		return fmt.Errorf("%w: policy %q is missing, or no longer a %s storing %s keys with a %v window for this key; build the limiter again from it (package policy does)",
+			ErrPolicyChanged, l.cfg.Policy, l.cfg.Algorithm, keyModeText(l.cfg.KeyMode), l.cfg.Window)
+	}
+	return err
+}
+
+// keyModeText is m as pgrl_policy.key_mode spells it.
+func keyModeText(m KeyMode) string {
+	if m == ReadableKeys {
+		return "readable"
+	}
+	return "hashed"
 }
 
 // takeKey is take for a key already in its stored form.

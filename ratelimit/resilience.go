@@ -187,7 +187,8 @@ func callerErr(ctx context.Context) error {
 // unavailable. They never reach the breaker or the memory fallback.
 func isConfigError(err error) bool {
 	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrNoPartition) ||
-		errors.Is(err, ErrPermission) || errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrKeyTooLong)
+		errors.Is(err, ErrPermission) || errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrKeyTooLong) ||
+		errors.Is(err, ErrPolicyChanged)
 }
 
 // fallback answers a check the database could not, by the failure policy.

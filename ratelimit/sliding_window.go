@@ -33,6 +33,18 @@ func (slidingWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost
 	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), cost), nil
 }
 
+func (slidingWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
+	r, err := l.q.SlidingWindowTakePolicy(ctx, db, gen.SlidingWindowTakePolicyParams{
+		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs,
+		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
+	})
+	if err != nil {
+		return Decision{}, l.policyErr(err)
+	}
+	s := l.applied(Rate{Limit: r.MaxCount, Window: l.cfg.Window})
+	return s.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), cost), nil
+}
+
 func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
 	rows, err := l.q.SlidingWindowTakeMany(ctx, db, gen.SlidingWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,

@@ -72,6 +72,18 @@ func (tokenBucket) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), cost), nil
 }
 
+func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
+	r, err := l.q.TokenBucketTakePolicy(ctx, db, gen.TokenBucketTakePolicyParams{
+		Key: k, Cost: float64(cost), At: l.at(),
+		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
+	})
+	if err != nil {
+		return Decision{}, l.policyErr(err)
+	}
+	s := l.applied(Rate{Limit: r.Limit, Window: time.Duration(r.WindowUs) * time.Microsecond, Burst: r.Burst})
+	return s.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), cost), nil
+}
+
 func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
 	fcosts := make([]float64, len(costs))
 	for i, n := range costs {

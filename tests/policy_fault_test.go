@@ -16,9 +16,10 @@ import (
 
 // A listening connection that goes silent (a network path that drops
 // everything, as a failover that moved the address can) is noticed by the
-// ping within PingInterval + PingTimeout, while checks go on with the
-// cached policy; once the path is back the listener reconnects and catches
-// up with a change made meanwhile.
+// ping within PingInterval + PingTimeout, while checks go on: those that
+// read the policy in their statement (the default) obey a change made
+// meanwhile at once, those that use the cache (FromCache) the policy last
+// loaded; once the path is back the listener reconnects and catches up.
 func TestPolicyListenerNoticesASilentConnection(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -41,7 +42,9 @@ func TestPolicyListenerNoticesASilentConnection(t *testing.T) {
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	require.NoError(t, l.WaitSynced(wctx))
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, FromCache: true})
+	require.NoError(t, err)
+	inStatement, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
 	require.NoError(t, err)
 
 	proxy.stall.Store(true)
@@ -54,6 +57,9 @@ func TestPolicyListenerNoticesASilentConnection(t *testing.T) {
 	d, err := lim.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.Equal(t, int64(10), d.Limit, "checks go on with the policy last loaded")
+	d, err = inStatement.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, int64(20), d.Limit, "a check reading the policy obeys the change, listener or not")
 
 	proxy.cut()
 	proxy.stall.Store(false)

@@ -27,10 +27,15 @@ import (
 // TestPolicyChildProcess the other process of TestPolicyTwoProcesses.
 const policyChildEnv = "PGRL_TEST_POLICY_CHILD_URL"
 
+// policyChildNoListenerEnv, when set, makes the child follow no
+// notifications: only its checks' statements read the policies.
+const policyChildNoListenerEnv = "PGRL_TEST_POLICY_CHILD_NO_LISTENER"
+
 // policyAnswer is one check's result, as the child prints it.
 type policyAnswer struct {
 	Allowed bool   `json:"allowed"`
 	Limit   int64  `json:"limit"`
+	Used    int64  `json:"used,omitempty"`
 	Error   string `json:"error,omitempty"`
 }
 
@@ -47,12 +52,14 @@ func TestPolicyChildProcess(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	cache := policy.NewCache(pool)
-	l, err := policy.Watch(ctx, url, cache, policy.ListenerOptions{})
-	require.NoError(t, err)
-	defer func() { _ = l.Close() }()
-	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	require.NoError(t, l.WaitSynced(wctx))
+	if os.Getenv(policyChildNoListenerEnv) == "" {
+		l, err := policy.Watch(ctx, url, cache, policy.ListenerOptions{})
+		require.NoError(t, err)
+		defer func() { _ = l.Close() }()
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		require.NoError(t, l.WaitSynced(wctx))
+	}
 	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{OnFailure: ratelimit.FailError}})
 	require.NoError(t, err)
 	fmt.Println("ready")
@@ -86,7 +93,7 @@ func TestPolicyChildProcess(t *testing.T) {
 		if err != nil {
 			a.Error = err.Error()
 		}
-		a.Allowed, a.Limit = d.Allowed, d.Limit
+		a.Allowed, a.Limit, a.Used = d.Allowed, d.Limit, d.Used
 		b, _ := json.Marshal(a)
 		fmt.Println(string(b))
 	}
@@ -176,11 +183,11 @@ type policyChild struct {
 }
 
 // startPolicyChild starts a child process following the policies of the
-// schema and waits until it has loaded them.
-func startPolicyChild(t *testing.T, ctx context.Context, schemaName string) *policyChild {
+// schema and waits until it has loaded them. env adds to its environment.
+func startPolicyChild(t *testing.T, ctx context.Context, schemaName string, env ...string) *policyChild {
 	t.Helper()
 	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestPolicyChildProcess$", "-test.count=1")
-	cmd.Env = append(os.Environ(), policyChildEnv+"="+dbtest.URLWithSchema(schemaName))
+	cmd.Env = append(append(os.Environ(), policyChildEnv+"="+dbtest.URLWithSchema(schemaName)), env...)
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
@@ -232,4 +239,83 @@ func TestPolicyMultiprocessExact(t *testing.T) {
 		}
 		require.Equal(t, trial.want, admitted, "key %s: 4 processes x 50 checks", trial.key)
 	}
+}
+
+// check sends one check of key to the child and returns its answer.
+func (c *policyChild) check(t *testing.T, key string) policyAnswer {
+	t.Helper()
+	_, err := io.WriteString(c.stdin, key+"\n")
+	require.NoError(t, err)
+	require.True(t, c.out.Scan(), "child: %s", c.stderr.String())
+	var a policyAnswer
+	require.NoError(t, json.Unmarshal(c.out.Bytes(), &a), c.out.Text())
+	return a
+}
+
+// A change made by plain SQL is obeyed by the very next check of another
+// process that listens to nothing: each check reads the policy and the
+// key's override in its own statement. Lowering, raising, overriding and
+// moving the window each take effect at the next check, with exact counts.
+func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: time.Hour})
+	require.NoError(t, err)
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	child := startPolicyChild(t, cctx, s, policyChildNoListenerEnv+"=1")
+	admin := dbtest.Admin(t)
+	sql := func(q string, args ...any) {
+		t.Helper()
+		_, err := admin.Exec(ctx, strings.ReplaceAll(q, "$s", `"`+s+`"`), args...)
+		require.NoError(t, err)
+	}
+	// count checks key until the first denial and returns how many were
+	// admitted, with the last answer.
+	count := func(key string) (int64, policyAnswer) {
+		t.Helper()
+		var n int64
+		for range 100 {
+			a := child.check(t, key)
+			require.Empty(t, a.Error)
+			if !a.Allowed {
+				return n, a
+			}
+			n++
+		}
+		t.Fatal("never denied")
+		return 0, policyAnswer{}
+	}
+
+	for range 3 {
+		require.True(t, child.check(t, "k").Allowed)
+	}
+	sql(`UPDATE $s.pgrl_policy SET "limit" = 3 WHERE name = 'api'`)
+	a := child.check(t, "k")
+	require.Equal(t, policyAnswer{Allowed: false, Limit: 3, Used: 3}, a, "lowered: the next check is denied")
+
+	sql(`UPDATE $s.pgrl_policy SET "limit" = 8 WHERE name = 'api'`)
+	n, a := count("k")
+	require.Equal(t, int64(5), n, "raised to 8 with 3 used: exactly 5 more")
+	require.Equal(t, int64(8), a.Limit)
+
+	sql(`INSERT INTO $s.pgrl_policy_override (policy, key, "limit") VALUES ('api', $s.pgrl_stored_key('api', 'vip'), 2)`)
+	n, a = count("vip")
+	require.Equal(t, int64(2), n, "an override inserted by SQL applies at the first check")
+	require.Equal(t, int64(2), a.Limit)
+	sql(`UPDATE $s.pgrl_policy_override SET "limit" = 4 WHERE policy = 'api'`)
+	n, _ = count("vip")
+	require.Equal(t, int64(2), n, "override raised from 2 to 4: exactly 2 more")
+
+	// A new window moves the key's counter: the child's statement finds
+	// its row moved, reloads the policy, and checks at the new window.
+	sql(`UPDATE $s.pgrl_policy SET "window" = interval '2 hours', "limit" = 6 WHERE name = 'api'`)
+	n, a = count("k")
+	require.Equal(t, int64(6), n, "a fresh 2-hour window of 6")
+	require.Equal(t, int64(6), a.Limit)
+
+	sql(`DELETE FROM $s.pgrl_policy WHERE name = 'api'`)
+	a = child.check(t, "k")
+	require.Contains(t, a.Error, "does not exist", "a deleted policy is an error, not a default")
 }

@@ -120,3 +120,50 @@ SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolea
   FROM pgrl_fixed_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
                                     ARRAY[1], ARRAY[sqlc.arg(max_count)::bigint], ARRAY[sqlc.arg(window_us)::bigint],
                                     ARRAY[sqlc.arg(penalty)::boolean], sqlc.narg(at)::timestamptz) AS q;
+
+-- name: FixedWindowTakePolicy :one
+-- FixedWindowTakePolicy is FixedWindowTake with the limit stored in the
+-- database: the limit, window and penalty are read, in this same statement,
+-- from the pgrl_policy row named policy and the key's pgrl_policy_override
+-- (override_key is the key stored under the policy's own name; an override
+-- applies until its expires_at), so that a changed policy is obeyed by the
+-- very next check of every process. The caller names the counter row (key)
+-- and so must know the window, the algorithm and the key mode: when the
+-- policy (with the key's override) no longer has window_us, is no longer a
+-- fixed window, no longer stores keys in key_mode ('hashed' or 'readable'),
+-- or does not exist, nothing is counted and no row comes back: reload the
+-- policy and check again. max_count is the limit that was applied.
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+), pol AS (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
+           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+      FROM pgrl_policy AS p
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+     WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
+       AND p.key_mode = sqlc.arg(key_mode)::text
+), win AS (
+    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, pol.window_us) AS expires_us,
+           pol.max_count, pol.penalty
+      FROM clock, pol
+     WHERE pol.window_us = sqlc.arg(window_us)::bigint
+)
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
+SELECT sqlc.arg(key)::bytea,
+       pgrl_from_epoch_us(win.expires_us),
+       CASE WHEN sqlc.arg(cost)::bigint <= win.max_count OR win.penalty THEN sqlc.arg(cost)::bigint ELSE 0 END,
+       sqlc.arg(cost)::bigint <= win.max_count
+  FROM win
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = CASE WHEN t.count <= (SELECT max_count FROM win) - sqlc.arg(cost)::bigint
+                    THEN t.count + sqlc.arg(cost)::bigint
+                    WHEN NOT (SELECT penalty FROM win) THEN t.count
+                    WHEN t.count <= 9223372036854775807 - greatest(sqlc.arg(cost)::bigint, 0)
+                    THEN t.count + sqlc.arg(cost)::bigint
+                    ELSE 9223372036854775807 END,
+       allowed = t.count <= (SELECT max_count FROM win) - sqlc.arg(cost)::bigint
+RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count;

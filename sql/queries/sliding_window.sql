@@ -168,3 +168,66 @@ SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_u
   FROM pgrl_sliding_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],
                                       ARRAY[1], ARRAY[sqlc.arg(max_count)::bigint], ARRAY[sqlc.arg(window_us)::bigint],
                                       ARRAY[sqlc.arg(penalty)::boolean], sqlc.narg(at)::timestamptz) AS q;
+
+-- name: SlidingWindowTakePolicy :one
+-- SlidingWindowTakePolicy is SlidingWindowTake with the limit stored in the
+-- database, read in this same statement under the rules of
+-- FixedWindowTakePolicy: no row comes back, and nothing is counted, when
+-- the policy (with the key's override) no longer has window_us, is no
+-- longer a sliding window, no longer stores keys in key_mode, or does not
+-- exist. max_count is the limit that was applied.
+WITH clock AS (
+    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
+      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+), pol AS (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
+           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+      FROM pgrl_policy AS p
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+     WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
+       AND p.key_mode = sqlc.arg(key_mode)::text
+), win AS (
+    SELECT clock.now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, pol.window_us)) AS window_start,
+           pol.max_count, pol.penalty, pol.window_us
+      FROM clock, pol
+     WHERE pol.window_us = sqlc.arg(window_us)::bigint
+)
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
+SELECT sqlc.arg(key)::bytea,
+       win.window_start,
+       CASE WHEN sqlc.arg(cost)::bigint <= win.max_count OR win.penalty THEN sqlc.arg(cost)::bigint ELSE 0 END,
+       0,
+       win.window_start + 2 * win.window_us * interval '1 microsecond',
+       sqlc.arg(cost)::bigint <= win.max_count
+  FROM win
+ON CONFLICT (key) DO UPDATE
+   SET window_start = greatest(t.window_start, excluded.window_start),
+       count = pgrl_saturating_add(
+                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                   CASE WHEN pgrl_sliding_window_allows(
+                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                              sqlc.arg(window_us)::bigint, t.count, t.prev_count),
+                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                                 sqlc.arg(cost)::bigint, (SELECT max_count FROM win), sqlc.arg(window_us)::bigint,
+                                 pgrl_sliding_window_elapsed_us(
+                                     pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
+                                     greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
+                          OR (SELECT penalty FROM win)
+                        THEN sqlc.arg(cost)::bigint ELSE 0 END),
+       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                 sqlc.arg(window_us)::bigint, t.count, t.prev_count),
+       expires_at = greatest(t.window_start, excluded.window_start)
+                    + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
+       allowed = pgrl_sliding_window_allows(
+                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                  sqlc.arg(window_us)::bigint, t.count, t.prev_count),
+                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
+                     sqlc.arg(cost)::bigint, (SELECT max_count FROM win), sqlc.arg(window_us)::bigint,
+                     pgrl_sliding_window_elapsed_us(
+                         pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
+                         greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
+RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
+          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count;

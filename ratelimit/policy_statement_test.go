@@ -1,0 +1,228 @@
+package ratelimit_test
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// setPolicy writes a pgrl_policy row by plain SQL, as a DBA would.
+func setPolicy(t *testing.T, pool *pgxpool.Pool, name string, alg ratelimit.Algorithm, limit int64, window time.Duration, burst int64, penalty bool) {
+	t.Helper()
+	var b *int64
+	if burst > 0 {
+		b = &burst
+	}
+	_, err := pool.Exec(context.Background(), `
+INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst, penalty)
+VALUES ($1, $2, $3, $4 * interval '1 microsecond', $5, $6)
+ON CONFLICT (name) DO UPDATE SET algorithm = excluded.algorithm, "limit" = excluded."limit",
+       "window" = excluded."window", burst = excluded.burst, penalty = excluded.penalty`,
+		name, string(alg), limit, window.Microseconds(), b, penalty)
+	require.NoError(t, err)
+}
+
+// setOverride writes (limit > 0) or deletes (limit 0) the override of key
+// under policy name by plain SQL.
+func setOverride(t *testing.T, pool *pgxpool.Pool, name, key string, limit, burst int64, window time.Duration, expires *time.Time) {
+	t.Helper()
+	ctx := context.Background()
+	sk := ratelimit.StoredKey(ratelimit.HashedKeys, name, key)
+	if limit == 0 && burst == 0 && window == 0 {
+		_, err := pool.Exec(ctx, `DELETE FROM pgrl_policy_override WHERE policy = $1 AND key = $2`, name, sk)
+		require.NoError(t, err)
+		return
+	}
+	nullable := func(v int64) *int64 {
+		if v == 0 {
+			return nil
+		}
+		return &v
+	}
+	_, err := pool.Exec(ctx, `
+INSERT INTO pgrl_policy_override (policy, key, "limit", burst, "window", expires_at)
+VALUES ($1, $2, $3, $4, $5 * interval '1 microsecond', $6)
+ON CONFLICT (policy, key) DO UPDATE SET "limit" = excluded."limit", burst = excluded.burst,
+       "window" = excluded."window", expires_at = excluded.expires_at`,
+		name, sk, nullable(limit), nullable(burst), nullable(window.Microseconds()), expires)
+	require.NoError(t, err)
+}
+
+// A limiter reading its figures from a stored policy decides exactly as a
+// limiter given the same figures with the check: a random run of checks
+// with plain-SQL changes of the policy's limit (and burst) and of a key's
+// override in between, for every algorithm, with and without penalty.
+// Every check obeys the figures stored when it ran.
+func TestPolicyStatementMatchesGivenRate(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		for _, penalty := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/penalty=%v", alg, penalty), func(t *testing.T) {
+				rng := rand.New(rand.NewPCG(uint64(len(alg)), uint64(b2i(penalty))))
+				c := testkit.NewClock(base)
+				name := fmt.Sprintf("stmt-%s-%v", alg, penalty)
+				setPolicy(t, pool, name, alg, 5, time.Minute, 0, penalty)
+				stored := testkit.NewLimiter(t, pool, ratelimit.Config{
+					Name: name, Policy: name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty,
+					Now: c.Now, DenyCacheSize: -1,
+				})
+				given := testkit.NewLimiter(t, pool, ratelimit.Config{
+					Name: "given-" + name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty,
+					Now: c.Now, DenyCacheSize: -1, DisableCoalescing: true,
+				})
+				policyRate := ratelimit.Rate{Limit: 5, Window: time.Minute}
+				var vip *ratelimit.Rate // the override of key "vip"
+				for step := range 300 {
+					switch rng.IntN(10) {
+					case 0:
+						policyRate.Limit = 1 + rng.Int64N(8)
+						policyRate.Burst = 0
+						if alg == ratelimit.TokenBucket && rng.IntN(2) == 0 {
+							policyRate.Burst = 1 + rng.Int64N(10)
+						}
+						setPolicy(t, pool, name, alg, policyRate.Limit, time.Minute, policyRate.Burst, penalty)
+					case 1:
+						if rng.IntN(3) == 0 {
+							vip = nil
+							setOverride(t, pool, name, "vip", 0, 0, 0, nil)
+						} else {
+							r := ratelimit.Rate{Limit: 1 + rng.Int64N(12), Window: time.Minute}
+							if alg == ratelimit.TokenBucket && rng.IntN(2) == 0 {
+								r.Window = time.Duration(1+rng.IntN(3)) * 30 * time.Second // one bucket, any rate
+							}
+							setOverride(t, pool, name, "vip", r.Limit, 0, r.Window, nil)
+							vip = &r
+						}
+					}
+					c.Add(time.Duration(rng.Int64N(int64(20 * time.Second))))
+					key := []string{"a", "b", "vip"}[rng.IntN(3)]
+					rate := policyRate
+					if key == "vip" && vip != nil {
+						rate = *vip
+						if policyRate.Burst != 0 {
+							rate.Burst = policyRate.Burst // the override sets the limit only
+						}
+					}
+					if rate.Burst == 0 {
+						rate.Burst = rate.Limit
+					}
+					n := 1 + rng.Int64N(min(rate.Burst, 3))
+					got, err := stored.AllowN(ctx, key, n)
+					require.NoError(t, err, "step %d", step)
+					want, err := given.AllowRate(ctx, key, n, rate)
+					require.NoError(t, err, "step %d", step)
+					require.Equal(t, want, got, "step %d: %d of key %q at %+v", step, n, key, rate)
+				}
+			})
+		}
+	}
+}
+
+// A check whose stored policy moved the key's counter row elsewhere (a
+// deleted policy, another algorithm, key mode or window) counts nothing
+// and says so; no failure policy answers it. An expired override no longer
+// applies, and a token-bucket override the policy cannot hold is ignored.
+func TestPolicyStatementChanges(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	c := testkit.NewClock(base)
+	setPolicy(t, pool, "moved", ratelimit.FixedWindow, 3, time.Minute, 0, false)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "moved", Policy: "moved", Limit: 3, Window: time.Minute, Now: c.Now, OnFailure: ratelimit.FailOpen})
+	d, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+
+	used := func() int64 {
+		t.Helper()
+		p, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		return p.Used
+	}
+	changed := func(why string) {
+		t.Helper()
+		before := used()
+		d, err := l.Allow(ctx, "k")
+		require.ErrorIs(t, err, ratelimit.ErrPolicyChanged, why)
+		require.ErrorContains(t, err, "build the limiter again", why)
+		require.Equal(t, ratelimit.Decision{}, d, "%s: no failure policy answers", why)
+		require.Equal(t, before, used(), "%s: nothing counted", why)
+	}
+	setPolicy(t, pool, "moved", ratelimit.FixedWindow, 3, 2*time.Minute, 0, false)
+	changed("window")
+	setPolicy(t, pool, "moved", ratelimit.SlidingWindow, 3, time.Minute, 0, false)
+	changed("algorithm")
+	setPolicy(t, pool, "moved", ratelimit.FixedWindow, 3, time.Minute, 0, false)
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET key_mode = 'readable' WHERE name = 'moved'`)
+	require.NoError(t, err)
+	changed("key mode")
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET key_mode = 'hashed' WHERE name = 'moved'`)
+	require.NoError(t, err)
+	// An override with another window moves the key's row; other keys
+	// keep theirs.
+	setOverride(t, pool, "moved", "k", 0, 0, time.Hour, nil)
+	changed("override window")
+	d, err = l.Allow(ctx, "other")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	// An override that expired no longer applies.
+	past := base.Add(-time.Second)
+	setOverride(t, pool, "moved", "k", 0, 0, time.Hour, &past)
+	d, err = l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, int64(2), d.Used)
+	_, err = pool.Exec(ctx, `DELETE FROM pgrl_policy WHERE name = 'moved'`)
+	require.NoError(t, err)
+	changed("deleted")
+
+	// A token bucket of 1 per hour cannot hold a burst of 2^53 tokens: the
+	// override is ignored and the policy applies.
+	setPolicy(t, pool, "tb", ratelimit.TokenBucket, 1, time.Hour, 0, false)
+	setOverride(t, pool, "tb", "big", 0, ratelimit.MaxTokens, 0, nil)
+	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Policy: "tb", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, Now: c.Now})
+	d, err = tb.Allow(ctx, "big")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, int64(1), d.Limit)
+	d, err = tb.Allow(ctx, "big")
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+}
+
+// A stored policy is read by single-row checks, under a valid name.
+func TestPolicyConfigRefused(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	for _, cfg := range []struct {
+		cfg  ratelimit.Config
+		want error
+		text string
+	}{
+		{ratelimit.Config{Name: "a", Policy: "a", Limit: 4, Window: time.Minute, Spread: 2}, ratelimit.ErrInvalidOption, "use Spread 1"},
+		{ratelimit.Config{Name: "a", Policy: " a", Limit: 4, Window: time.Minute}, ratelimit.ErrInvalidName, "a policy name is"},
+		{ratelimit.Config{Name: "a", Policy: string(make([]byte, 129)), Limit: 4, Window: time.Minute}, ratelimit.ErrInvalidName, "a policy name is"},
+	} {
+		_, err := ratelimit.New(pool, cfg.cfg)
+		require.ErrorIs(t, err, cfg.want)
+		require.ErrorContains(t, err, cfg.text)
+	}
+}
+
+func b2i(b bool) int64 {
+	if b {
+		return 1
+	}
+	return 0
+}
