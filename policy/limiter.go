@@ -54,7 +54,7 @@ type Limiter struct {
 	// inStatement: checks read the policy in their statement.
 	inStatement bool
 	mu          sync.Mutex // serialises rebuilds
-	cur   atomic.Pointer[built]
+	cur         atomic.Pointer[built]
 	// warned remembers the overrides already logged as invalid, by
 	// policy version and key, so that a bad one is logged once.
 	warned sync.Map
