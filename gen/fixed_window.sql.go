@@ -223,9 +223,9 @@ const fixedWindowTakePolicy = `-- name: FixedWindowTakePolicy :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
       FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
-), pol AS (
+), pol AS MATERIALIZED (
     SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = $4::bytea
@@ -234,7 +234,7 @@ WITH clock AS (
        AND p.key_mode = $6::text
 ), win AS (
     SELECT clock.now_us, pgrl_window_end_us(clock.now_us, pol.window_us) AS expires_us,
-           pol.max_count, pol.penalty
+           pol.max_count, pol.penalty, $2::bigint AS cost
       FROM clock, pol
      WHERE pol.window_us = $7::bigint
 )
@@ -245,13 +245,13 @@ SELECT $1::bytea,
        $2::bigint <= win.max_count
   FROM win
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= (SELECT max_count FROM win) - $2::bigint
-                    THEN t.count + $2::bigint
-                    WHEN NOT (SELECT penalty FROM win) THEN t.count
-                    WHEN t.count <= 9223372036854775807 - greatest($2::bigint, 0)
-                    THEN t.count + $2::bigint
-                    ELSE 9223372036854775807 END,
-       allowed = t.count <= (SELECT max_count FROM win) - $2::bigint
+   SET (count, allowed) = (
+       SELECT CASE WHEN t.count <= win.max_count - win.cost THEN t.count + win.cost
+                   WHEN NOT win.penalty THEN t.count
+                   WHEN t.count <= 9223372036854775807 - greatest(win.cost, 0) THEN t.count + win.cost
+                   ELSE 9223372036854775807 END,
+              t.count <= win.max_count - win.cost
+         FROM win)
 RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
           (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count
 `

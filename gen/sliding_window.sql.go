@@ -287,22 +287,22 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($4::timestamptz, now()) AS ts) AS c
-), pol AS (
+      FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
+), pol AS MATERIALIZED (
     SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = $5::bytea
+        ON o.policy = p.name AND o.key = $4::bytea
        AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
-     WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
-       AND p.key_mode = $7::text
+     WHERE p.name = $5::text AND p.algorithm = 'sliding_window'
+       AND p.key_mode = $6::text
 ), win AS (
     SELECT clock.now_us,
            pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, pol.window_us)) AS window_start,
-           pol.max_count, pol.penalty, pol.window_us
+           pol.max_count, pol.penalty, pol.window_us, $2::bigint AS cost
       FROM clock, pol
-     WHERE pol.window_us = $3::bigint
+     WHERE pol.window_us = $7::bigint
 )
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
 SELECT $1::bytea,
@@ -313,31 +313,18 @@ SELECT $1::bytea,
        $2::bigint <= win.max_count
   FROM win
 ON CONFLICT (key) DO UPDATE
-   SET window_start = greatest(t.window_start, excluded.window_start),
-       count = pgrl_saturating_add(
-                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                   CASE WHEN pgrl_sliding_window_allows(
-                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                              $3::bigint, t.count, t.prev_count),
-                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                                 $2::bigint, (SELECT max_count FROM win), $3::bigint,
-                                 pgrl_sliding_window_elapsed_us(
-                                     pgrl_epoch_us(coalesce($4::timestamptz, now())),
-                                     greatest(t.window_start, excluded.window_start), $3::bigint))
-                          OR (SELECT penalty FROM win)
-                        THEN $2::bigint ELSE 0 END),
-       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                 $3::bigint, t.count, t.prev_count),
-       expires_at = greatest(t.window_start, excluded.window_start)
-                    + 2 * $3::bigint * interval '1 microsecond',
-       allowed = pgrl_sliding_window_allows(
-                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                  $3::bigint, t.count, t.prev_count),
-                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                     $2::bigint, (SELECT max_count FROM win), $3::bigint,
-                     pgrl_sliding_window_elapsed_us(
-                         pgrl_epoch_us(coalesce($4::timestamptz, now())),
-                         greatest(t.window_start, excluded.window_start), $3::bigint))
+   SET (window_start, count, prev_count, expires_at, allowed) = (
+       SELECT r.start, pgrl_saturating_add(r.cur, CASE WHEN r.allows OR win.penalty THEN win.cost ELSE 0 END),
+              r.prev, r.start + 2 * win.window_us * interval '1 microsecond', r.allows
+         FROM win,
+              LATERAL (SELECT greatest(t.window_start, excluded.window_start) AS start,
+                              pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count) AS cur,
+                              pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                           win.window_us, t.count, t.prev_count) AS prev) AS w,
+              LATERAL (SELECT w.start, w.cur, w.prev,
+                              pgrl_sliding_window_allows(w.prev, w.cur, win.cost, win.max_count, win.window_us,
+                                                         pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us))
+                                  AS allows) AS r)
 RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
           (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count
 `
@@ -345,11 +332,11 @@ RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, all
 type SlidingWindowTakePolicyParams struct {
 	Key         []byte
 	Cost        int64
-	WindowUs    int64
 	At          *time.Time
 	OverrideKey []byte
 	Policy      string
 	KeyMode     string
+	WindowUs    int64
 }
 
 type SlidingWindowTakePolicyRow struct {
@@ -371,11 +358,11 @@ func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg Slid
 	row := db.QueryRow(ctx, slidingWindowTakePolicy,
 		arg.Key,
 		arg.Cost,
-		arg.WindowUs,
 		arg.At,
 		arg.OverrideKey,
 		arg.Policy,
 		arg.KeyMode,
+		arg.WindowUs,
 	)
 	var i SlidingWindowTakePolicyRow
 	err := row.Scan(

@@ -247,11 +247,11 @@ const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
       FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
-), stored AS (
-    SELECT p."limit" AS policy_limit, (extract(epoch FROM p."window") * 1000000)::bigint AS policy_window_us,
+), stored AS MATERIALIZED (
+    SELECT p."limit" AS policy_limit, round(date_part('epoch', p."window") * 1000000)::bigint AS policy_window_us,
            coalesce(p.burst, p."limit") AS policy_burst, p.penalty,
            coalesce(o."limit", p."limit") AS key_limit,
-           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS key_window_us,
+           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS key_window_us,
            coalesce(o.burst, p.burst, o."limit", p."limit") AS key_burst
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
@@ -268,9 +268,9 @@ WITH clock AS (
            LATERAL (SELECT s.key_burst <= 9007199254740992
                            AND s.key_burst::numeric * s.key_window_us
                                <= s.key_limit::numeric * 31557600000000000 AS ok) AS v
-), rate AS (
+), rate AS MATERIALIZED (
     SELECT pol."limit", pol.window_us, pol.burst, pol.penalty, pol.burst::float8 AS capacity,
-           pol."limit"::float8 / pol.window_us::float8 AS refill_per_us
+           pol."limit"::float8 / pol.window_us::float8 AS refill_per_us, $2::float8 AS cost
       FROM pol
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
@@ -287,19 +287,15 @@ SELECT $1::bytea,
                   $2::float8 <= rate.capacity AS allowed
        ) AS f
 ON CONFLICT (key) DO UPDATE
-   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate),
-                                          $2::float8, (SELECT penalty FROM rate)),
-       updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_full_at(
-                     greatest(t.updated_at, excluded.updated_at),
-                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                               (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate),
-                                               $2::float8, (SELECT penalty FROM rate)),
-                     (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate)),
-       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          (SELECT capacity FROM rate), (SELECT refill_per_us FROM rate))
-                 >= $2::float8
+   SET (tokens, updated_at, full_at, allowed) = (
+       SELECT b.tokens, b.updated_at, pgrl_token_bucket_full_at(b.updated_at, b.tokens, rate.capacity, rate.refill_per_us),
+              pgrl_token_bucket_refill(t.tokens, b.elapsed_us, rate.capacity, rate.refill_per_us) >= rate.cost
+         FROM rate,
+              LATERAL (SELECT pgrl_elapsed_us(t.updated_at, excluded.updated_at) AS elapsed_us) AS e,
+              LATERAL (SELECT pgrl_token_bucket_balance(t.tokens, e.elapsed_us, rate.capacity, rate.refill_per_us,
+                                                        rate.cost, rate.penalty) AS tokens,
+                              greatest(t.updated_at, excluded.updated_at) AS updated_at,
+                              e.elapsed_us) AS b)
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_epoch_us(updated_at) AS updated_at_us,
           pgrl_epoch_us(full_at) AS full_at_us,

@@ -62,6 +62,9 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 			Spread:            o.spread,
 		},
 	}
+	if o.policy {
+		w.cfg.Policy = benchName
+	}
 	for i := range nkeys {
 		w.keys[i] = "key-" + strconv.Itoa(i)
 		w.hashed[i] = ratelimit.StoredKey(ratelimit.HashedKeys, benchName, w.keys[i])
@@ -113,6 +116,30 @@ func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
 		}
 		return err
 	}, nil
+}
+
+// storePolicy writes the workload's figures as the policy its library path
+// reads (--policy), with overrides of other keys, so that the override
+// lookup searches a populated index.
+func (w workload) storePolicy(ctx context.Context, db gen.DBTX) error {
+	_, err := db.Exec(ctx, `
+INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
+VALUES ($1, $2, $3, $4 * interval '1 microsecond', $5)
+ON CONFLICT (name) DO UPDATE SET algorithm = excluded.algorithm, "limit" = excluded."limit",
+       "window" = excluded."window", burst = excluded.burst`,
+		benchName, string(w.algorithm), w.cfg.Limit, w.cfg.Window.Microseconds(), w.cfg.Burst)
+	if err != nil {
+		return fmt.Errorf("store the benchmark's policy: %w", err)
+	}
+	_, err = db.Exec(ctx, `
+INSERT INTO pgrl_policy_override (policy, key, "limit", note)
+SELECT $1, pgrl_stored_key($1, 'override-' || i), $2, 'rl-bench'
+  FROM generate_series(1, 1000) AS i
+ON CONFLICT (policy, key) DO NOTHING`, benchName, w.cfg.Limit)
+	if err != nil {
+		return fmt.Errorf("store the benchmark's overrides: %w", err)
+	}
+	return nil
 }
 
 // populate touches every key once, so that the measured checks update
@@ -241,6 +268,7 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		WarmupSeconds:   o.warmup.Seconds(),
 		Limit:           benchLimit,
 		Coalescing:      o.coalescing,
+		Policy:          o.policy,
 		MaxInFlight:     o.maxInFlight,
 		Window:          benchWindow.String(),
 		Targets:         defaultTargets,
@@ -264,6 +292,9 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		}
 		fmt.Fprintf(log, "rl-bench: %s: touching %d keys\n", a, maxKeys)
 		err = w.populate(ctx, pool)
+		if err == nil && o.policy {
+			err = w.storePolicy(ctx, pool)
+		}
 		pool.Close()
 		if err != nil {
 			return rep, err

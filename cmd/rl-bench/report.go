@@ -27,6 +27,9 @@ type Report struct {
 	// that arrive while round trips are running are sent together in one
 	// multi-key statement, which the raw path does not imitate.
 	Coalescing bool `json:"coalescing"`
+	// Policy reports whether the library path read its limit from a stored
+	// policy in each check's statement (--policy).
+	Policy bool `json:"policy,omitempty"`
 	// MaxInFlight is the library's Config.MaxInFlight; 0 is its default.
 	MaxInFlight int `json:"max_in_flight"`
 	// Cases holds one entry per algorithm, number of callers and key spread.
@@ -116,6 +119,9 @@ func printText(w io.Writer, r Report) error {
 	coalescing := "on"
 	if !r.Coalescing {
 		coalescing = "off"
+	}
+	if r.Policy {
+		coalescing = "off (the library reads a stored policy in each check's statement)"
 	}
 	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n\n",
 		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing)

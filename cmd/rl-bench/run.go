@@ -27,6 +27,7 @@ type options struct {
 	coalescing  bool
 	maxInFlight int
 	spread      int
+	policy      bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -44,6 +45,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.coalescing, "coalescing", true, "leave the library's coalescing of concurrent checks on, as it is by default; false sets Config.DisableCoalescing")
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "the library's Config.MaxInFlight (round trips before checks are coalesced); 0 keeps its default")
 	fs.IntVar(&o.spread, "spread", 0, "the library's Config.Spread: split each key over this many rows (for a hot key); the raw path still updates one row, so the comparison shows what spreading buys")
+	fs.BoolVar(&o.policy, "policy", false, "the library path reads its limit from a stored policy in each check's statement (Config.Policy, as package policy does); the raw path still sends the plain statement, so the ratio is the policy's cost")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the client (both paths) to this file, for go tool pprof")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: rl-bench [flags]\n\nMeasures pgrl's checks against the raw SQL statement they send, per algorithm,\nnumber of callers and key spread, and reports the HOT-update ratio of each table.\n\nFlags:\n")
@@ -78,6 +80,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
 	case o.spread < 0:
 		return o, fmt.Errorf("--spread %d: must not be negative", o.spread)
+	case o.policy && o.spread > 1:
+		return o, errors.New("--policy with --spread: a stored policy is read by single-row checks; drop one of them")
 	case o.maxInFlight < 0:
 		return o, fmt.Errorf("--max-in-flight %d: must not be negative", o.maxInFlight)
 	case o.schema == "":

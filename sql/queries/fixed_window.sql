@@ -136,9 +136,9 @@ SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolea
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
       FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), pol AS (
+), pol AS MATERIALIZED (
     SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
@@ -147,7 +147,7 @@ WITH clock AS (
        AND p.key_mode = sqlc.arg(key_mode)::text
 ), win AS (
     SELECT clock.now_us, pgrl_window_end_us(clock.now_us, pol.window_us) AS expires_us,
-           pol.max_count, pol.penalty
+           pol.max_count, pol.penalty, sqlc.arg(cost)::bigint AS cost
       FROM clock, pol
      WHERE pol.window_us = sqlc.arg(window_us)::bigint
 )
@@ -158,12 +158,12 @@ SELECT sqlc.arg(key)::bytea,
        sqlc.arg(cost)::bigint <= win.max_count
   FROM win
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= (SELECT max_count FROM win) - sqlc.arg(cost)::bigint
-                    THEN t.count + sqlc.arg(cost)::bigint
-                    WHEN NOT (SELECT penalty FROM win) THEN t.count
-                    WHEN t.count <= 9223372036854775807 - greatest(sqlc.arg(cost)::bigint, 0)
-                    THEN t.count + sqlc.arg(cost)::bigint
-                    ELSE 9223372036854775807 END,
-       allowed = t.count <= (SELECT max_count FROM win) - sqlc.arg(cost)::bigint
+   SET (count, allowed) = (
+       SELECT CASE WHEN t.count <= win.max_count - win.cost THEN t.count + win.cost
+                   WHEN NOT win.penalty THEN t.count
+                   WHEN t.count <= 9223372036854775807 - greatest(win.cost, 0) THEN t.count + win.cost
+                   ELSE 9223372036854775807 END,
+              t.count <= win.max_count - win.cost
+         FROM win)
 RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
           (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count;

@@ -179,9 +179,9 @@ SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_u
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
       FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), pol AS (
+), pol AS MATERIALIZED (
     SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           (extract(epoch FROM coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
@@ -191,7 +191,7 @@ WITH clock AS (
 ), win AS (
     SELECT clock.now_us,
            pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, pol.window_us)) AS window_start,
-           pol.max_count, pol.penalty, pol.window_us
+           pol.max_count, pol.penalty, pol.window_us, sqlc.arg(cost)::bigint AS cost
       FROM clock, pol
      WHERE pol.window_us = sqlc.arg(window_us)::bigint
 )
@@ -204,30 +204,17 @@ SELECT sqlc.arg(key)::bytea,
        sqlc.arg(cost)::bigint <= win.max_count
   FROM win
 ON CONFLICT (key) DO UPDATE
-   SET window_start = greatest(t.window_start, excluded.window_start),
-       count = pgrl_saturating_add(
-                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                   CASE WHEN pgrl_sliding_window_allows(
-                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                              sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                                 sqlc.arg(cost)::bigint, (SELECT max_count FROM win), sqlc.arg(window_us)::bigint,
-                                 pgrl_sliding_window_elapsed_us(
-                                     pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
-                                     greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
-                          OR (SELECT penalty FROM win)
-                        THEN sqlc.arg(cost)::bigint ELSE 0 END),
-       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                 sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-       expires_at = greatest(t.window_start, excluded.window_start)
-                    + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
-       allowed = pgrl_sliding_window_allows(
-                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                  sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                     sqlc.arg(cost)::bigint, (SELECT max_count FROM win), sqlc.arg(window_us)::bigint,
-                     pgrl_sliding_window_elapsed_us(
-                         pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
-                         greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
+   SET (window_start, count, prev_count, expires_at, allowed) = (
+       SELECT r.start, pgrl_saturating_add(r.cur, CASE WHEN r.allows OR win.penalty THEN win.cost ELSE 0 END),
+              r.prev, r.start + 2 * win.window_us * interval '1 microsecond', r.allows
+         FROM win,
+              LATERAL (SELECT greatest(t.window_start, excluded.window_start) AS start,
+                              pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count) AS cur,
+                              pgrl_sliding_window_previous(t.window_start, excluded.window_start,
+                                                           win.window_us, t.count, t.prev_count) AS prev) AS w,
+              LATERAL (SELECT w.start, w.cur, w.prev,
+                              pgrl_sliding_window_allows(w.prev, w.cur, win.cost, win.max_count, win.window_us,
+                                                         pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us))
+                                  AS allows) AS r)
 RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
           (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count;
