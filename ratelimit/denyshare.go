@@ -100,7 +100,7 @@ func (c Config) checkShare() error {
 		return nil
 	}
 	switch {
-	case c.DenyCacheSize < 0:
+	case c.DenyCacheSize < 0 && !c.Penalty: // Penalty turns it off by default (and sends nothing)
 		return invalid(ErrInvalidOption, "ShareDenials for %q needs the deny cache, which DenyCacheSize %d turns off; set DenyCacheSize to 0 (the default) or more, or turn ShareDenials off", c.Name, c.DenyCacheSize)
 	case c.Spread > 1:
 		return invalid(ErrInvalidOption, "ShareDenials for %q cannot share the denials of a limit spread over %d rows (a row's denial says nothing of the others); use Spread 1, or turn ShareDenials off", c.Name, c.Spread)
