@@ -202,13 +202,13 @@ func TestSharedDenialHostilePayloads(t *testing.T) {
 		payload(s, "signup", "token_bucket", hour, 1, 1, `{"key":1}`),
 	}
 	refused := []string{
-		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 1, now-1000)),                      // expired
-		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 1, 9223372036854775807)),           // beyond any denial
-		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 1, now+3*hour)),                    // beyond this rate's longest
-		payload(s, "signup", "token_bucket", hour, 2, 2, good),                                        // another rate
-		payload(s, "signup", "fixed_window", hour, 1, 1, good),                                        // another algorithm
-		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 2, later)),                         // cost beyond the limit
-		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key+"00", 1, later)),                    // not a hashed key
+		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 1, now-1000)),                     // expired
+		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 1, 9223372036854775807)),          // beyond any denial
+		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 1, now+3*hour)),                   // beyond this rate's longest
+		payload(s, "signup", "token_bucket", hour, 2, 2, good),                                       // another rate
+		payload(s, "signup", "fixed_window", hour, 1, 1, good),                                       // another algorithm
+		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key, 2, later)),                        // cost beyond the limit
+		payload(s, "signup", "token_bucket", hour, 1, 1, mark(key+"00", 1, later)),                   // not a hashed key
 		payload(s, "signup", "token_bucket", hour, 1, 1, mark(strings.Repeat("ab", 3000), 1, later)), // huge key
 	}
 	otherSchema := payload(s+"_other", "signup", "token_bucket", hour, 1, 1, good)
