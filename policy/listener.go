@@ -13,6 +13,9 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // Channel is the NOTIFY channel of migration 000007's triggers. Its payload
@@ -52,6 +55,20 @@ type ListenerOptions struct {
 	// PingTimeout bounds that query, and each connection attempt.
 	// Defaults to DefaultPingTimeout.
 	PingTimeout time.Duration
+	// Denials also LISTENs on ratelimit.DenyChannel and hands the denials
+	// other processes share (ratelimit.Config.ShareDenials) to the
+	// limiters given to Register, which put them in their deny caches.
+	// Marks of another schema, of a limiter not registered, unreadable
+	// ones and those that arrive faster than they are handed out are
+	// counted in Stats.Denials and ignored; the connection never waits for
+	// them. Each connection compares the database's clock with the local
+	// one (and again at each PingInterval), to convert the marks'
+	// deadlines (see docs/POLICIES.md). Defaults to false.
+	Denials bool
+	// DenialQueue is how many notifications of shared denials may wait to
+	// be handed out before more are dropped. Defaults to
+	// DefaultDenialQueue.
+	DenialQueue int
 }
 
 // Stats counts what a Listener has done since Watch.
@@ -72,6 +89,9 @@ type Stats struct {
 	Connected bool
 	// LastError is the last connection or reload error, "" when none.
 	LastError string
+	// Denials counts the shared denials handled, with
+	// ListenerOptions.Denials.
+	Denials DenialStats
 }
 
 // Listener keeps a Cache current: it LISTENs on Channel on a connection of
@@ -98,6 +118,7 @@ type Listener struct {
 	connected                                                atomic.Bool
 	pid                                                      atomic.Uint32
 	lastErr                                                  atomic.Pointer[string]
+	den                                                      *denials // nil without ListenerOptions.Denials
 }
 
 // Watch starts a Listener on connString (a URL or keyword/value string
@@ -135,8 +156,18 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = opts.PingTimeout
 	}
+	if opts.DenialQueue < 0 {
+		return nil, fmt.Errorf("policy: ListenerOptions.DenialQueue %d; use a positive size, or 0 for %d", opts.DenialQueue, DefaultDenialQueue)
+	}
+	if opts.DenialQueue == 0 {
+		opts.DenialQueue = DefaultDenialQueue
+	}
 	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	l := &Listener{cache: cache, config: cfg, opts: opts, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
+	if opts.Denials {
+		l.den = &denials{queue: make(chan string, opts.DenialQueue), done: make(chan struct{})}
+		go l.dispatch(ctx)
+	}
 	cache.listeners.Add(1) // until run returns
 	go l.run(ctx)
 	return l, nil
@@ -165,7 +196,7 @@ func (l *Listener) Stats() Stats {
 	s := Stats{
 		Received: l.received.Load(), Applied: l.applied.Load(), Ignored: l.ignored.Load(),
 		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(),
-		Connected: l.connected.Load(),
+		Connected: l.connected.Load(), Denials: l.den.stats(),
 	}
 	if e := l.lastErr.Load(); e != nil {
 		s.LastError = *e
@@ -178,6 +209,9 @@ func (l *Listener) Stats() Stats {
 func (l *Listener) Close() error {
 	l.cancel()
 	<-l.done
+	if l.den != nil {
+		<-l.den.done
+	}
 	return nil
 }
 
@@ -234,6 +268,16 @@ func (l *Listener) session(ctx context.Context) bool {
 		l.fail(err)
 		return false
 	}
+	if l.den != nil {
+		if _, err := conn.Exec(ctx, "LISTEN "+ratelimit.DenyChannel); err != nil {
+			l.fail(err)
+			return false
+		}
+		if err := l.compareClocks(ctx, conn); err != nil {
+			l.fail(err)
+			return false
+		}
+	}
 	l.pid.Store(conn.PgConn().PID())
 	// Listening first, then reloading: a change committed after the LISTEN
 	// is notified, one committed before is in the reload.
@@ -281,7 +325,12 @@ func (l *Listener) session(ctx context.Context) bool {
 				continue
 			}
 			pctx, cancel := context.WithTimeout(ctx, l.opts.PingTimeout)
-			err := conn.Ping(pctx)
+			var err error
+			if l.den != nil {
+				err = l.compareClocks(pctx, conn) // a ping too
+			} else {
+				err = conn.Ping(pctx)
+			}
 			cancel()
 			if err != nil {
 				l.lost(ctx, fmt.Errorf("the listening connection did not answer within %v: %w", l.opts.PingTimeout, err))
@@ -293,10 +342,15 @@ func (l *Listener) session(ctx context.Context) bool {
 			l.lost(ctx, err)
 			return true
 		}
+		if l.routed(n) {
+			continue
+		}
 		// Take what else has already arrived, so that a burst (a script
 		// changing many overrides) costs one reload per policy.
 		batch := []string{n.Payload}
-		for len(batch) < maxBatch {
+		// Counting what was taken, shared denials included, so that a
+		// stream of them cannot hold the policies' batch back.
+		for taken := 1; taken < maxBatch; taken++ {
 			dctx, cancel := context.WithTimeout(ctx, drainWait)
 			n, err := conn.WaitForNotification(dctx)
 			cancel()
@@ -307,7 +361,9 @@ func (l *Listener) session(ctx context.Context) bool {
 				}
 				break // nothing more for now
 			}
-			batch = append(batch, n.Payload)
+			if !l.routed(n) {
+				batch = append(batch, n.Payload)
+			}
 		}
 		if !l.apply(ctx, batch) {
 			return true
@@ -326,6 +382,16 @@ const (
 	// row; beyond it the policy is reloaded whole.
 	maxKeys = 1000
 )
+
+// routed hands a shared denial to the dispatcher and reports whether n
+// was one.
+func (l *Listener) routed(n *pgconn.Notification) bool {
+	if l.den == nil || n.Channel != ratelimit.DenyChannel {
+		return false
+	}
+	l.den.offer(n.Payload)
+	return true
+}
 
 // lost records a lost connection.
 func (l *Listener) lost(ctx context.Context, err error) {

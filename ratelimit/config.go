@@ -110,6 +110,8 @@ const (
 	DefaultMaxBatch = 256
 	// DefaultMaxInFlight is Config.MaxInFlight when it is 0.
 	DefaultMaxInFlight = 2
+	// DefaultShareMinRetryAfter is Config.ShareMinRetryAfter when it is 0.
+	DefaultShareMinRetryAfter = time.Second
 )
 
 // Config describes one limit.
@@ -208,6 +210,38 @@ type Config struct {
 	// Penalty is set (a cached denial is not counted, which would soften
 	// the penalty).
 	DenyCacheSize int
+
+	// ShareDenials sends the denials PostgreSQL makes for this limiter to
+	// the application's other processes, which put them in their deny
+	// caches (policy.Listener with ListenerOptions.Denials, Register), so
+	// that their checks of a denied key stop reaching the database. A
+	// denial is sent at most once per key and deadline, only when
+	// PostgreSQL made it (never one answered from a cache) and its
+	// RetryAfter is at least ShareMinRetryAfter, as a NOTIFY on
+	// DenyChannel carrying the stored key (a digest, never the caller's
+	// key), the cost, the deadline and the rate; see SharedDenial for what
+	// a receiver does with it. Sending never slows a check: it happens on
+	// another goroutine, one statement at a time per limiter and at most
+	// one every 20ms, and marks that do not fit its queue of 256 are
+	// dropped and counted (ShareStats). Each statement is one round trip
+	// on the limiter's database, and NOTIFY serialises the commits of
+	// every transaction that sends one, server-wide: share the limits
+	// whose denials last (logins, signups, expensive calls), not
+	// per-second ones. Needs the deny cache, HashedKeys (a readable stored
+	// key is the caller's key, and any role of the database may LISTEN),
+	// one row per key (Spread 1), and a pool (a *pgx.Conn or pgx.Tx
+	// cannot run a statement beside the caller's); New refuses anything
+	// else with ErrInvalidOption. With Penalty, whose deny cache is off by
+	// default, nothing is sent. With Config.Now set nothing is sent either
+	// (the deadline would not be on the database's clock). Defaults to
+	// false.
+	ShareDenials bool
+
+	// ShareMinRetryAfter is the shortest RetryAfter that ShareDenials
+	// sends: shorter denials end before sharing them pays off, and would
+	// fill the notification queue. Defaults to DefaultShareMinRetryAfter
+	// (1s). Negative values are refused with ErrInvalidTimeout.
+	ShareMinRetryAfter time.Duration
 
 	// Shadow makes the limiter decide, report and log, but never deny: a
 	// check the limit would deny is allowed, with Decision.ShadowDenied
@@ -358,6 +392,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Timeout < 0 {
 		return c, invalid(ErrInvalidTimeout, "%v for %q; use a positive timeout, or 0 for none", c.Timeout, c.Name)
+	}
+	if err := c.checkShare(); err != nil {
+		return c, err
 	}
 	if c.DenyCacheSize == 0 {
 		c.DenyCacheSize = DefaultDenyCacheSize

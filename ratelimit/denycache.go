@@ -109,30 +109,35 @@ func (c *denyCache) put(key string, cost int64, d Decision, sent time.Time) {
 	if d.Allowed || d.RetryAfter <= 0 || cost <= 0 || d.Store != StorePostgres {
 		return
 	}
-	e := denyEntry{
+	c.putEntry(key, denyEntry{
 		cost:    cost,
 		limit:   d.Limit,
 		used:    d.Used,
 		until:   sent.Add(d.RetryAfter),
 		resetAt: sent.Add(d.ResetAfter()),
-	}
+	}, sent)
+}
+
+// putEntry records e for key at the local instant now, merged with a
+// running entry as put describes.
+func (c *denyCache) putEntry(key string, e denyEntry, now time.Time) {
 	k := lookupKey(key)
 	sh := c.keys.shard(k)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	for range sweepPerCall {
 		tail := sh.tail
-		if tail == nil || sent.Before(tail.val.until) {
+		if tail == nil || now.Before(tail.val.until) {
 			break
 		}
 		sh.remove(tail)
 	}
 	if node := sh.get(k); node != nil {
-		if old := node.val; sent.Before(old.until) {
-			if old.cost < cost {
+		if old := node.val; now.Before(old.until) {
+			if old.cost < e.cost {
 				return
 			}
-			if old.cost == cost && old.until.After(e.until) {
+			if old.cost == e.cost && old.until.After(e.until) {
 				// A denial that waited longer in a queue can come back with
 				// an earlier deadline than one already known: keep the later.
 				e.until, e.resetAt = old.until, old.resetAt

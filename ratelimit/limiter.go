@@ -37,6 +37,7 @@ type Limiter struct {
 	nextShard    atomic.Uint64
 	coalescer    *coalescer // nil when coalescing is off
 	rates        rateCache  // limiters for per-call rates (rate.go)
+	share        denyShare  // denials shared with other processes (denyshare.go)
 }
 
 // New returns a limiter that keeps its counters in db, which must have
@@ -72,6 +73,9 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 		// A spread limit's rows keep their own: a denial by one row says
 		// nothing of the others.
 		l.deny = newDenyCache(cfg.DenyCacheSize)
+	}
+	if err := l.initShare(); err != nil {
+		return nil, err
 	}
 	if !cfg.DisableCoalescing {
 		// A *pgx.Conn or a pgx.Tx serves one statement at a time; anything
@@ -196,6 +200,9 @@ func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, erro
 		if d, ok := row.deny.get(key, a.retryCost(), sent); ok {
 			return l.shadow(key, l.asWhole(row, d)), nil
 		}
+		if d, ok := row.sharedDenied(key, a.retryCost(), sent); ok {
+			return l.shadow(key, l.asWhole(row, d)), nil
+		}
 	}
 	probe, ok := l.breaker.allow(sent)
 	if !ok {
@@ -217,6 +224,7 @@ func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, erro
 	l.breaker.success(probe)
 	if row.deny != nil && !d.Allowed {
 		row.deny.put(key, a.retryCost(), d, sent)
+		row.shareDenial(key, a.retryCost(), d, sent)
 	}
 	d = l.asWhole(row, d)
 	if l.cfg.Cleanup != nil {
@@ -381,6 +389,7 @@ func (l *Limiter) forgetLocal(ctx context.Context, key string) {
 	if l.deny != nil {
 		l.deny.forget(key)
 	}
+	l.forgetShared(key)
 	for _, s := range l.shards {
 		s.forgetLocal(ctx, key)
 	}

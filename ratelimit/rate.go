@@ -105,6 +105,8 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 		return nil, err
 	}
 	d.breaker = l.breaker // one database, one judgement of its health
+	// Shared denials go out under the name receivers register.
+	d.share.name = l.share.name
 	for _, s := range d.shards {
 		s.breaker = l.breaker
 	}

@@ -1,0 +1,189 @@
+package tests
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// denyChildEnv, when set to a database URL, makes TestDenyShareChildProcess
+// process B of TestDenyShareTwoProcesses.
+const denyChildEnv = "PGRL_TEST_DENY_CHILD_URL"
+
+// denyShared is the limit both processes check: one unit per hour, so a
+// spent key is denied for about an hour.
+var denyShared = ratelimit.Config{Name: "signup:email", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}
+
+// stmtCounter is a ratelimit.DB that counts the statements it passes on.
+type stmtCounter struct {
+	*pgxpool.Pool
+	n atomic.Int64
+}
+
+func (c *stmtCounter) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	c.n.Add(1)
+	return c.Pool.Exec(ctx, sql, args...)
+}
+
+func (c *stmtCounter) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	c.n.Add(1)
+	return c.Pool.Query(ctx, sql, args...)
+}
+
+func (c *stmtCounter) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	c.n.Add(1)
+	return c.Pool.QueryRow(ctx, sql, args...)
+}
+
+// denyReport is process B's answer to one command.
+type denyReport struct {
+	Received   uint64 `json:"received"`     // marks its limiter took
+	Checks     int    `json:"checks"`       // checks made
+	FromCache  int    `json:"from_cache"`   // denied with Store deny_cache
+	Statements int64  `json:"statements"`   // statements its limiter sent meanwhile
+	MaxRetryUs int64  `json:"max_retry_us"` // longest RetryAfter answered
+	Error      string `json:"error,omitempty"`
+}
+
+// TestDenyShareChildProcess is not a test of its own: run by
+// TestDenyShareTwoProcesses as process B, it receives shared denials with
+// a Listener and answers commands on stdin: "WAIT N" waits until its
+// limiter holds N received marks, "CHECK KEY N" checks KEY N times.
+func TestDenyShareChildProcess(t *testing.T) {
+	url := os.Getenv(denyChildEnv)
+	if url == "" {
+		t.Skip("process B of TestDenyShareTwoProcesses")
+	}
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	db := &stmtCounter{Pool: pool}
+	lim, err := ratelimit.New(db, denyShared)
+	require.NoError(t, err)
+	l, err := policy.Watch(ctx, url, policy.NewCache(pool), policy.ListenerOptions{Denials: true})
+	require.NoError(t, err)
+	defer func() { _ = l.Close() }()
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+	require.NoError(t, l.Register(lim))
+	fmt.Println("ready")
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		var r denyReport
+		f := strings.Fields(in.Text())
+		switch {
+		case len(f) == 2 && f[0] == "WAIT":
+			n, _ := strconv.ParseUint(f[1], 10, 64)
+			deadline := time.Now().Add(10 * time.Second)
+			for lim.ShareStats().Received < n && time.Now().Before(deadline) {
+				time.Sleep(time.Millisecond)
+			}
+		case len(f) == 3 && f[0] == "CHECK":
+			n, _ := strconv.Atoi(f[2])
+			before := db.n.Load()
+			for range n {
+				d, err := lim.Allow(ctx, f[1])
+				if err != nil {
+					r.Error = err.Error()
+					break
+				}
+				r.Checks++
+				if !d.Allowed && d.Store == ratelimit.StoreDenyCache {
+					r.FromCache++
+				}
+				r.MaxRetryUs = max(r.MaxRetryUs, d.RetryAfter.Microseconds())
+			}
+			r.Statements = db.n.Load() - before
+		}
+		r.Received = lim.ShareStats().Received
+		b, _ := json.Marshal(r)
+		fmt.Println(string(b))
+	}
+}
+
+// The acceptance test of shared denials: process A (this one) drives a key
+// into denial; process B, once its listener has handed it the mark, checks
+// that key 500 times and every check is denied from its deny cache with
+// no statement sent to the database, and never for longer than PostgreSQL
+// said. A key B has no mark for still reaches the database.
+func TestDenyShareTwoProcesses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(cctx, os.Args[0], "-test.run=^TestDenyShareChildProcess$", "-test.count=1")
+	cmd.Env = append(os.Environ(), denyChildEnv+"="+dbtest.URLWithSchema(s))
+	stdin, err := cmd.StdinPipe()
+	require.NoError(t, err)
+	stdoutPipe, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
+	out := bufio.NewScanner(stdoutPipe)
+	for out.Scan() && out.Text() != "ready" {
+	}
+	require.Equal(t, "ready", out.Text(), "process B: %s", stderr.String())
+	ask := func(line string) denyReport {
+		t.Helper()
+		_, err := io.WriteString(stdin, line+"\n")
+		require.NoError(t, err)
+		require.True(t, out.Scan(), "process B: %s", stderr.String())
+		var r denyReport
+		require.NoError(t, json.Unmarshal(out.Bytes(), &r), out.Text())
+		require.Empty(t, r.Error)
+		return r
+	}
+
+	cfg := denyShared
+	cfg.ShareDenials = true
+	a, err := ratelimit.New(pool, cfg)
+	require.NoError(t, err)
+	const key = "ada@example.com"
+	d, err := a.Allow(ctx, key)
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	sent := time.Now()
+	d, err = a.Allow(ctx, key)
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+
+	r := ask("WAIT 1")
+	require.Equal(t, uint64(1), r.Received, "process B did not receive the mark")
+	t.Logf("process B held the mark %v after process A's denial", time.Since(sent).Round(time.Millisecond))
+
+	r = ask("CHECK " + key + " 500")
+	require.Equal(t, 500, r.Checks)
+	require.Equal(t, 500, r.FromCache, "every check of the key is answered from B's deny cache")
+	require.Zero(t, r.Statements, "process B sent no statement for the key")
+	require.Less(t, time.Duration(r.MaxRetryUs)*time.Microsecond, d.RetryAfter, "B denies no longer than PostgreSQL")
+
+	r = ask("CHECK grace@example.com 1")
+	require.Zero(t, r.FromCache)
+	require.Positive(t, r.Statements, "a key without a mark is asked of PostgreSQL")
+	require.Equal(t, uint64(1), a.ShareStats().Sent)
+}
