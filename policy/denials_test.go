@@ -43,8 +43,14 @@ func (c *countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.
 // watchDenials starts a listener with Denials on schema s and waits for it.
 func watchDenials(t *testing.T, pool *pgxpool.Pool, s string) *policy.Listener {
 	t.Helper()
+	return watchDenialsInto(t, policy.NewCache(pool), s)
+}
+
+// watchDenialsInto is watchDenials keeping cache current.
+func watchDenialsInto(t *testing.T, cache *policy.Cache, s string) *policy.Listener {
+	t.Helper()
 	ctx := context.Background()
-	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), policy.NewCache(pool), policy.ListenerOptions{
+	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{
 		Denials: true, MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
 	})
 	require.NoError(t, err)
@@ -99,7 +105,8 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			poolB := dbtest.PoolOn(t, s)
 			_, err := policy.Set(ctx, poolA, policy.Policy{Name: hourly.Name, Algorithm: hourly.Algorithm, Limit: 1, Window: time.Hour})
 			require.NoError(t, err)
-			listener := watchDenials(t, poolB, s)
+			cacheB := policy.NewCache(poolB)
+			listener := watchDenialsInto(t, cacheB, s)
 			cdb := &countingDB{Pool: poolB}
 
 			var a, b interface {
@@ -116,7 +123,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			} else {
 				pa, err := policy.NewLimiter(ctx, poolA, hourly.Name, policy.Options{Config: ratelimit.Config{ShareDenials: true}})
 				require.NoError(t, err)
-				pb, err := policy.NewLimiter(ctx, cdb, hourly.Name, policy.Options{Cache: policy.NewCache(poolB)})
+				pb, err := policy.NewLimiter(ctx, cdb, hourly.Name, policy.Options{Cache: cacheB})
 				require.NoError(t, err)
 				a, b, recv = pa, pb, pb
 			}

@@ -133,9 +133,10 @@ func (l *Limiter) currentEntry() (*built, *entry, error) {
 	cfg := e.policy.Config(l.base)
 	if l.inStatement {
 		cfg.Policy = l.name
-		if !l.cache.watched() {
+		if !l.cache.watched() && l.base.DenyCacheSize == 0 && !l.base.ShareDenials {
 			// Nothing would tell this process that a denied key's limit
-			// was raised: a cached denial could outlive the change.
+			// was raised: a cached denial could outlive the change. Unless
+			// asked for, no deny cache.
 			cfg.DenyCacheSize = -1
 		}
 	}

@@ -136,7 +136,7 @@ func TestPolicyTwoProcesses(t *testing.T) {
 		return a
 	}
 
-	require.Equal(t, policyAnswer{Allowed: true, Limit: 3}, check("k"))
+	require.Equal(t, policyAnswer{Allowed: true, Limit: 3, Used: 1}, check("k"))
 
 	// A DBA's UPDATE reaches the other process within a second.
 	_, err = dbtest.Admin(t).Exec(ctx, `UPDATE "`+s+`".pgrl_policy SET "limit" = 10 WHERE name = 'api'`)
