@@ -67,6 +67,19 @@
 // none, returned in Granted (under penalty all N are counted). These call
 // the PL/pgSQL functions of migration 000006.
 //
+// The …TakePolicy forms are the single take with the limit stored in the
+// database (migration 000007): they read the pgrl_policy row named Policy
+// and the key's pgrl_policy_override (OverrideKey, the key stored under the
+// policy's name; an override applies until its expires_at) in the same
+// statement, so that a plain SQL UPDATE of either is obeyed by the next
+// take, and return the limit they applied (MaxCount; Limit, WindowUs and
+// Burst for the token bucket). The caller still names the counter row
+// (Key, WindowUs for the window algorithms, KeyMode): when the policy no
+// longer matches it (deleted, another algorithm or key mode, another window
+// for this key) nothing is counted and no row comes back (pgx.ErrNoRows):
+// read the policy again. They cost two primary-key lookups more than the
+// plain take (docs/POLICIES.md has the measured cost).
+//
 // # Units
 //
 // Durations and instants are integers of microseconds: WindowUs is the

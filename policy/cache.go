@@ -102,7 +102,7 @@ func (c *Cache) Reload(ctx context.Context) error {
 	if err != nil {
 		return mapErr(err)
 	}
-	m, err := load(ctx, c.db, "")
+	m, err := load(ctx, c.db, "", nil)
 	if err != nil {
 		return err
 	}
@@ -116,7 +116,7 @@ func (c *Cache) Reload(ctx context.Context) error {
 func (c *Cache) ReloadPolicy(ctx context.Context, name string) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	m, err := load(ctx, c.db, name)
+	m, err := load(ctx, c.db, name, nil)
 	if err != nil {
 		return err
 	}
@@ -133,10 +133,47 @@ func (c *Cache) ReloadPolicy(ctx context.Context, name string) error {
 	return nil
 }
 
+// refreshKey reads the policy named name and the override of the stored
+// key sk again, unless the cached entry is no longer seen (another check
+// has refreshed it meanwhile: a change seen by many checks at once costs one
+// query). The policy's other overrides stay as they are. A policy that no
+// longer exists is removed.
+func (c *Cache) refreshKey(ctx context.Context, name string, sk []byte, seen *entry) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	old := c.snap.Load()
+	e := old.policies[name]
+	if e != seen {
+		return nil
+	}
+	m, err := load(ctx, c.db, name, sk)
+	if err != nil {
+		return err
+	}
+	next := &snapshot{policies: make(map[string]*entry, len(old.policies)), loadedAt: old.loadedAt}
+	for k, v := range old.policies {
+		next.policies[k] = v
+	}
+	delete(next.policies, name)
+	if fresh, ok := m[name]; ok {
+		ne := &entry{policy: fresh.policy, overrides: make(map[string]Override, len(e.overrides)+1)}
+		for k, v := range e.overrides {
+			ne.overrides[k] = v
+		}
+		delete(ne.overrides, string(sk))
+		for k, v := range fresh.overrides {
+			ne.overrides[k] = v
+		}
+		next.policies[name] = ne
+	}
+	c.snap.Store(next)
+	return nil
+}
+
 // load reads the policy named name (every policy when name is "") with
-// its overrides in one statement, hence one snapshot. Expired overrides are
-// left out.
-func load(ctx context.Context, db DB, name string) (map[string]*entry, error) {
+// its overrides (only that of the stored key sk, when sk is not nil) in
+// one statement, hence one snapshot. Expired overrides are left out.
+func load(ctx context.Context, db DB, name string, sk []byte) (map[string]*entry, error) {
 	rows, err := db.Query(ctx, `
 SELECT p.name, p.algorithm, p."limit", p."window", coalesce(p.burst, 0), p.penalty, p.key_mode,
        coalesce(p.description, ''), p.created_at, p.updated_at,
@@ -145,7 +182,8 @@ SELECT p.name, p.algorithm, p."limit", p."window", coalesce(p.burst, 0), p.penal
   FROM pgrl_policy AS p
   LEFT JOIN pgrl_policy_override AS o
     ON o.policy = p.name AND (o.expires_at IS NULL OR o.expires_at > now())
- WHERE $1 = '' OR p.name = $1`, name)
+   AND ($2::bytea IS NULL OR o.key = $2)
+ WHERE $1 = '' OR p.name = $1`, name, sk)
 	if err != nil {
 		return nil, mapErr(err)
 	}

@@ -164,13 +164,20 @@ func (l *Limiter) resolve(key string) (*ratelimit.Limiter, *Override, error) {
 	if err != nil {
 		return nil, nil, err
 	}
+	lim, o := l.forKey(b, e, key)
+	return lim, o, nil
+}
+
+// forKey returns the limiter of b (built from e) for key, and the override
+// that applies.
+func (l *Limiter) forKey(b *built, e *entry, key string) (*ratelimit.Limiter, *Override) {
 	if len(e.overrides) == 0 {
-		return b.lim, nil, nil
+		return b.lim, nil
 	}
 	sk := b.policy.StoredKey(key)
 	o, ok := e.overrides[string(sk)]
 	if !ok || !o.Applies(l.now()) {
-		return b.lim, nil, nil
+		return b.lim, nil
 	}
 	lim, err := b.lim.WithRate(o.Rate(b.policy))
 	if err != nil {
@@ -181,9 +188,9 @@ func (l *Limiter) resolve(key string) (*ratelimit.Limiter, *Override, error) {
 			b.lim.Config().Logger.Warn("pgrl: ignoring an override that the policy no longer admits; fix or delete it (rl-policy override list)",
 				"policy", l.name, "key", fmt.Sprintf("%x", sk), "error", err)
 		}
-		return b.lim, nil, nil
+		return b.lim, nil
 	}
-	return lim, &o, nil
+	return lim, &o
 }
 
 func (l *Limiter) now() time.Time {
@@ -211,13 +218,14 @@ func (l *Limiter) Allow(ctx context.Context, key string) (ratelimit.Decision, er
 // first attempt.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error) {
 	for attempt := 0; ; attempt++ {
-		lim, _, err := l.resolve(key)
+		b, e, err := l.currentEntry()
 		if err != nil {
 			return ratelimit.Decision{}, err
 		}
+		lim, _ := l.forKey(b, e, key)
 		d, err := lim.AllowN(ctx, key, n)
 		if attempt == 0 && l.inStatement && stale(err) {
-			if rerr := l.cache.ReloadPolicy(ctx, l.name); rerr != nil {
+			if rerr := l.cache.refreshKey(ctx, l.name, b.policy.StoredKey(key), e); rerr != nil {
 				return ratelimit.Decision{}, rerr
 			}
 			continue

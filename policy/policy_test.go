@@ -6,11 +6,14 @@ import (
 	"errors"
 	"log/slog"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -330,4 +333,41 @@ func TestKeyModeChangeWithOverridesRefusedInSQL(t *testing.T) {
 	require.Equal(t, "23514", pgErr.Code)
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 6 WHERE name = 'api'`)
 	require.NoError(t, err)
+}
+
+// Checks that find their policy changed reload it once between them: 64
+// concurrent checks after a new window cost one reload query, and each is
+// then decided at the new window, exactly.
+func TestChangedPolicyReloadedOnce(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "herd", Limit: 40, Window: time.Hour})
+	require.NoError(t, err)
+	cdb := &countingDB{Pool: pool}
+	cache := policy.NewCache(cdb)
+	require.NoError(t, cache.Reload(ctx))
+	lim, err := policy.NewLimiter(ctx, pool, "herd", policy.Options{Cache: cache})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours' WHERE name = 'herd'`)
+	require.NoError(t, err)
+
+	before := cdb.n.Load()
+	var admitted atomic.Int64
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			d, err := lim.Allow(ctx, "k")
+			assert.NoError(t, err)
+			if d.Allowed {
+				admitted.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, int64(40), admitted.Load())
+	require.Equal(t, int64(1), cdb.n.Load()-before, "one reload for all the checks that found the change")
+	p, err := lim.Policy()
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Hour, p.Window)
 }

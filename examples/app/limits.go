@@ -113,7 +113,9 @@ type limits struct {
 }
 
 // newLimits builds the app's limiters: the shared ones from the policies
-// stored in pgrl_policy, read from cache (which a policy.Listener keeps
+// stored in pgrl_policy, each single check reading its policy and the key's
+// override in its own statement (the login's three limits, decided
+// together, use the rates in the cache, which a policy.Listener keeps
 // current), the beacon's in memory.
 func newLimits(ctx context.Context, pool *pgxpool.Pool, cache *policy.Cache, ips *clientip.Resolver, col *metrics.Collector, opts httplimit.Config) (*limits, error) {
 	l := &limits{}
