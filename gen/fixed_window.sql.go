@@ -220,29 +220,23 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 }
 
 const fixedWindowTakePolicy = `-- name: FixedWindowTakePolicy :one
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
-), pol AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+WITH win AS MATERIALIZED (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $3::bigint AS cost,
+           pgrl_window_end_us(pgrl_epoch_us(coalesce($2::timestamptz, now())),
+                              $4::bigint) AS expires_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = $4::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
-     WHERE p.name = $5::text AND p.algorithm = 'fixed_window'
-       AND p.key_mode = $6::text
-), win AS (
-    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, pol.window_us) AS expires_us,
-           pol.max_count, pol.penalty, $2::bigint AS cost
-      FROM clock, pol
-     WHERE pol.window_us = $7::bigint
+        ON o.policy = p.name AND o.key = $5::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > coalesce($2::timestamptz, now()))
+     WHERE p.name = $6::text AND p.algorithm = 'fixed_window'
+       AND p.key_mode = $7::text
+       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = $4::bigint
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT $1::bytea,
        pgrl_from_epoch_us(win.expires_us),
-       CASE WHEN $2::bigint <= win.max_count OR win.penalty THEN $2::bigint ELSE 0 END,
-       $2::bigint <= win.max_count
+       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
+       win.cost <= win.max_count
   FROM win
 ON CONFLICT (key, expires_at) DO UPDATE
    SET (count, allowed) = (
@@ -252,18 +246,19 @@ ON CONFLICT (key, expires_at) DO UPDATE
                    ELSE 9223372036854775807 END,
               t.count <= win.max_count - win.cost
          FROM win)
-RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count
+RETURNING count, pgrl_epoch_us(expires_at) AS expires_at_us, allowed,
+          pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
+          (SELECT max_count FROM win)::bigint AS max_count
 `
 
 type FixedWindowTakePolicyParams struct {
 	Key         []byte
-	Cost        int64
 	At          *time.Time
+	Cost        int64
+	WindowUs    int64
 	OverrideKey []byte
 	Policy      string
 	KeyMode     string
-	WindowUs    int64
 }
 
 type FixedWindowTakePolicyRow struct {
@@ -288,12 +283,12 @@ type FixedWindowTakePolicyRow struct {
 func (q *Queries) FixedWindowTakePolicy(ctx context.Context, db DBTX, arg FixedWindowTakePolicyParams) (FixedWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, fixedWindowTakePolicy,
 		arg.Key,
-		arg.Cost,
 		arg.At,
+		arg.Cost,
+		arg.WindowUs,
 		arg.OverrideKey,
 		arg.Policy,
 		arg.KeyMode,
-		arg.WindowUs,
 	)
 	var i FixedWindowTakePolicyRow
 	err := row.Scan(

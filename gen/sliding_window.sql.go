@@ -285,32 +285,27 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 }
 
 const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
-), pol AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+WITH win AS MATERIALIZED (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $3::bigint AS cost,
+           $4::bigint AS window_us,
+           pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_epoch_us(coalesce($2::timestamptz, now())),
+                                                   $4::bigint)) AS window_start
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = $4::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
-     WHERE p.name = $5::text AND p.algorithm = 'sliding_window'
-       AND p.key_mode = $6::text
-), win AS (
-    SELECT clock.now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, pol.window_us)) AS window_start,
-           pol.max_count, pol.penalty, pol.window_us, $2::bigint AS cost
-      FROM clock, pol
-     WHERE pol.window_us = $7::bigint
+        ON o.policy = p.name AND o.key = $5::bytea
+       AND (o.expires_at IS NULL OR o.expires_at > coalesce($2::timestamptz, now()))
+     WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
+       AND p.key_mode = $7::text
+       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = $4::bigint
 )
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
 SELECT $1::bytea,
        win.window_start,
-       CASE WHEN $2::bigint <= win.max_count OR win.penalty THEN $2::bigint ELSE 0 END,
+       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
        0,
        win.window_start + 2 * win.window_us * interval '1 microsecond',
-       $2::bigint <= win.max_count
+       win.cost <= win.max_count
   FROM win
 ON CONFLICT (key) DO UPDATE
    SET (window_start, count, prev_count, expires_at, allowed) = (
@@ -326,17 +321,18 @@ ON CONFLICT (key) DO UPDATE
                                                          pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us))
                                   AS allows) AS r)
 RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count
+          pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
+          (SELECT max_count FROM win)::bigint AS max_count
 `
 
 type SlidingWindowTakePolicyParams struct {
 	Key         []byte
-	Cost        int64
 	At          *time.Time
+	Cost        int64
+	WindowUs    int64
 	OverrideKey []byte
 	Policy      string
 	KeyMode     string
-	WindowUs    int64
 }
 
 type SlidingWindowTakePolicyRow struct {
@@ -357,12 +353,12 @@ type SlidingWindowTakePolicyRow struct {
 func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyParams) (SlidingWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTakePolicy,
 		arg.Key,
-		arg.Cost,
 		arg.At,
+		arg.Cost,
+		arg.WindowUs,
 		arg.OverrideKey,
 		arg.Policy,
 		arg.KeyMode,
-		arg.WindowUs,
 	)
 	var i SlidingWindowTakePolicyRow
 	err := row.Scan(

@@ -244,47 +244,38 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 }
 
 const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($3::timestamptz, now()) AS ts) AS c
-), stored AS MATERIALIZED (
-    SELECT p."limit" AS policy_limit, round(date_part('epoch', p."window") * 1000000)::bigint AS policy_window_us,
-           coalesce(p.burst, p."limit") AS policy_burst, p.penalty,
-           coalesce(o."limit", p."limit") AS key_limit,
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS key_window_us,
-           coalesce(o.burst, p.burst, o."limit", p."limit") AS key_burst
+WITH rate AS MATERIALIZED (
+    SELECT coalesce(o."limit", p."limit") AS "limit",
+           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
+           coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
+           p.penalty,
+           coalesce(o.burst, p.burst, o."limit", p."limit")::float8 AS capacity,
+           coalesce(o."limit", p."limit")::float8
+               / round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint::float8 AS refill_per_us,
+           $2::float8 AS cost,
+           coalesce($3::timestamptz, now()) AS ts
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = $4::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+       AND (o.expires_at IS NULL OR o.expires_at > coalesce($3::timestamptz, now()))
+       AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
+       AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
+           * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
+           <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
      WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
        AND p.key_mode = $6::text
-), pol AS (
-    SELECT CASE WHEN v.ok THEN s.key_limit ELSE s.policy_limit END AS "limit",
-           CASE WHEN v.ok THEN s.key_window_us ELSE s.policy_window_us END AS window_us,
-           CASE WHEN v.ok THEN s.key_burst ELSE s.policy_burst END AS burst,
-           s.penalty
-      FROM stored AS s,
-           LATERAL (SELECT s.key_burst <= 9007199254740992
-                           AND s.key_burst::numeric * s.key_window_us
-                               <= s.key_limit::numeric * 31557600000000000 AS ok) AS v
-), rate AS MATERIALIZED (
-    SELECT pol."limit", pol.window_us, pol.burst, pol.penalty, pol.burst::float8 AS capacity,
-           pol."limit"::float8 / pol.window_us::float8 AS refill_per_us, $2::float8 AS cost
-      FROM pol
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
 SELECT $1::bytea,
        f.tokens,
-       clock.ts,
-       pgrl_token_bucket_full_at(clock.ts, f.tokens, rate.capacity, rate.refill_per_us),
+       rate.ts,
+       pgrl_token_bucket_full_at(rate.ts, f.tokens, rate.capacity, rate.refill_per_us),
        f.allowed
-  FROM clock, rate,
+  FROM rate,
        LATERAL (
-           SELECT CASE WHEN $2::float8 <= rate.capacity OR rate.penalty
-                       THEN rate.capacity - $2::float8
+           SELECT CASE WHEN rate.cost <= rate.capacity OR rate.penalty THEN rate.capacity - rate.cost
                        ELSE rate.capacity END AS tokens,
-                  $2::float8 <= rate.capacity AS allowed
+                  rate.cost <= rate.capacity AS allowed
        ) AS f
 ON CONFLICT (key) DO UPDATE
    SET (tokens, updated_at, full_at, allowed) = (

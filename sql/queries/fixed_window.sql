@@ -133,29 +133,23 @@ SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolea
 -- fixed window, no longer stores keys in key_mode ('hashed' or 'readable'),
 -- or does not exist, nothing is counted and no row comes back: reload the
 -- policy and check again. max_count is the limit that was applied.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), pol AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+WITH win AS MATERIALIZED (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, sqlc.arg(cost)::bigint AS cost,
+           pgrl_window_end_us(pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
+                              sqlc.arg(window_us)::bigint) AS expires_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+       AND (o.expires_at IS NULL OR o.expires_at > coalesce(sqlc.narg(at)::timestamptz, now()))
      WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
        AND p.key_mode = sqlc.arg(key_mode)::text
-), win AS (
-    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, pol.window_us) AS expires_us,
-           pol.max_count, pol.penalty, sqlc.arg(cost)::bigint AS cost
-      FROM clock, pol
-     WHERE pol.window_us = sqlc.arg(window_us)::bigint
+       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = sqlc.arg(window_us)::bigint
 )
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
 SELECT sqlc.arg(key)::bytea,
        pgrl_from_epoch_us(win.expires_us),
-       CASE WHEN sqlc.arg(cost)::bigint <= win.max_count OR win.penalty THEN sqlc.arg(cost)::bigint ELSE 0 END,
-       sqlc.arg(cost)::bigint <= win.max_count
+       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
+       win.cost <= win.max_count
   FROM win
 ON CONFLICT (key, expires_at) DO UPDATE
    SET (count, allowed) = (
@@ -165,5 +159,6 @@ ON CONFLICT (key, expires_at) DO UPDATE
                    ELSE 9223372036854775807 END,
               t.count <= win.max_count - win.cost
          FROM win)
-RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count;
+RETURNING count, pgrl_epoch_us(expires_at) AS expires_at_us, allowed,
+          pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())) AS now_us,
+          (SELECT max_count FROM win)::bigint AS max_count;

@@ -176,32 +176,27 @@ SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_u
 -- the policy (with the key's override) no longer has window_us, is no
 -- longer a sliding window, no longer stores keys in key_mode, or does not
 -- exist. max_count is the limit that was applied.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), pol AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty,
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us
+WITH win AS MATERIALIZED (
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, sqlc.arg(cost)::bigint AS cost,
+           sqlc.arg(window_us)::bigint AS window_us,
+           pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())) AS now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
+                                                   sqlc.arg(window_us)::bigint)) AS window_start
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > (SELECT ts FROM clock))
+       AND (o.expires_at IS NULL OR o.expires_at > coalesce(sqlc.narg(at)::timestamptz, now()))
      WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
        AND p.key_mode = sqlc.arg(key_mode)::text
-), win AS (
-    SELECT clock.now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, pol.window_us)) AS window_start,
-           pol.max_count, pol.penalty, pol.window_us, sqlc.arg(cost)::bigint AS cost
-      FROM clock, pol
-     WHERE pol.window_us = sqlc.arg(window_us)::bigint
+       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = sqlc.arg(window_us)::bigint
 )
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
 SELECT sqlc.arg(key)::bytea,
        win.window_start,
-       CASE WHEN sqlc.arg(cost)::bigint <= win.max_count OR win.penalty THEN sqlc.arg(cost)::bigint ELSE 0 END,
+       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
        0,
        win.window_start + 2 * win.window_us * interval '1 microsecond',
-       sqlc.arg(cost)::bigint <= win.max_count
+       win.cost <= win.max_count
   FROM win
 ON CONFLICT (key) DO UPDATE
    SET (window_start, count, prev_count, expires_at, allowed) = (
@@ -217,4 +212,5 @@ ON CONFLICT (key) DO UPDATE
                                                          pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us))
                                   AS allows) AS r)
 RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us, (SELECT max_count FROM win)::bigint AS max_count;
+          pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())) AS now_us,
+          (SELECT max_count FROM win)::bigint AS max_count;
