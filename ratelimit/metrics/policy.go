@@ -15,6 +15,7 @@ const (
 	PolicyCachePolicies      = "pgrl_policy_cache_policies"
 	PolicyCacheOverrides     = "pgrl_policy_cache_overrides"
 	PolicyCacheLoaded        = "pgrl_policy_cache_loaded_timestamp_seconds"
+	PolicyDenialsTotal       = "pgrl_policy_shared_denials_total"
 )
 
 // PolicyCollector exports a policy.Listener's counters and its Cache's size
@@ -29,7 +30,13 @@ const (
 //   - pgrl_policy_listener_connected: 1 while the listener is listening;
 //   - pgrl_policy_cache_policies, pgrl_policy_cache_overrides: what the
 //     cache holds;
-//   - pgrl_policy_cache_loaded_timestamp_seconds: the last full reload.
+//   - pgrl_policy_cache_loaded_timestamp_seconds: the last full reload;
+//   - pgrl_policy_shared_denials_total{outcome}: with
+//     policy.ListenerOptions.Denials, the denials shared by other processes:
+//     applied (a registered limiter kept the mark), refused, unknown (no
+//     limiter of that name registered), other_schema, invalid (unreadable
+//     payload) and dropped (they arrived faster than they could be handed
+//     out).
 //
 // Alert on pgrl_policy_listener_connected == 0 for longer than a minute:
 // limits changed meanwhile are not applied until it reconnects.
@@ -43,6 +50,7 @@ type PolicyCollector struct {
 	policies *prometheus.Desc
 	overr    *prometheus.Desc
 	loaded   *prometheus.Desc
+	denials  *prometheus.Desc
 }
 
 // NewPolicyCollector creates the collector of l and its cache c and
@@ -62,6 +70,9 @@ func NewPolicyCollector(reg prometheus.Registerer, l *policy.Listener, c *policy
 		policies: prometheus.NewDesc(PolicyCachePolicies, "Policies in the in-process cache.", nil, nil),
 		overr:    prometheus.NewDesc(PolicyCacheOverrides, "Per-key overrides in the in-process cache.", nil, nil),
 		loaded:   prometheus.NewDesc(PolicyCacheLoaded, "Unix time of the cache's last full reload (0 before the first).", nil, nil),
+		denials: prometheus.NewDesc(PolicyDenialsTotal,
+			"Denials shared by other processes, by outcome: applied, refused, unknown (no such limiter registered), other_schema, invalid, dropped (arrived faster than handed out).",
+			[]string{"outcome"}, nil),
 	}
 	if err := reg.Register(pc); err != nil {
 		return nil, err
@@ -71,7 +82,7 @@ func NewPolicyCollector(reg prometheus.Registerer, l *policy.Listener, c *policy
 
 // Describe implements prometheus.Collector.
 func (pc *PolicyCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{pc.notes, pc.reconn, pc.resyncs, pc.conn, pc.policies, pc.overr, pc.loaded} {
+	for _, d := range []*prometheus.Desc{pc.notes, pc.reconn, pc.resyncs, pc.conn, pc.policies, pc.overr, pc.loaded, pc.denials} {
 		ch <- d
 	}
 }
@@ -97,4 +108,12 @@ func (pc *PolicyCollector) Collect(ch chan<- prometheus.Metric) {
 		loaded = float64(t.UnixNano()) / 1e9
 	}
 	ch <- prometheus.MustNewConstMetric(pc.loaded, prometheus.GaugeValue, loaded)
+	d := st.Denials
+	for _, o := range []struct {
+		name string
+		n    uint64
+	}{{"applied", d.Applied}, {"refused", d.Refused}, {"unknown", d.Unknown},
+		{"other_schema", d.OtherSchema}, {"invalid", d.Invalid}, {"dropped", d.Dropped}} {
+		ch <- prometheus.MustNewConstMetric(pc.denials, prometheus.CounterValue, float64(o.n), o.name)
+	}
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
 	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
 
@@ -25,7 +26,7 @@ func TestPolicyCollector(t *testing.T) {
 	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: time.Minute})
 	require.NoError(t, err)
 	cache := policy.NewCache(pool)
-	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{})
+	l, err := policy.Watch(ctx, dbtest.URLWithSchema(s), cache, policy.ListenerOptions{Denials: true})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -41,7 +42,12 @@ func TestPolicyCollector(t *testing.T) {
 	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("k"), Limit: 9})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return l.Stats().Applied == 1 }, time.Second, 5*time.Millisecond)
+	_, err = pool.Exec(ctx, `SELECT pg_notify($1, 'not a mark')`, ratelimit.DenyChannel)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return l.Stats().Denials.Invalid == 1 }, 5*time.Second, 5*time.Millisecond)
 	samples, types := scrape(t, srv.URL)
+	require.Equal(t, "1", samples[`pgrl_policy_shared_denials_total{outcome="invalid"}`])
+	require.Equal(t, "0", samples[`pgrl_policy_shared_denials_total{outcome="dropped"}`])
 	require.Equal(t, "1", samples[`pgrl_policy_notifications_total{outcome="applied"}`])
 	require.Equal(t, "0", samples[`pgrl_policy_notifications_total{outcome="dropped"}`])
 	require.Equal(t, "1", samples[metrics.PolicyListenerConnected])
@@ -56,7 +62,8 @@ func TestPolicyCollector(t *testing.T) {
 	doc, err := os.ReadFile("../../docs/METRICS.md")
 	require.NoError(t, err)
 	for _, name := range []string{metrics.PolicyNotificationsTotal, metrics.PolicyReconnectsTotal, metrics.PolicyResyncsTotal,
-		metrics.PolicyListenerConnected, metrics.PolicyCachePolicies, metrics.PolicyCacheOverrides, metrics.PolicyCacheLoaded} {
+		metrics.PolicyListenerConnected, metrics.PolicyCachePolicies, metrics.PolicyCacheOverrides, metrics.PolicyCacheLoaded,
+		metrics.PolicyDenialsTotal} {
 		require.Contains(t, string(doc), "`"+name, "docs/METRICS.md does not name %s", name)
 	}
 }
