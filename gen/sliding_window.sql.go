@@ -317,9 +317,9 @@ ON CONFLICT (key) DO UPDATE
                               pgrl_sliding_window_previous(t.window_start, excluded.window_start,
                                                            win.window_us, t.count, t.prev_count) AS prev) AS w,
               LATERAL (SELECT w.start, w.cur, w.prev,
-                              pgrl_sliding_window_allows(w.prev, w.cur, win.cost, win.max_count, win.window_us,
-                                                         pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us))
-                                  AS allows) AS r)
+                              pgrl_sliding_window_allows(
+                                  w.prev, w.cur, win.cost, win.max_count, win.window_us,
+                                  pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us)) AS allows) AS r)
 RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
           pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
           (SELECT max_count FROM win)::bigint AS max_count

@@ -185,7 +185,8 @@ SELECT sqlc.arg(key)::bytea,
        ) AS f
 ON CONFLICT (key) DO UPDATE
    SET (tokens, updated_at, full_at, allowed) = (
-       SELECT b.tokens, b.updated_at, pgrl_token_bucket_full_at(b.updated_at, b.tokens, rate.capacity, rate.refill_per_us),
+       SELECT b.tokens, b.updated_at,
+              pgrl_token_bucket_full_at(b.updated_at, b.tokens, rate.capacity, rate.refill_per_us),
               pgrl_token_bucket_refill(t.tokens, b.elapsed_us, rate.capacity, rate.refill_per_us) >= rate.cost
          FROM rate,
               LATERAL (SELECT pgrl_elapsed_us(t.updated_at, excluded.updated_at) AS elapsed_us) AS e,
