@@ -5,40 +5,17 @@ import (
 	"encoding/hex"
 	"fmt"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
-
-// countingDB is a ratelimit.DB that counts the statements sent through it.
-type countingDB struct {
-	*pgxpool.Pool
-	n atomic.Int64
-}
-
-func (c *countingDB) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	c.n.Add(1)
-	return c.Pool.Exec(ctx, sql, args...)
-}
-
-func (c *countingDB) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	c.n.Add(1)
-	return c.Pool.Query(ctx, sql, args...)
-}
-
-func (c *countingDB) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	c.n.Add(1)
-	return c.Pool.QueryRow(ctx, sql, args...)
-}
 
 // watchDenials starts a listener with Denials on schema s and waits for it.
 func watchDenials(t *testing.T, pool *pgxpool.Pool, s string) *policy.Listener {
@@ -107,7 +84,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			require.NoError(t, err)
 			cacheB := policy.NewCache(poolB)
 			listener := watchDenialsInto(t, cacheB, s)
-			cdb := &countingDB{Pool: poolB}
+			cdb := &testkit.CountingDB{Pool: poolB}
 
 			var a, b interface {
 				Allow(context.Context, string) (ratelimit.Decision, error)
@@ -135,7 +112,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			// the notification.
 			require.Eventually(t, func() bool { return a.ShareStats().Sent == 1 }, 5*time.Second, 2*time.Millisecond)
 
-			before := cdb.n.Load()
+			before := cdb.Statements()
 			for range 200 {
 				d, err := b.Allow(ctx, "203.0.113.7")
 				require.NoError(t, err)
@@ -145,7 +122,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 				require.Less(t, d.RetryAfter, dA.RetryAfter, "the receiver denies no longer than PostgreSQL")
 				require.Equal(t, int64(1), d.Limit)
 			}
-			require.Equal(t, before, cdb.n.Load(), "no statement for a key another process learnt is denied")
+			require.Equal(t, before, cdb.Statements(), "no statement for a key another process learnt is denied")
 			require.Equal(t, uint64(200), b.ShareStats().Answered)
 
 			// Another key is still asked of PostgreSQL.
@@ -153,7 +130,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
 			require.Equal(t, ratelimit.StorePostgres, d.Store)
-			require.Greater(t, cdb.n.Load(), before)
+			require.Greater(t, cdb.Statements(), before)
 
 			st := listener.Stats().Denials
 			require.Equal(t, uint64(1), st.Received)
@@ -181,7 +158,7 @@ func TestSharedDenialHostilePayloads(t *testing.T) {
 	ctx := context.Background()
 	pool, s := dbtest.Pool(t)
 	listener := watchDenials(t, pool, s)
-	cdb := &countingDB{Pool: pool}
+	cdb := &testkit.CountingDB{Pool: pool}
 	b, err := ratelimit.New(cdb, hourly)
 	require.NoError(t, err)
 	require.NoError(t, listener.Register(b))
@@ -258,11 +235,11 @@ func TestSharedDenialHostilePayloads(t *testing.T) {
 	// why the channel is for trusted roles only; see docs/POLICIES.md).
 	notify(payload(s, "signup", "token_bucket", hour, 1, 1, mark(hex.EncodeToString(ratelimit.StoredKey(ratelimit.HashedKeys, hourly.Name, "other")), 1, later)))
 	require.Eventually(t, func() bool { return listener.Stats().Denials.Applied == 1 }, 5*time.Second, 5*time.Millisecond)
-	n := cdb.n.Load()
+	n := cdb.Statements()
 	d, err = b.Allow(ctx, "other")
 	require.NoError(t, err)
 	require.Equal(t, ratelimit.StoreDenyCache, d.Store)
-	require.Equal(t, n, cdb.n.Load())
+	require.Equal(t, n, cdb.Statements())
 	require.LessOrEqual(t, d.RetryAfter, 30*time.Minute)
 	require.Greater(t, d.RetryAfter, 29*time.Minute)
 	require.True(t, listener.Stats().Connected, "no payload cost the connection")
@@ -280,7 +257,7 @@ func TestSharedDenialListenerReconnects(t *testing.T) {
 	t.Cleanup(func() { _ = plain.Close() })
 	listener := watchDenials(t, pool, s)
 	a := sharer(t, pool, hourly)
-	cdb := &countingDB{Pool: pool}
+	cdb := &testkit.CountingDB{Pool: pool}
 	b, err := ratelimit.New(cdb, hourly)
 	require.NoError(t, err)
 	require.ErrorContains(t, plain.Register(b), "ListenerOptions{Denials: true}")

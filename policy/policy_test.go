@@ -344,7 +344,7 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	ctx := context.Background()
 	_, err := policy.Set(ctx, pool, policy.Policy{Name: "herd", Limit: 40, Window: time.Hour})
 	require.NoError(t, err)
-	cdb := &countingDB{Pool: pool}
+	cdb := &testkit.CountingDB{Pool: pool}
 	cache := policy.NewCache(cdb)
 	require.NoError(t, cache.Reload(ctx))
 	lim, err := policy.NewLimiter(ctx, pool, "herd", policy.Options{Cache: cache})
@@ -352,7 +352,7 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours' WHERE name = 'herd'`)
 	require.NoError(t, err)
 
-	before := cdb.n.Load()
+	before := cdb.Statements()
 	var admitted atomic.Int64
 	var wg sync.WaitGroup
 	for range 64 {
@@ -366,7 +366,7 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	}
 	wg.Wait()
 	require.Equal(t, int64(40), admitted.Load())
-	require.Equal(t, int64(1), cdb.n.Load()-before, "one reload for all the checks that found the change")
+	require.Equal(t, int64(1), cdb.Statements()-before, "one reload for all the checks that found the change")
 	p, err := lim.Policy()
 	require.NoError(t, err)
 	require.Equal(t, 2*time.Hour, p.Window)

@@ -5,21 +5,17 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -31,27 +27,6 @@ const denyChildEnv = "PGRL_TEST_DENY_CHILD_URL"
 // denyShared is the limit both processes check: one unit per hour, so a
 // spent key is denied for about an hour.
 var denyShared = ratelimit.Config{Name: "signup:email", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}
-
-// stmtCounter is a ratelimit.DB that counts the statements it passes on.
-type stmtCounter struct {
-	*pgxpool.Pool
-	n atomic.Int64
-}
-
-func (c *stmtCounter) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	c.n.Add(1)
-	return c.Pool.Exec(ctx, sql, args...)
-}
-
-func (c *stmtCounter) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	c.n.Add(1)
-	return c.Pool.Query(ctx, sql, args...)
-}
-
-func (c *stmtCounter) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	c.n.Add(1)
-	return c.Pool.QueryRow(ctx, sql, args...)
-}
 
 // denyReport is process B's answer to one command.
 type denyReport struct {
@@ -76,7 +51,7 @@ func TestDenyShareChildProcess(t *testing.T) {
 	pool, err := pgxpool.New(ctx, url)
 	require.NoError(t, err)
 	defer pool.Close()
-	db := &stmtCounter{Pool: pool}
+	db := &testkit.CountingDB{Pool: pool}
 	lim, err := ratelimit.New(db, denyShared)
 	require.NoError(t, err)
 	l, err := policy.Watch(ctx, url, policy.NewCache(pool), policy.ListenerOptions{Denials: true})
@@ -100,7 +75,7 @@ func TestDenyShareChildProcess(t *testing.T) {
 			}
 		case len(f) == 3 && f[0] == "CHECK":
 			n, _ := strconv.Atoi(f[2])
-			before := db.n.Load()
+			before := db.Statements()
 			for range n {
 				d, err := lim.Allow(ctx, f[1])
 				if err != nil {
@@ -113,7 +88,7 @@ func TestDenyShareChildProcess(t *testing.T) {
 				}
 				r.MaxRetryUs = max(r.MaxRetryUs, d.RetryAfter.Microseconds())
 			}
-			r.Statements = db.n.Load() - before
+			r.Statements = db.Statements() - before
 		}
 		r.Received = lim.ShareStats().Received
 		b, _ := json.Marshal(r)
@@ -133,27 +108,11 @@ func TestDenyShareTwoProcesses(t *testing.T) {
 
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(cctx, os.Args[0], "-test.run=^TestDenyShareChildProcess$", "-test.count=1")
-	cmd.Env = append(os.Environ(), denyChildEnv+"="+dbtest.URLWithSchema(s))
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdoutPipe, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
-	out := bufio.NewScanner(stdoutPipe)
-	for out.Scan() && out.Text() != "ready" {
-	}
-	require.Equal(t, "ready", out.Text(), "process B: %s", stderr.String())
+	b := startChild(t, cctx, "TestDenyShareChildProcess", denyChildEnv+"="+dbtest.URLWithSchema(s))
 	ask := func(line string) denyReport {
 		t.Helper()
-		_, err := io.WriteString(stdin, line+"\n")
-		require.NoError(t, err)
-		require.True(t, out.Scan(), "process B: %s", stderr.String())
 		var r denyReport
-		require.NoError(t, json.Unmarshal(out.Bytes(), &r), out.Text())
+		b.ask(t, line, &r)
 		require.Empty(t, r.Error)
 		return r
 	}

@@ -5,9 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -111,27 +109,10 @@ func TestPolicyTwoProcesses(t *testing.T) {
 
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(cctx, os.Args[0], "-test.run=^TestPolicyChildProcess$", "-test.count=1")
-	cmd.Env = append(os.Environ(), policyChildEnv+"="+dbtest.URLWithSchema(s))
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdoutPipe, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
-	out := bufio.NewScanner(stdoutPipe)
-	for out.Scan() && out.Text() != "ready" {
-	}
-	require.Equal(t, "ready", out.Text(), "child: %s", stderr.String())
+	c := startPolicyChild(t, cctx, s)
 	check := func(key string) policyAnswer {
 		t.Helper()
-		_, err := io.WriteString(stdin, key+"\n")
-		require.NoError(t, err)
-		require.True(t, out.Scan(), "child: %s", stderr.String())
-		var a policyAnswer
-		require.NoError(t, json.Unmarshal(out.Bytes(), &a), out.Text())
+		a := c.check(t, key)
 		require.Empty(t, a.Error)
 		return a
 	}
@@ -175,31 +156,11 @@ func TestPolicyTwoProcesses(t *testing.T) {
 	require.Eventually(t, func() bool { return check("vip").Limit == 50 }, time.Second, 10*time.Millisecond)
 }
 
-// policyChild is one running TestPolicyChildProcess.
-type policyChild struct {
-	stdin  io.WriteCloser
-	out    *bufio.Scanner
-	stderr *strings.Builder
-}
-
-// startPolicyChild starts a child process following the policies of the
-// schema and waits until it has loaded them. env adds to its environment.
-func startPolicyChild(t *testing.T, ctx context.Context, schemaName string, env ...string) *policyChild {
+// startPolicyChild starts TestPolicyChildProcess on the schema and waits
+// until it has loaded its policies. env adds to its environment.
+func startPolicyChild(t *testing.T, ctx context.Context, schemaName string, env ...string) *child {
 	t.Helper()
-	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestPolicyChildProcess$", "-test.count=1")
-	cmd.Env = append(append(os.Environ(), policyChildEnv+"="+dbtest.URLWithSchema(schemaName)), env...)
-	stdin, err := cmd.StdinPipe()
-	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
-	require.NoError(t, err)
-	c := &policyChild{stdin: stdin, out: bufio.NewScanner(stdout), stderr: &strings.Builder{}}
-	cmd.Stderr = c.stderr
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })
-	for c.out.Scan() && c.out.Text() != "ready" {
-	}
-	require.Equal(t, "ready", c.out.Text(), "child: %s", c.stderr.String())
-	return c
+	return startChild(t, ctx, "TestPolicyChildProcess", append([]string{policyChildEnv + "=" + dbtest.URLWithSchema(schemaName)}, env...)...)
 }
 
 // Four OS processes, each firing 50 concurrent checks at one key of a
@@ -216,7 +177,7 @@ func TestPolicyMultiprocessExact(t *testing.T) {
 
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
 	defer cancel()
-	children := make([]*policyChild, 4)
+	children := make([]*child, 4)
 	for i := range children {
 		children[i] = startPolicyChild(t, cctx, s)
 	}
@@ -226,14 +187,12 @@ func TestPolicyMultiprocessExact(t *testing.T) {
 	}{{"plain", 20}, {"vip", 35}} {
 		// Send every burst first, so that the four processes fire at once.
 		for _, c := range children {
-			_, err := io.WriteString(c.stdin, "BURST "+trial.key+" 50\n")
-			require.NoError(t, err)
+			c.send(t, "BURST "+trial.key+" 50")
 		}
 		var admitted int64
 		for _, c := range children {
-			require.True(t, c.out.Scan(), "child: %s", c.stderr.String())
 			var a policyAnswer
-			require.NoError(t, json.Unmarshal(c.out.Bytes(), &a), c.out.Text())
+			c.read(t, &a)
 			require.Empty(t, a.Error)
 			admitted += a.Limit
 		}
@@ -241,14 +200,12 @@ func TestPolicyMultiprocessExact(t *testing.T) {
 	}
 }
 
-// check sends one check of key to the child and returns its answer.
-func (c *policyChild) check(t *testing.T, key string) policyAnswer {
+// check sends one check of key to a TestPolicyChildProcess and returns its
+// answer.
+func (c *child) check(t *testing.T, key string) policyAnswer {
 	t.Helper()
-	_, err := io.WriteString(c.stdin, key+"\n")
-	require.NoError(t, err)
-	require.True(t, c.out.Scan(), "child: %s", c.stderr.String())
 	var a policyAnswer
-	require.NoError(t, json.Unmarshal(c.out.Bytes(), &a), c.out.Text())
+	c.ask(t, key, &a)
 	return a
 }
 
@@ -264,7 +221,7 @@ func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
 	require.NoError(t, err)
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	child := startPolicyChild(t, cctx, s, policyChildNoListenerEnv+"=1")
+	other := startPolicyChild(t, cctx, s, policyChildNoListenerEnv+"=1")
 	admin := dbtest.Admin(t)
 	sql := func(q string, args ...any) {
 		t.Helper()
@@ -277,7 +234,7 @@ func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
 		t.Helper()
 		var n int64
 		for range 100 {
-			a := child.check(t, key)
+			a := other.check(t, key)
 			require.Empty(t, a.Error)
 			if !a.Allowed {
 				return n, a
@@ -289,10 +246,10 @@ func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
 	}
 
 	for range 3 {
-		require.True(t, child.check(t, "k").Allowed)
+		require.True(t, other.check(t, "k").Allowed)
 	}
 	sql(`UPDATE $s.pgrl_policy SET "limit" = 3 WHERE name = 'api'`)
-	a := child.check(t, "k")
+	a := other.check(t, "k")
 	require.Equal(t, policyAnswer{Allowed: false, Limit: 3, Used: 3}, a, "lowered: the next check is denied")
 
 	sql(`UPDATE $s.pgrl_policy SET "limit" = 8 WHERE name = 'api'`)
@@ -316,6 +273,6 @@ func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
 	require.Equal(t, int64(6), a.Limit)
 
 	sql(`DELETE FROM $s.pgrl_policy WHERE name = 'api'`)
-	a = child.check(t, "k")
+	a = other.check(t, "k")
 	require.Contains(t, a.Error, "does not exist", "a deleted policy is an error, not a default")
 }

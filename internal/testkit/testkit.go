@@ -1,8 +1,8 @@
 // Package testkit holds the helpers that tests of several packages share:
 // a settable clock for Config.Now, a log buffer safe for concurrent
-// writers, a pool on which every statement fails, and a limiter
-// constructor that fails the test on error. Tests that need a real database
-// get it from package dbtest.
+// writers, a pool on which every statement fails, a pool wrapper that
+// counts statements, and a limiter constructor that fails the test on
+// error. Tests that need a real database get it from package dbtest.
 package testkit
 
 import (
