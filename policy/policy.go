@@ -59,13 +59,15 @@ func (p Policy) Rate() ratelimit.Rate {
 }
 
 // Config returns base with the policy's name, algorithm, limit, window,
-// burst, penalty and key mode: the configuration a limiter of this policy
-// has. Everything else (failure policy, timeout, observer, ...) is base's,
-// except that ShareDenials is turned off for a readable key mode (its
-// stored keys are the callers' keys).
+// burst, penalty and key mode, and KeyByWindow set (a stored window can
+// change, and counts at two windows must never meet): the configuration a
+// limiter of this policy has. Everything else (failure policy, timeout,
+// observer, ...) is base's, except that ShareDenials is turned off for a
+// readable key mode (its stored keys are the callers' keys).
 func (p Policy) Config(base ratelimit.Config) ratelimit.Config {
 	base.Name, base.Algorithm, base.Limit, base.Window, base.Burst = p.Name, p.Algorithm, p.Limit, p.Window, p.Burst
 	base.Penalty, base.KeyMode = p.Penalty, p.KeyMode
+	base.KeyByWindow = true
 	if p.KeyMode == ratelimit.ReadableKeys {
 		// A readable stored key is the caller's key: never in a NOTIFY.
 		base.ShareDenials = false

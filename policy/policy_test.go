@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -370,4 +371,35 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	p, err := lim.Policy()
 	require.NoError(t, err)
 	require.Equal(t, 2*time.Hour, p.Window)
+}
+
+// A policy whose window changes starts afresh, even at an instant where
+// the old and the new window end together.
+func TestPolicyNewWindowStartsAfresh(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	// At 03:04 the hour [03:00, 04:00) and the two hours [02:00, 04:00)
+	// both end at 04:00.
+	now := testkit.Pinned(time.Date(2030, 1, 2, 3, 4, 0, 0, time.UTC))
+	for _, fromCache := range []bool{false, true} {
+		name := fmt.Sprintf("afresh-%v", fromCache)
+		_, err := policy.Set(ctx, pool, policy.Policy{Name: name, Limit: 3, Window: time.Hour})
+		require.NoError(t, err)
+		cache := policy.NewCache(pool)
+		require.NoError(t, cache.Reload(ctx))
+		lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{Cache: cache, FromCache: fromCache, Config: ratelimit.Config{Now: now}})
+		require.NoError(t, err)
+		d, err := lim.AllowN(ctx, "k", 3)
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours', "limit" = 5 WHERE name = $1`, name)
+		require.NoError(t, err)
+		require.NoError(t, cache.ReloadPolicy(ctx, name))
+		d, err = lim.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		require.Equal(t, int64(1), d.Used, "FromCache %v: a new window starts afresh", fromCache)
+		require.Equal(t, int64(5), d.Limit)
+	}
 }

@@ -157,6 +157,19 @@ type Config struct {
 	// MaxReadableKeyBytes (2048) bytes: a longer key gets ErrKeyTooLong.
 	KeyMode KeyMode
 
+	// KeyByWindow stores the window algorithms' counters under the name
+	// RateName(Name, Window) instead of Name, so that the counts of one
+	// name at two window lengths never meet. Without it, changing a
+	// limiter's Window keeps its counts in the rows of the same key, and a
+	// fixed-window row is identified by its window's end: a 1-hour and a
+	// 2-hour window ending at the same instant share their count. With
+	// it, a new window always starts afresh, and WithRate keeps Name for
+	// rates at other windows (their rows differ anyway). The token bucket
+	// (one bucket per key whatever its rate) ignores it. Package policy
+	// sets it: a stored policy's window can change at any time. Defaults to
+	// false, which is how counters have always been stored.
+	KeyByWindow bool
+
 	// Policy, when set, names a row of pgrl_policy (migration 7) that each
 	// check reads in its own statement: the check's Limit, Burst and
 	// Penalty, and its Window (for the token bucket; the window algorithms

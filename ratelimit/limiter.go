@@ -425,7 +425,16 @@ func (l *Limiter) at() *time.Time {
 	return &t
 }
 
-func (l *Limiter) key(key string) []byte { return StoredKey(l.cfg.KeyMode, l.cfg.Name, key) }
+func (l *Limiter) key(key string) []byte { return StoredKey(l.cfg.KeyMode, l.counterName(), key) }
+
+// counterName is the name the limiter's counters are stored under: Name,
+// or with KeyByWindow (window algorithms) Name and the window.
+func (l *Limiter) counterName() string {
+	if l.cfg.KeyByWindow && l.cfg.Algorithm != TokenBucket {
+		return RateName(l.cfg.Name, l.cfg.Window)
+	}
+	return l.cfg.Name
+}
 
 func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision, error) {
 	if l.shards != nil {
@@ -440,10 +449,10 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision,
 }
 
 // policyKey is key as pgrl_policy_override stores it: under the policy's
-// name, which is the limiter's own (k, the key stored under Name) unless a
-// rate with another window renamed it.
+// name, which is k (the counter's stored key) when the counters are stored
+// under that name too.
 func (l *Limiter) policyKey(key string, k []byte) []byte {
-	if l.cfg.Policy == l.cfg.Name {
+	if l.cfg.Policy == l.counterName() {
 		return k
 	}
 	return StoredKey(l.cfg.KeyMode, l.cfg.Policy, key)

@@ -93,7 +93,7 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 	} else {
 		cfg.FallbackLimit = 0 // the rate's Limit
 	}
-	if r.Window != l.cfg.Window && l.cfg.Algorithm != TokenBucket {
+	if r.Window != l.cfg.Window && l.cfg.Algorithm != TokenBucket && !l.cfg.KeyByWindow {
 		cfg.Name = RateName(l.cfg.Name, r.Window)
 	}
 	if cfg.Observer != nil {

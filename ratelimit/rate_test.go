@@ -166,3 +166,39 @@ func TestAllowRateObservedUnderTheLimitersName(t *testing.T) {
 	defer obs.mu.Unlock()
 	require.Equal(t, []string{"rate-obs", "rate-obs", "rate-obs"}, obs.names)
 }
+
+// Two limiters of one name at two windows that end at the same instant
+// share a fixed-window row unless KeyByWindow keys the counters by window:
+// then a new window always starts afresh, and a per-call rate at another
+// window keeps the limiter's name.
+func TestKeyByWindow(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	// At 03:04 the hour [03:00, 04:00) and the two hours [02:00, 04:00)
+	// both end at 04:00.
+	now := testkit.Pinned(base)
+	for _, byWindow := range []bool{false, true} {
+		name := "kbw-" + map[bool]string{false: "name", true: "window"}[byWindow]
+		hourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 3, Window: time.Hour, Now: now, KeyByWindow: byWindow})
+		d, err := hourly.AllowN(ctx, "k", 3)
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		twoHourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 5, Window: 2 * time.Hour, Now: now, KeyByWindow: byWindow})
+		d, err = twoHourly.Allow(ctx, "k")
+		require.NoError(t, err)
+		if byWindow {
+			require.Equal(t, int64(1), d.Used, "a new window starts afresh")
+		} else {
+			require.Equal(t, int64(4), d.Used, "without KeyByWindow the windows share their row")
+		}
+		if byWindow {
+			other, err := hourly.WithRate(ratelimit.Rate{Limit: 5, Window: 2 * time.Hour})
+			require.NoError(t, err)
+			require.Equal(t, name, other.Config().Name)
+			p, err := other.Peek(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, int64(1), p.Used, "the rate at two hours reaches the two-hour limiter's rows")
+		}
+	}
+}
