@@ -214,8 +214,9 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	require.ErrorIs(t, ratelimit.EnsurePartitions(ctx, owner, wide), ratelimit.ErrPartitionWidth)
 
 	// Opting in: the check creates its partition (its window ends past the
-	// ones EnsurePartitions made for "long").
-	optWindow := windowEndingAfter(t, windowEnd(time.Now(), longWindow).Add(2*time.Hour), longWindow)
+	// ones EnsurePartitions made for "long", which reach a whole window of
+	// "long" ahead of now, plus a partition).
+	optWindow := windowEndingAfter(t, time.Now().Add(longWindow+3*time.Hour), longWindow)
 	opt, err := ratelimit.New(owner, ratelimit.Config{Name: "opt", Limit: 3, Window: optWindow, CreatePartitions: true})
 	require.NoError(t, err)
 	d, err = opt.Allow(ctx, "k")
