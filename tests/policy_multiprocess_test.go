@@ -217,7 +217,9 @@ func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, s := dbtest.Pool(t)
-	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: time.Hour})
+	// Day-long windows: the test does not straddle a window's end but at
+	// midnight UTC.
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 5, Window: 24 * time.Hour})
 	require.NoError(t, err)
 	cctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
@@ -267,9 +269,9 @@ func TestPolicyNextCheckObeysPlainSQL(t *testing.T) {
 
 	// A new window moves the key's counter: the child's statement finds
 	// its row moved, reloads the policy, and checks at the new window.
-	sql(`UPDATE $s.pgrl_policy SET "window" = interval '2 hours', "limit" = 6 WHERE name = 'api'`)
+	sql(`UPDATE $s.pgrl_policy SET "window" = interval '2 days', "limit" = 6 WHERE name = 'api'`)
 	n, a = count("k")
-	require.Equal(t, int64(6), n, "a fresh 2-hour window of 6")
+	require.Equal(t, int64(6), n, "a fresh 2-day window of 6")
 	require.Equal(t, int64(6), a.Limit)
 
 	sql(`DELETE FROM $s.pgrl_policy WHERE name = 'api'`)
