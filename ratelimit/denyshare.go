@@ -247,7 +247,7 @@ const notifySQL = `SELECT count(pg_catalog.pg_notify('` + DenyChannel + `',
 func (l *Limiter) notifyShared(marks []denywire.Mark) {
 	s := l.share.send
 	bodies, skipped := denywire.Encode(denywire.Payload{
-		Limiter: l.share.name, Algorithm: string(l.cfg.Algorithm), WindowUs: l.windowUsOf(),
+		Limiter: l.share.name, Algorithm: string(l.cfg.Algorithm), WindowUs: l.windowUs,
 		Limit: l.cfg.Limit, Burst: l.cfg.Burst, Marks: marks,
 	})
 	s.failed.Add(uint64(skipped))
@@ -273,9 +273,6 @@ func (l *Limiter) notifyShared(marks []denywire.Mark) {
 	s.notifies.Add(1)
 	s.marks.Add(n)
 }
-
-// windowUsOf is the window in microseconds.
-func (l *Limiter) windowUsOf() int64 { return l.cfg.Window.Microseconds() }
 
 // AddDenial puts a denial learnt from another process into this limiter's
 // deny cache, keyed by stored key: until d.Until, this process answers
