@@ -2,6 +2,7 @@ package metrics_test
 
 import (
 	"context"
+	"fmt"
 	"net/http/httptest"
 	"os"
 	"testing"
@@ -42,11 +43,16 @@ func TestPolicyCollector(t *testing.T) {
 	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("k"), Limit: 9})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return l.Stats().Applied == 1 }, time.Second, 5*time.Millisecond)
-	_, err = pool.Exec(ctx, `SELECT pg_notify($1, 'not a mark')`, ratelimit.DenyChannel)
+	// A readable mark of this schema for a limiter nobody registered (an
+	// unreadable one would be counted by every listening test).
+	until := time.Now().Add(time.Hour).UnixMicro()
+	mark := fmt.Sprintf(`{"v":1,"schema":%q,"limiter":"nobody","alg":"fixed_window","window_us":60000000,"limit":5,"burst":5,`+
+		`"marks":[{"key":"%x","cost":1,"until_us":%d,"reset_us":%d,"used":5}]}`, s, p.StoredKey("k"), until, until)
+	_, err = pool.Exec(ctx, `SELECT pg_notify($1, $2)`, ratelimit.DenyChannel, mark)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return l.Stats().Denials.Invalid == 1 }, 5*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Denials.Unknown == 1 }, 5*time.Second, 5*time.Millisecond)
 	samples, types := scrape(t, srv.URL)
-	require.Equal(t, "1", samples[`pgrl_policy_shared_denials_total{outcome="invalid"}`])
+	require.Equal(t, "1", samples[`pgrl_policy_shared_denials_total{outcome="unknown"}`])
 	require.Equal(t, "0", samples[`pgrl_policy_shared_denials_total{outcome="dropped"}`])
 	require.Equal(t, "1", samples[`pgrl_policy_notifications_total{outcome="applied"}`])
 	require.Equal(t, "0", samples[`pgrl_policy_notifications_total{outcome="dropped"}`])
