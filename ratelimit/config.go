@@ -112,6 +112,12 @@ const (
 	DefaultMaxInFlight = 2
 	// DefaultShareMinRetryAfter is Config.ShareMinRetryAfter when it is 0.
 	DefaultShareMinRetryAfter = time.Second
+	// DefaultTimeout is Config.Timeout when it is 0: how long a check waits
+	// for PostgreSQL before the failure policy answers. It is about ten
+	// times the slowest healthy check measured on a busy two-core machine
+	// (docs/RESILIENCE.md has the figures), and a small part of the second
+	// or more that a person or a client waits for a request.
+	DefaultTimeout = 250 * time.Millisecond
 )
 
 // Config describes one limit.
@@ -207,13 +213,20 @@ type Config struct {
 	// to Limit.
 	FallbackLimit int64
 
-	// Timeout bounds each check's round trip on the client. Pair it with a
-	// server-side statement_timeout a little shorter (see
-	// StatementTimeoutParam), so that PostgreSQL abandons a slow statement
-	// itself and the connection survives. Zero means the caller's context
-	// alone bounds the check. Use it with a pool: pgx closes a connection
-	// whose statement was abandoned, so a limiter on a single *pgx.Conn
-	// would lose its connection at the first timeout. Defaults to 0.
+	// Timeout bounds each check's wait for PostgreSQL (a connection, the
+	// round trip, a row lock), on the client and whatever the caller's
+	// context: a context with no deadline, or a later one, does not lengthen
+	// it. When it passes, the failure policy answers (FailToMemory by
+	// default), so a stalled or partitioned database never stalls the
+	// application. Pair it with a server-side statement_timeout a little
+	// shorter (see StatementTimeoutParam), so that PostgreSQL abandons a
+	// slow statement itself and the connection survives. pgx closes a
+	// connection whose statement was abandoned: a limiter on a single
+	// *pgx.Conn loses its connection at the first timeout, so give it a
+	// pool. Peek and Reset are bounded by it too (they return the error).
+	// Checks inside the caller's transaction (…Tx) are bounded by the
+	// caller's context alone. Defaults to DefaultTimeout (250ms); negative
+	// values are refused with ErrInvalidTimeout.
 	Timeout time.Duration
 
 	// DenyCacheSize caps the keys the local deny cache remembers. When
@@ -404,7 +417,10 @@ func (c Config) withDefaults() (Config, error) {
 		c.FallbackLimit = c.Limit
 	}
 	if c.Timeout < 0 {
-		return c, invalid(ErrInvalidTimeout, "%v for %q; use a positive timeout, or 0 for none", c.Timeout, c.Name)
+		return c, invalid(ErrInvalidTimeout, "%v for %q; use a positive timeout, or 0 for the default %v", c.Timeout, c.Name, DefaultTimeout)
+	}
+	if c.Timeout == 0 {
+		c.Timeout = DefaultTimeout
 	}
 	if err := c.checkShare(); err != nil {
 		return c, err

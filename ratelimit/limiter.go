@@ -60,6 +60,10 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	if err != nil {
 		return nil, err
 	}
+	if pool, ok := db.(*pgxpool.Pool); ok {
+		// Checks hold at most their share of the pool (PoolShareDivisor).
+		db = sharedPoolFor(pool)
+	}
 	l := &Limiter{shape: newShape(cfg), db: db, q: gen.New()}
 	l.breaker = newBreaker(cfg)
 	fb := cfg
@@ -228,20 +232,18 @@ func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, erro
 	}
 	d = l.asWhole(row, d)
 	if l.cfg.Cleanup != nil {
-		if pool, ok := l.db.(*pgxpool.Pool); ok {
-			l.cfg.Cleanup.Maybe(ctx, pool)
+		if p, ok := l.db.(*pooled); ok {
+			l.cfg.Cleanup.Maybe(ctx, p.pool)
 		}
 	}
 	return l.shadow(key, d), nil
 }
 
-// allowWithin asks PostgreSQL, answering by Config.Timeout at the latest:
-// the check runs on its own goroutine and the caller stops waiting at the
-// deadline, whatever the driver is still doing with the connection.
+// allowWithin asks PostgreSQL, answering by Config.Timeout at the latest,
+// whatever the caller's context: the check runs on its own goroutine and
+// the caller stops waiting at the deadline, whatever the driver is still
+// doing with the connection.
 func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
-	if l.cfg.Timeout <= 0 {
-		return l.allowDB(ctx, key, a)
-	}
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
 	ch := make(chan takeResult, 1)
@@ -352,7 +354,9 @@ func (l *Limiter) Peek(ctx context.Context, key string) (Decision, error) {
 	if err := l.cfg.checkKey(key); err != nil {
 		return Decision{}, err
 	}
-	d, err := l.peek(ctx, l.db, key)
+	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	d, err := l.peek(cctx, l.db, key)
 	return d, l.explain(ctx, err)
 }
 
@@ -382,7 +386,9 @@ func (l *Limiter) Reset(ctx context.Context, key string) error {
 		return err
 	}
 	l.forgetLocal(ctx, key)
-	return l.explain(ctx, l.reset(ctx, l.db, key))
+	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	return l.explain(ctx, l.reset(cctx, l.db, key))
 }
 
 func (l *Limiter) forgetLocal(ctx context.Context, key string) {

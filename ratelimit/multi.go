@@ -234,7 +234,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		}
 	}
 	cctx := ctx
-	if tx == nil && first.cfg.Timeout > 0 {
+	if tx == nil {
 		var cancel context.CancelFunc
 		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
 		defer cancel()

@@ -1,0 +1,207 @@
+package tests
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// TestStallDefaultConfigBounded is a stalled database (a proxy that
+// accepts connections and forwards nothing, closing nothing) met with the
+// default Config: no Timeout set, callers whose contexts have no deadline or
+// an hour-long one. Every kind of check (coalesced, not coalesced, AllowAll,
+// a policy limiter reading its policy in the statement) is answered by the
+// failure policy, and the p99 over many concurrent checks is within
+// DefaultTimeout plus a slack measured on this machine. Meanwhile the
+// limiters together never hold more than their share of the pool (half its
+// connections, acquired or being opened), so the application's own queries
+// keep the rest; and once the stall ends, a query of the application's on
+// the same pool is answered promptly.
+func TestStallDefaultConfigBounded(t *testing.T) {
+	p, url := proxiedSchema(t)
+	b := measureBaseline(t, url)
+	slack := max(b.slack(), 50*time.Millisecond)
+
+	cfg, err := pgxpool.ParseConfig(url)
+	require.NoError(t, err)
+	cfg.MaxConns = 8 // no ConnectTimeout: an attempt lasts as long as the stall
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	share := int32(cfg.MaxConns / ratelimit.PoolShareDivisor)
+
+	quiet := slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))
+	mk := func(c ratelimit.Config) *ratelimit.Limiter {
+		c.Limit, c.Window, c.Logger = 1_000_000, time.Hour, quiet
+		l, err := ratelimit.New(pool, c)
+		require.NoError(t, err)
+		return l
+	}
+	coalesced := mk(ratelimit.Config{Name: "stall-coalesced"})
+	alone := mk(ratelimit.Config{Name: "stall-alone", DisableCoalescing: true})
+	perIP := mk(ratelimit.Config{Name: "stall-ip", Algorithm: ratelimit.TokenBucket})
+	perUser := mk(ratelimit.Config{Name: "stall-user", Algorithm: ratelimit.SlidingWindow})
+	ctx := context.Background()
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "stall-api", Algorithm: ratelimit.FixedWindow, Limit: 1_000_000, Window: time.Hour})
+	require.NoError(t, err)
+	api, err := policy.NewLimiter(ctx, pool, "stall-api", policy.Options{Config: ratelimit.Config{Logger: quiet}})
+	require.NoError(t, err)
+
+	kinds := []struct {
+		name  string
+		check func(ctx context.Context, key string) (ratelimit.Store, error)
+	}{
+		{"coalesced", func(ctx context.Context, key string) (ratelimit.Store, error) {
+			d, err := coalesced.Allow(ctx, key)
+			return d.Store, err
+		}},
+		{"alone", func(ctx context.Context, key string) (ratelimit.Store, error) {
+			d, err := alone.Allow(ctx, key)
+			return d.Store, err
+		}},
+		{"allow-all", func(ctx context.Context, key string) (ratelimit.Store, error) {
+			m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
+				ratelimit.Check{Limiter: perIP, Key: key}, ratelimit.Check{Limiter: perUser, Key: key})
+			if err != nil || len(m.Decisions) == 0 {
+				return "", err
+			}
+			return m.Decisions[0].Store, nil
+		}},
+		{"policy", func(ctx context.Context, key string) (ratelimit.Store, error) {
+			d, err := api.Allow(ctx, key)
+			return d.Store, err
+		}},
+	}
+	// Healthy first: every kind answered by PostgreSQL.
+	for _, k := range kinds {
+		require.True(t, settleWithin(30*time.Second, func() bool {
+			s, err := k.check(ctx, "warm")
+			return err == nil && s == ratelimit.StorePostgres
+		}), "%s: PostgreSQL answers through the healthy proxy", k.name)
+	}
+
+	p.stall.Store(true)
+	stalled := true
+	defer func() {
+		if stalled {
+			p.stall.Store(false)
+		}
+	}()
+
+	// Sample what the pool holds for checks while they run.
+	var most atomic.Int32
+	sampling := make(chan struct{})
+	sampled := make(chan struct{})
+	go func() {
+		defer close(sampled)
+		for {
+			s := pool.Stat()
+			if h := s.AcquiredConns() + s.ConstructingConns(); h > most.Load() {
+				most.Store(h)
+				t.Logf("pool: %d acquired, %d being opened, %d idle", s.AcquiredConns(), s.ConstructingConns(), s.IdleConns())
+			}
+			select {
+			case <-sampling:
+				return
+			case <-time.After(2 * time.Millisecond):
+			}
+		}
+	}()
+
+	const callers = 16 // per kind
+	run := max(time.Second, 4*ratelimit.DefaultTimeout)
+	type result struct {
+		kind  string
+		took  time.Duration
+		store ratelimit.Store
+		err   error
+	}
+	var mu sync.Mutex
+	var results []result
+	slowest := map[string][]time.Duration{} // each caller's slowest check, by kind
+	var wg sync.WaitGroup
+	for _, k := range kinds {
+		for i := range callers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				// Half the callers have no deadline, half a long one.
+				cctx, cancel := context.WithCancel(ctx)
+				if i%2 == 1 {
+					cctx, cancel = context.WithTimeout(ctx, time.Hour)
+				}
+				defer cancel()
+				var worst time.Duration
+				defer func() {
+					mu.Lock()
+					slowest[k.name] = append(slowest[k.name], worst)
+					mu.Unlock()
+				}()
+				for n, end := 0, time.Now().Add(run); time.Now().Before(end); n++ {
+					start := time.Now()
+					s, err := k.check(cctx, fmt.Sprintf("%s-%d-%d", k.name, i, n%4))
+					r := result{k.name, time.Since(start), s, err}
+					worst = max(worst, r.took)
+					mu.Lock()
+					results = append(results, r)
+					mu.Unlock()
+				}
+			}()
+		}
+	}
+	waited := make(chan struct{})
+	go func() { wg.Wait(); close(waited) }()
+	select {
+	case <-waited:
+	case <-time.After(run + 10*(ratelimit.DefaultTimeout+slack)):
+		p.stall.Store(false)
+		<-waited
+		t.Errorf("checks were still waiting %v after the stall began", run+10*(ratelimit.DefaultTimeout+slack))
+	}
+	close(sampling)
+	<-sampled
+
+	byKind := map[string][]time.Duration{}
+	for _, r := range results {
+		require.NoError(t, r.err, "%s: a stalled database is answered by the failure policy, not an error", r.kind)
+		require.Equal(t, ratelimit.StoreMemory, r.store, "%s: answered by the memory fallback", r.kind)
+		byKind[r.kind] = append(byKind[r.kind], r.took)
+	}
+	bound := ratelimit.DefaultTimeout + slack
+	for _, k := range kinds {
+		lat := byKind[k.name]
+		require.GreaterOrEqual(t, len(lat), callers, "%s: every caller was answered at least once", k.name)
+		slices.Sort(lat)
+		p99 := lat[len(lat)*99/100]
+		t.Logf("%s: %d checks in the stall, p50 %v, p99 %v, max %v (bound %v)", k.name, len(lat),
+			lat[len(lat)/2].Round(time.Microsecond), p99.Round(time.Microsecond), lat[len(lat)-1].Round(time.Microsecond), bound)
+		require.LessOrEqual(t, p99, bound, "%s: p99 of the checks during the stall", k.name)
+		// Most checks are answered at once by the open breaker: hold each
+		// caller's slowest check to the bound too, all but one in 16.
+		worst := slowest[k.name]
+		slices.Sort(worst)
+		t.Logf("%s: callers' slowest checks %v", k.name, worst)
+		require.LessOrEqual(t, worst[len(worst)*15/16-1], bound, "%s: the callers' slowest checks", k.name)
+	}
+	t.Logf("the checks held at most %d of the pool's %d connections (share %d)", most.Load(), cfg.MaxConns, share)
+	require.LessOrEqual(t, most.Load(), share, "the limiters hold at most their share of the pool")
+
+	p.stall.Store(false)
+	stalled = false
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var one int
+	require.NoError(t, pool.QueryRow(qctx, "SELECT 1").Scan(&one), "the application's query once the stall ends")
+}
