@@ -335,7 +335,7 @@ func (a *app) keyGet(ctx context.Context, tx pgx.Tx, t keyTarget, key string) er
 	if rows == 0 {
 		fmt.Fprintln(a.stdout, "rows       none stored: the key is as a key never seen")
 	} else {
-		fmt.Fprintf(a.stdout, "rows       %d stored in %s (`rl-policy key reset` deletes them)\n", rows, counterTable(cfg.Algorithm))
+		fmt.Fprintf(a.stdout, "rows       %s stored in %s (`rl-policy key reset` deletes them)\n", plural(rows, "row"), counterTable(cfg.Algorithm))
 	}
 	return nil
 }
@@ -372,9 +372,18 @@ func (a *app) keyReset(ctx context.Context, tx pgx.Tx, t keyTarget, key string) 
 	if deleted == 0 {
 		fmt.Fprintln(a.stdout, "reset      nothing to delete: the key had no counter row")
 	} else {
-		fmt.Fprintf(a.stdout, "reset      deleted %d row(s) from %s: the next check finds the key as new\n", deleted, counterTable(cfg.Algorithm))
+		fmt.Fprintf(a.stdout, "reset      deleted %s from %s: the next check counts from zero (a denial a process has cached stays until it ends)\n",
+			plural(deleted, "row"), counterTable(cfg.Algorithm))
 	}
 	return nil
+}
+
+// plural is "1 row", "2 rows".
+func plural(n int64, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return strconv.FormatInt(n, 10) + " " + noun + "s"
 }
 
 // keyHeader prints the limiter and the key, in text.

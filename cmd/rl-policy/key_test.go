@@ -5,6 +5,9 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"math"
+	"os"
+	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -347,4 +350,60 @@ func TestKeyNotMigrated(t *testing.T) {
 	_, stderr, code := runFn(t, db(s, "key", "get", "n", "k", "--limit", "5", "--window", "1m")...)
 	require.Equal(t, cli.ExitError, code, stderr)
 	require.Contains(t, stderr, "rl-migrate up")
+}
+
+// docs/KEYS.md is true: its JSON examples have exactly the fields the
+// commands print, and its table names every flag.
+func TestKeysDoc(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../../docs/KEYS.md")
+	require.NoError(t, err)
+	for _, f := range append(append([]string{}, shapeFlagNames...), "key-hex") {
+		require.True(t, strings.Contains(string(doc), "| `--"+f), "docs/KEYS.md's flags table lacks --%s", f)
+	}
+	ks := newKeySetup(t)
+	_, stderr, code := runFn(t, db(ks.schema, "set", "login", "--limit", "5", "--window", "15m")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	lim, err := policy.NewLimiter(context.Background(), ks.pool, "login", policy.Options{})
+	require.NoError(t, err)
+	_, err = lim.Allow(context.Background(), "ada@example.com")
+	require.NoError(t, err)
+
+	text, _, code := ks.asAppText(t, "key", "get", "login", "ada@example.com")
+	require.Equal(t, cli.ExitOK, code)
+	// Each line, its figures aside, begins as in the doc's example.
+	digits := regexp.MustCompile(`[0-9]+`)
+	normDoc := digits.ReplaceAllString(string(doc), "N")
+	for _, line := range strings.Split(strings.TrimSpace(text), "\n") {
+		line = digits.ReplaceAllString(line, "N")
+		prefix := line[:min(len(line), 40)]
+		require.True(t, strings.Contains(normDoc, prefix), "docs/KEYS.md's text example lacks a line like %q", line)
+	}
+
+	// get, then reset (which finds the row get saw).
+	blocks := regexp.MustCompile("(?s)```json\n(.*?)```").FindAllStringSubmatch(string(doc), -1)
+	require.Len(t, blocks, 2)
+	for _, b := range blocks {
+		var want map[string]any
+		require.NoError(t, json.Unmarshal([]byte(b[1]), &want), b[1])
+		cmd := strings.Fields(want["command"].(string))
+		got, stderr, code := ks.asApp(t, append(cmd, "login", "ada@example.com")...)
+		require.Equal(t, cli.ExitOK, code, stderr)
+		require.Equal(t, fieldPaths("", want), fieldPaths("", got), "docs/KEYS.md's %s example", want["command"])
+	}
+}
+
+// fieldPaths lists the fields of v's objects, nested ones as "a.b".
+func fieldPaths(prefix string, v any) []string {
+	m, ok := v.(map[string]any)
+	if !ok {
+		return nil
+	}
+	var out []string
+	for k, sub := range m {
+		out = append(out, prefix+k)
+		out = append(out, fieldPaths(prefix+k+".", sub)...)
+	}
+	sort.Strings(out)
+	return out
 }

@@ -60,7 +60,8 @@ Commands:
                            of KEY: the key as stored, from override list)
   key get|reset NAME KEY [--key-hex HEX] [--algorithm A --limit N --window D ...]
                            show or delete KEY's counter under any limiter, a stored
-                           policy or one defined in code; docs/KEYS.md
+                           policy or one defined in code (the application role may
+                           run both); docs/KEYS.md
   version                  print this tool's version
 
 Flags:
