@@ -58,6 +58,10 @@ Commands:
   override delete NAME KEY delete KEY's override
                            (override set and delete take --stored-key HEX instead
                            of KEY: the key as stored, from override list)
+  key get|reset NAME KEY [--key-hex HEX] [--algorithm A --limit N --window D ...]
+                           show or delete KEY's counter under any limiter, a stored
+                           policy or one defined in code (the application role may
+                           run both); docs/KEYS.md
   version                  print this tool's version
 
 Flags:
@@ -325,6 +329,8 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 			return usagef("override needs a subcommand: set, list or delete")
 		}
 		return a.override(ctx, rest[0], rest[1:])
+	case "key":
+		return a.key(ctx, rest)
 	case "version":
 		pos, err := a.parse(sub, rest)
 		if err != nil {
