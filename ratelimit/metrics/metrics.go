@@ -13,7 +13,7 @@
 // The series (documented with their labels in docs/METRICS.md):
 //
 //   - pgrl_decisions_total{limiter, outcome, store}: checks by outcome
-//     (allowed, denied, shadow_denied, error) and by what answered them
+//     (allowed, denied, shadow_denied, not_counted, error) and by what answered them
 //     (postgres, memory, deny_cache, policy; none for errors).
 //   - pgrl_check_duration_seconds{limiter, store}: how long checks took.
 //   - pgrl_breaker_open{limiter}: 1 while the limiter's breaker keeps checks
@@ -51,6 +51,11 @@ const (
 	OutcomeDenied       = "denied"
 	OutcomeShadowDenied = "shadow_denied"
 	OutcomeError        = "error"
+	// OutcomeNotCounted is a check of a ratelimit.AllowAll decision under
+	// AllOrNothing that its own limit would have allowed, while another
+	// limit of the decision denied: the request was refused and nothing
+	// was counted (Decision.Allowed with Granted 0).
+	OutcomeNotCounted = "not_counted"
 )
 
 // StoreNone is the store label of a check that returned an error.
@@ -83,7 +88,7 @@ func New(reg prometheus.Registerer) (*Collector, error) {
 	c := &Collector{
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: DecisionsTotal,
-			Help: "Rate-limit checks, by limiter, outcome (allowed, denied, shadow_denied, error) and the store that answered (postgres, memory, deny_cache, policy; none for errors).",
+			Help: "Rate-limit checks, by limiter, outcome (allowed, denied, shadow_denied, not_counted, error) and the store that answered (postgres, memory, deny_cache, policy; none for errors).",
 		}, []string{"limiter", "outcome", "store"}),
 		duration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    CheckDuration,
@@ -127,6 +132,8 @@ func (c *Collector) ObserveDecision(limiter string, d ratelimit.Decision, took t
 		outcome = OutcomeShadowDenied
 	case !d.Allowed:
 		outcome = OutcomeDenied
+	case d.Granted == 0:
+		outcome = OutcomeNotCounted
 	}
 	if store == "" {
 		store = StoreNone

@@ -201,7 +201,7 @@ func TestObserveDecisionOutcomes(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	col, err := metrics.New(reg)
 	require.NoError(t, err)
-	col.ObserveDecision("x", ratelimit.Decision{Allowed: true, Store: ratelimit.StoreMemory}, 3*time.Millisecond, nil)
+	col.ObserveDecision("x", ratelimit.Decision{Allowed: true, Granted: 1, Store: ratelimit.StoreMemory}, 3*time.Millisecond, nil)
 	col.ObserveDecision("x", ratelimit.Decision{Allowed: false, Store: ratelimit.StorePolicy}, time.Millisecond, nil)
 	col.ObserveDecision("x", ratelimit.Decision{}, time.Millisecond, io.ErrUnexpectedEOF)
 	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
@@ -214,4 +214,38 @@ func TestObserveDecisionOutcomes(t *testing.T) {
 	// 3 ms falls in the 5 ms bucket, not the 2.5 ms one.
 	require.Equal(t, "0", samples[`pgrl_check_duration_seconds_bucket{limiter="x",store="memory",le="0.0025"}`])
 	require.Equal(t, "1", samples[`pgrl_check_duration_seconds_bucket{limiter="x",store="memory",le="0.005"}`])
+}
+
+// TestRefusedGroupNotCountedAsAllowed decides two limits together under
+// AllOrNothing, one of which denies: once from PostgreSQL, once from the
+// deny cache. The other limit's check took nothing and the request was
+// refused, so it is counted as not_counted, never as allowed.
+func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	reg := prometheus.NewRegistry()
+	col, err := metrics.New(reg)
+	require.NoError(t, err)
+	at := func() time.Time { return base }
+	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at, Observer: col})
+	require.NoError(t, err)
+	loose, err := ratelimit.New(pool, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at, Observer: col})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = strict.Allow(ctx, "k")
+	require.NoError(t, err)
+	for range 2 { // PostgreSQL denies, then the deny cache does
+		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
+			ratelimit.Check{Limiter: strict, Key: "k"}, ratelimit.Check{Limiter: loose, Key: "k"})
+		require.NoError(t, err)
+		require.False(t, m.Allowed)
+	}
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+	samples, _ := scrape(t, srv.URL)
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="loose",outcome="not_counted",store="postgres"}`])
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="loose",outcome="not_counted",store="deny_cache"}`])
+	for k := range samples {
+		require.NotContains(t, k, `limiter="loose",outcome="allowed"`, "a refused request's check is not allowed")
+	}
 }
