@@ -3,6 +3,9 @@ package migration
 import (
 	"errors"
 	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
 )
@@ -143,3 +146,68 @@ func (e *PermissionError) Error() string {
 
 // Is reports whether target is ErrPermission.
 func (e *PermissionError) Is(target error) bool { return target == ErrPermission }
+
+// MissingRoleError reports roles named to Grant (Config.GrantTo, rl-migrate
+// --grant-to) that do not exist. Up and UpTo check every role before
+// migrating, so nothing was done. It matches ErrInvalidConfig.
+type MissingRoleError struct {
+	// Roles are the roles that do not exist, in the order given.
+	Roles []string
+}
+
+// Error names the roles and the statements that create them.
+func (e *MissingRoleError) Error() string {
+	quoted := make([]string, len(e.Roles))
+	create := make([]string, len(e.Roles))
+	for i, r := range e.Roles {
+		quoted[i] = fmt.Sprintf("%q", r)
+		create[i] = "CREATE ROLE " + pgx.Identifier{r}.Sanitize() + " LOGIN PASSWORD '...'"
+	}
+	what, it := "role "+quoted[0]+" does not exist", "it"
+	if len(e.Roles) > 1 {
+		what, it = "roles "+strings.Join(quoted, ", ")+" do not exist", "them"
+	}
+	return "pgrl migration: " + what + ", so nothing was done; create " + it + " first (" + strings.Join(create, "; ") + ")"
+}
+
+// Is reports whether target is ErrInvalidConfig.
+func (e *MissingRoleError) Is(target error) bool { return target == ErrInvalidConfig }
+
+// ErrPending is matched (with errors.Is) by every *PendingError: the schema
+// lacks migrations this build carries.
+var ErrPending = errors.New("pgrl migrations are pending")
+
+// PendingError is what Check returns when migrations are pending. It
+// matches ErrPending and ErrNotMigrated.
+type PendingError struct {
+	// Database is the database looked in (current_database()).
+	Database string
+	// User is the database user that looked (current_user).
+	User string
+	// Schema is the schema looked in.
+	Schema string
+	// Table is the migrations table, inside Schema.
+	Table string
+	// Version is the version recorded (0: none applied, or no table).
+	Version uint
+	// Pending lists the migrations not applied, oldest first.
+	Pending []Migration
+}
+
+// Error names where it looked, what is missing and the command to run.
+func (e *PendingError) Error() string {
+	cmd := "rl-migrate --schema " + e.Schema
+	if e.Table != "" && e.Table != DefaultTable {
+		cmd += " --migrations-table " + e.Table
+	}
+	need := Latest().Version
+	if n := len(e.Pending); n > 0 {
+		need = e.Pending[n-1].Version
+	}
+	return fmt.Sprintf("pgrl migrations are pending in database %s, schema %s (looked in as user %s): it is at version %d, this build needs %d; pending: %s; "+
+		"run `%s up` as the migration role (the owner of pgrl's tables) against this database",
+		e.Database, e.Schema, e.User, e.Version, need, versionList(e.Pending), cmd)
+}
+
+// Is reports whether target is ErrPending or ErrNotMigrated.
+func (e *PendingError) Is(target error) bool { return target == ErrPending || target == ErrNotMigrated }

@@ -34,6 +34,8 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// The body of this example, after its first line, is the README's snippet
+// for migrating at start-up (TestREADMEMigrationSnippets).
 func ExampleMigrator_Up() {
 	ctx := context.Background()
 	m, err := migration.New(databaseURL, migration.Config{Schema: schema})
@@ -41,23 +43,42 @@ func ExampleMigrator_Up() {
 		log.Fatal(err)
 	}
 	defer func() { _ = m.Close() }()
-	for range 2 {
-		res, err := m.Up(ctx) // no pending migration is success
-		if errors.Is(err, migration.ErrDirty) {
-			log.Fatal("someone must run `rl-migrate force N`: ", err)
-		}
-		if err != nil {
-			log.Fatal(err)
-		}
-		fmt.Println("applied any:", len(res.Applied) > 0)
+	res, err := m.Up(ctx) // no pending migration is success
+	if errors.Is(err, migration.ErrDirty) {
+		log.Fatal("someone must run `rl-migrate force N`: ", err)
+	}
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("applied any:", len(res.Applied) > 0)
+	// Output:
+	// applied any: true
+}
+
+// Runs after ExampleMigrator_Up, on the schema it migrated.
+func ExampleMigrator_Check() {
+	ctx := context.Background()
+	m, err := migration.New(databaseURL, migration.Config{Schema: schema})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer func() { _ = m.Close() }()
+	// At start-up, under the application's own role: refuse to serve until
+	// the schema is current.
+	if err := m.Check(ctx); err != nil {
+		log.Fatal(err) // migration.ErrPending names the versions and the command to run
+	}
+	res, err := m.Up(ctx) // a second Up finds nothing to do
+	if err != nil {
+		log.Fatal(err)
 	}
 	st, err := m.Status(ctx)
 	if err != nil {
 		log.Fatal(err)
 	}
+	fmt.Println("applied any:", len(res.Applied) > 0)
 	fmt.Println("up to date:", st.Version == st.Latest, "layout:", st.Layout)
 	// Output:
-	// applied any: true
 	// applied any: false
 	// up to date: true layout: plain
 }

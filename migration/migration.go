@@ -25,6 +25,8 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -117,7 +119,8 @@ type Config struct {
 	// and EXECUTE on the functions checks call. See Grant.
 	GrantTo []string
 
-	// Logger receives one line per migration applied or reverted.
+	// Logger receives one line per migration applied or reverted, with the
+	// time that migration took ("took").
 	// Defaults to discarding logs.
 	Logger *slog.Logger
 }
@@ -128,9 +131,11 @@ type Migrator struct {
 	cfg     Config
 	connCfg *pgx.ConnConfig
 
-	mu     sync.Mutex
-	conn   *pgx.Conn // control connection: lock, status, layout
-	schema string    // resolved schema name
+	mu       sync.Mutex
+	conn     *pgx.Conn // control connection: lock, status, layout
+	schema   string    // resolved schema name
+	user     string    // current_user of the control connection
+	database string    // current_database() of the control connection
 }
 
 // New parses connString (a postgres:// URL or key=value string; "" reads the
@@ -257,32 +262,138 @@ type Status struct {
 
 // Up applies every pending migration. Nothing pending is success.
 //
-// With Config.GrantTo set it then grants those roles the application's
-// rights (see Grant), also when nothing was pending.
+// With Config.GrantTo set it first checks that every role named exists
+// (a *MissingRoleError, and nothing done, when one does not) and, after
+// migrating, grants those roles the application's rights (see Grant), also
+// when nothing was pending.
+//
+// When nothing is pending, Up only reads the migrations table: it needs no
+// CREATE on the schema and takes no lock, so an application may call it at
+// start-up under its own role, which Grant lets read that table. Check does
+// the same without ever trying to migrate.
 func (m *Migrator) Up(ctx context.Context) (Result, error) {
-	res, err := m.run(ctx, needCreate, Up, func(mg *migrate.Migrate, _ uint) error { return mg.Up() })
-	if err != nil {
-		return res, err
-	}
-	return res, m.Grant(ctx, m.cfg.GrantTo...)
+	return m.up(ctx, Latest().Version, func(mg *migrate.Migrate, _ uint) error { return mg.Up() })
 }
 
 // UpTo applies the pending migrations up to and including version. It
-// never reverts: a database already past version is an error.
+// never reverts: a database already past version is an error. Like Up, it
+// checks Config.GrantTo first and grants after.
 func (m *Migrator) UpTo(ctx context.Context, version uint) (Result, error) {
 	if _, err := Lookup(version); err != nil {
 		return Result{}, err
 	}
-	res, err := m.run(ctx, needCreate, Up, func(mg *migrate.Migrate, current uint) error {
+	return m.up(ctx, version, func(mg *migrate.Migrate, current uint) error {
 		if current > version {
 			return fmt.Errorf("the database is at version %d, past %d: `up` never reverts; use `rl-migrate down` to go back", current, version)
 		}
 		return mg.Migrate(version)
 	})
+}
+
+// up checks the roles to grant to, migrates to target unless the schema is
+// there already, and grants.
+func (m *Migrator) up(ctx context.Context, target uint, op func(*migrate.Migrate, uint) error) (Result, error) {
+	if err := m.checkRoles(ctx, m.cfg.GrantTo); err != nil {
+		return Result{}, err
+	}
+	res, done, err := m.upToDate(ctx, target)
 	if err != nil {
 		return res, err
 	}
+	if !done {
+		if res, err = m.run(ctx, needCreate, Up, op); err != nil {
+			return res, err
+		}
+	}
 	return res, m.Grant(ctx, m.cfg.GrantTo...)
+}
+
+// upToDate reports whether the migrations table cleanly records version
+// target: then `up` has nothing to do and needs neither the migration lock
+// nor CREATE on the schema. Any doubt (no table, a table it cannot read, a
+// dirty flag, another version) answers false and leaves the decision to
+// run, under the lock, with its own checks and messages.
+func (m *Migrator) upToDate(ctx context.Context, target uint) (Result, bool, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	conn, schemaName, err := m.control(ctx)
+	if err != nil {
+		return Result{}, false, err
+	}
+	st, err := m.status(ctx, conn, schemaName)
+	if err != nil || st.Dirty || st.Version != target {
+		return Result{}, false, nil
+	}
+	return Result{Schema: schemaName, From: st.Version, To: st.Version, Applied: []Migration{}, Reverted: []Migration{}}, true, nil
+}
+
+// checkRoles returns a *MissingRoleError naming every role of roles that
+// does not exist.
+func (m *Migrator) checkRoles(ctx context.Context, roles []string) error {
+	if len(roles) == 0 {
+		return nil
+	}
+	for _, r := range roles {
+		if err := ident.Check("role to grant to", r); err != nil {
+			return invalidConfig("%v", err)
+		}
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	conn, _, err := m.control(ctx)
+	if err != nil {
+		return err
+	}
+	return missingRoles(ctx, conn, roles)
+}
+
+// missingRoles returns a *MissingRoleError naming the roles that do not
+// exist, in the order given, or nil.
+func missingRoles(ctx context.Context, q interface {
+	Query(context.Context, string, ...any) (pgx.Rows, error)
+}, roles []string) error {
+	rows, err := q.Query(ctx, `SELECT r FROM unnest($1::text[]) WITH ORDINALITY AS u(r, i)
+		WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = u.r) ORDER BY i`, roles)
+	if err != nil {
+		return err
+	}
+	missing, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		return err
+	}
+	if len(missing) > 0 {
+		return &MissingRoleError{Roles: missing}
+	}
+	return nil
+}
+
+// Check reports whether the schema holds every migration this build
+// carries. It is the start-up guard for an application that runs under its
+// own role: it needs only what Grant gives that role (USAGE on the schema,
+// SELECT on the migrations table), changes nothing and takes no lock.
+//
+// It returns nil when nothing is pending; a *PendingError (matching
+// ErrPending and ErrNotMigrated) naming the database, the user, the schema,
+// the pending migrations and the command that applies them; a *DirtyError
+// when a migration stopped part-way; a *PermissionError when the role may
+// not read the migrations table. A database at a version newer than this
+// build's newest migration (migrated by a newer pgrl, as in a rolling
+// deploy) has nothing pending for this build and passes.
+func (m *Migrator) Check(ctx context.Context) error {
+	st, err := m.Status(ctx)
+	if err != nil {
+		return err
+	}
+	if st.Dirty {
+		return &DirtyError{Version: st.Version, Table: qualified(st.Schema, st.Table)}
+	}
+	if len(st.Pending) == 0 {
+		return nil
+	}
+	m.mu.Lock()
+	user, db := m.user, m.database
+	m.mu.Unlock()
+	return &PendingError{Database: db, User: user, Schema: st.Schema, Table: st.Table, Version: st.Version, Pending: st.Pending}
 }
 
 // Down reverts the newest steps applied migrations (fewer when fewer are
@@ -398,8 +509,8 @@ func (m *Migrator) SetLayout(ctx context.Context, layout Layout, width time.Dura
 			return &DirtyError{Version: st.Version, Table: qualified(schemaName, m.cfg.Table)}
 		}
 		if st.Version < 4 {
-			return fmt.Errorf("%w: schema %s is at version %d and this layout switch needs version 4; run `rl-migrate up` first",
-				ErrNotMigrated, schemaName, st.Version)
+			return fmt.Errorf("%w: in database %s, schema %s (looked in as user %s) is at version %d and this layout switch needs version 4; run `rl-migrate --schema %s up` first",
+				ErrNotMigrated, m.database, schemaName, m.user, st.Version, schemaName)
 		}
 		err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
@@ -475,14 +586,18 @@ func (e *PartitionCountError) Is(target error) bool {
 // Grant gives each role the rights an application's checks need in the
 // migrated schema, and nothing more: USAGE on the schema; SELECT, INSERT,
 // UPDATE and DELETE on pgrl_fixed_window, pgrl_token_bucket and
-// pgrl_sliding_window; SELECT on the policy tables pgrl_policy and
+// pgrl_sliding_window; SELECT on the migrations table and
+// pgrl_partition_settings (what Status, Check and a no-op Up read, so that
+// the application can check at start-up that its schema is current);
+// SELECT on the policy tables pgrl_policy and
 // pgrl_policy_override (read by package policy, written by the migration
 // role or a DBA, never by the application); EXECUTE on pgrl_abort_unless,
 // the arithmetic functions the checks inline and pgrl_stored_key
 // (appFunctions). Partitions made later
 // need no grant of their own: PostgreSQL checks a query's rights on the
 // table it names, the partitioned parent. Granting again is harmless; Up
-// calls it with Config.GrantTo. Run it as the owner of pgrl's tables.
+// calls it with Config.GrantTo. Run it as the owner of pgrl's tables. A role
+// that does not exist is a *MissingRoleError, and nothing is granted.
 func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 	if len(roles) == 0 {
 		return nil
@@ -499,16 +614,11 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 		return err
 	}
 	return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+		if err := missingRoles(ctx, tx, roles); err != nil {
+			return err
+		}
 		for _, r := range roles {
-			var exists bool
-			if err := tx.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = $1)", r).Scan(&exists); err != nil {
-				return err
-			}
-			if !exists {
-				return invalidConfig("role %q does not exist; create it first (CREATE ROLE %s LOGIN PASSWORD '...') and run `rl-migrate up --grant-to %s` again",
-					r, pgx.Identifier{r}.Sanitize(), r)
-			}
-			stmts, err := grantStatements(ctx, tx, schemaName, r)
+			stmts, err := grantStatements(ctx, tx, schemaName, m.cfg.Table, r)
 			if err != nil {
 				return err
 			}
@@ -526,10 +636,12 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 // appTables are the counter tables a check reads and writes.
 var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
 
-// appReadTables are the tables an application only reads: the policies of
-// migration 000007, which package policy loads and the DBA (or rl-policy,
-// as the migration role) writes.
-var appReadTables = []string{"pgrl_policy", "pgrl_policy_override"}
+// appReadTables are the tables an application only reads: the layout
+// settings Status reports, and the policies of migration 000007, which
+// package policy loads and the DBA (or rl-policy, as the migration role)
+// writes. Grant adds the migrations table, which Status, Check and a no-op
+// Up read.
+var appReadTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_policy_override"}
 
 // appFunctions are the functions a check calls: pgrl_abort_unless, the
 // named-arithmetic functions of migration 000005, which the planner inlines
@@ -559,7 +671,7 @@ var appFunctions = []string{
 
 // grantStatements returns the GRANT statements that give role the
 // application's rights on the objects present in schemaName.
-func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, role string) ([]string, error) {
+func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, migrationsTable, role string) ([]string, error) {
 	r := pgx.Identifier{role}.Sanitize()
 	out := []string{"GRANT USAGE ON SCHEMA " + pgx.Identifier{schemaName}.Sanitize() + " TO " + r}
 	for _, t := range appTables {
@@ -571,7 +683,7 @@ func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, role string) ([
 			out = append(out, "GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE "+qualified(schemaName, t)+" TO "+r)
 		}
 	}
-	for _, t := range appReadTables {
+	for _, t := range append([]string{migrationsTable}, appReadTables...) {
 		var ok bool
 		if err := tx.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&ok); err != nil {
 			return nil, err
@@ -664,7 +776,7 @@ func (m *Migrator) run(ctx context.Context, need access, dir Direction, op func(
 			}
 		}
 		res.From, res.To = current, current
-		drv.lastClean = v
+		drv.lastClean, drv.dir = v, dir
 
 		stop := context.AfterFunc(ctx, func() {
 			select {
@@ -771,6 +883,10 @@ func (m *Migrator) control(ctx context.Context) (*pgx.Conn, string, error) {
 		if err != nil {
 			return nil, "", err
 		}
+		if err := conn.QueryRow(ctx, "SELECT current_user::text, current_database()::text").Scan(&m.user, &m.database); err != nil {
+			_ = conn.Close(ctx)
+			return nil, "", err
+		}
 		m.conn = conn
 	}
 	if m.schema == "" {
@@ -802,7 +918,7 @@ func (m *Migrator) status(ctx context.Context, conn *pgx.Conn, schemaName string
 		var v int64
 		err := conn.QueryRow(ctx, "SELECT version, dirty FROM "+table+" LIMIT 1").Scan(&v, &st.Dirty)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return st, err
+			return st, m.readDenied(err, schemaName, m.cfg.Table)
 		}
 		st.Version = uint(max(v, 0))
 	}
@@ -826,13 +942,26 @@ func (m *Migrator) status(ctx context.Context, conn *pgx.Conn, schemaName string
 		var secs int64
 		err := conn.QueryRow(ctx, "SELECT partition_seconds FROM "+settings+" WHERE table_name = 'pgrl_fixed_window'").Scan(&secs)
 		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
-			return st, err
+			return st, m.readDenied(err, schemaName, "pgrl_partition_settings")
 		}
 		st.PartitionWidth = time.Duration(secs) * time.Second
 	default:
 		st.Layout = LayoutPlain
 	}
 	return st, nil
+}
+
+// readDenied turns a refused read of table into a *PermissionError that
+// names the grant; other errors pass unchanged. The caller holds m.mu.
+func (m *Migrator) readDenied(err error, schemaName, table string) error {
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "42501" {
+		return err
+	}
+	u := pgx.Identifier{m.user}.Sanitize()
+	return &PermissionError{User: m.user, Need: "SELECT on " + schemaName + "." + table + " (status, Check and a no-op up read it)",
+		Fix: "run `rl-migrate --schema " + schemaName + " up --grant-to " + m.user + "` as the owner of pgrl's tables, which grants it, or GRANT SELECT ON TABLE " +
+			qualified(schemaName, table) + " TO " + u}
 }
 
 // open builds a golang-migrate instance on a connection of its own whose
@@ -847,7 +976,8 @@ func (m *Migrator) open(schemaName string) (*migrate.Migrate, *trackingDriver, f
 		_ = db.Close()
 		return nil, nil, nil, unwrapDriverError(err)
 	}
-	drv := &trackingDriver{Driver: inner, lastClean: database.NilVersion, dirtyTarget: database.NilVersion}
+	drv := &trackingDriver{Driver: inner, lastClean: database.NilVersion, dirtyTarget: database.NilVersion,
+		log: m.cfg.Logger.With("schema", schemaName)}
 	src, err := iofs.New(schema.FS, ".")
 	if err != nil {
 		_ = inner.Close()
@@ -865,20 +995,38 @@ func (m *Migrator) open(schemaName string) (*migrate.Migrate, *trackingDriver, f
 
 // trackingDriver remembers the last clean version recorded and the last
 // error of a migration file, so that a file the server rejected (and rolled
-// back) does not leave the table dirty.
+// back) does not leave the table dirty. It also logs each file it ran with
+// the time that file took.
 type trackingDriver struct {
 	database.Driver
 	lastClean   int
 	dirtyTarget int
 	runErr      error
+	dir         Direction
+	log         *slog.Logger
 }
 
 func (d *trackingDriver) Run(r io.Reader) error {
+	// golang-migrate records the target version as dirty before running a
+	// file: up runs the file of that version, down the one of the version
+	// it leaves.
+	v, verb := d.dirtyTarget, "applied"
+	if d.dir == Down {
+		v, verb = d.lastClean, "reverted"
+	}
+	start := time.Now()
 	err := d.Driver.Run(r)
 	if err != nil {
 		d.runErr = err
+		return err
 	}
-	return err
+	mig, lookupErr := Lookup(uint(max(v, 0)))
+	name := mig.String()
+	if lookupErr != nil {
+		name = strconv.Itoa(v)
+	}
+	d.log.Info(verb+" migration "+name, "took", time.Since(start).Round(100*time.Microsecond).String())
+	return nil
 }
 
 func (d *trackingDriver) SetVersion(version int, dirty bool) error {
@@ -896,8 +1044,17 @@ func (d *trackingDriver) SetVersion(version int, dirty bool) error {
 // migrateLogger adapts slog to golang-migrate's logger.
 type migrateLogger struct{ l *slog.Logger }
 
+// migrateRunLine is golang-migrate's line after each file ("1/u counters
+// (12.1ms)"), whose time counts from the start of the whole run, not of the
+// file: trackingDriver logs each file with its own time instead.
+var migrateRunLine = regexp.MustCompile(`^[0-9]+/[ud] \S+ \([^)]*\)$`)
+
 func (g migrateLogger) Printf(format string, v ...any) {
-	g.l.Info(strings.TrimSpace(fmt.Sprintf(format, v...)))
+	line := strings.TrimSpace(fmt.Sprintf(format, v...))
+	if migrateRunLine.MatchString(line) {
+		return
+	}
+	g.l.Info(line)
 }
 
 func (g migrateLogger) Verbose() bool { return false }

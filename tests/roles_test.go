@@ -6,6 +6,9 @@ package tests
 import (
 	"context"
 	"fmt"
+	"os"
+	"regexp"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -217,4 +220,102 @@ func TestRolesCleanupWithoutUsageNamesTheGrant(t *testing.T) {
 	require.ErrorIs(t, err, cleanup.ErrPermission)
 	require.Contains(t, err.Error(), "GRANT USAGE ON SCHEMA")
 	require.NotContains(t, err.Error(), "rl-migrate up")
+}
+
+// The application role, with exactly what GrantTo gives it, can guard its
+// start-up: Status and Check read the migrations table (and the layout
+// settings), and an Up with nothing pending succeeds without CREATE on the
+// schema. When a migration is pending, Check says which and what to run, and
+// Up asks for the migration role.
+func TestRolesApplicationRoleChecksMigrations(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rs := newRoleSetup(t)
+	asApp := func() *migration.Migrator {
+		m, err := migration.New(dbtest.URLAs(rs.app), migration.Config{Schema: rs.schema})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = m.Close() })
+		return m
+	}
+	for _, layout := range []migration.Layout{migration.LayoutPlain, migration.LayoutPartitioned} {
+		_, err := rs.migrator(t, migration.Config{}).SetLayout(ctx, layout, time.Hour)
+		require.NoError(t, err)
+		app := asApp()
+		st, err := app.Status(ctx)
+		require.NoError(t, err, layout)
+		require.Equal(t, layout, st.Layout)
+		require.Empty(t, st.Pending)
+		require.NoError(t, app.Check(ctx), layout)
+		res, err := app.Up(ctx)
+		require.NoError(t, err, "a no-op Up needs no CREATE (%s)", layout)
+		require.False(t, res.Changed())
+	}
+
+	latest := migration.Latest()
+	require.NoError(t, rs.migrator(t, migration.Config{}).Force(ctx, latest.Version-1))
+	app := asApp()
+	err := app.Check(ctx)
+	require.ErrorIs(t, err, migration.ErrPending)
+	require.ErrorIs(t, err, ratelimit.ErrNotMigrated)
+	var pe *migration.PendingError
+	require.ErrorAs(t, err, &pe)
+	require.Equal(t, []migration.Migration{latest}, pe.Pending)
+	require.Equal(t, rs.app, pe.User)
+	require.Contains(t, err.Error(), "rl-migrate --schema "+rs.schema+" up")
+	_, err = app.Up(ctx)
+	require.ErrorIs(t, err, migration.ErrPermission)
+	require.Contains(t, err.Error(), "CREATE on schema "+rs.schema)
+	require.NoError(t, rs.migrator(t, migration.Config{}).Force(ctx, latest.Version))
+
+	// The cleanup role, which GrantTo did not name, is told the grant.
+	_, err = dbtest.Admin(t).Exec(ctx, "GRANT USAGE ON SCHEMA "+pgx.Identifier{rs.schema}.Sanitize()+" TO "+pgx.Identifier{rs.cleaner}.Sanitize())
+	require.NoError(t, err)
+	m, err := migration.New(dbtest.URLAs(rs.cleaner), migration.Config{Schema: rs.schema})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = m.Close() })
+	err = m.Check(ctx)
+	require.ErrorIs(t, err, migration.ErrPermission)
+	require.Contains(t, err.Error(), "GRANT SELECT ON TABLE "+pgx.Identifier{rs.schema, migration.DefaultTable}.Sanitize())
+}
+
+// docs/SECURITY.md's statements for the application role give exactly the
+// rights that GrantTo (rl-migrate up --grant-to) gives, on every relation of
+// the schema.
+func TestRolesSecurityDocMatchesGrantTo(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	rs := newRoleSetup(t)
+	admin := dbtest.Admin(t)
+	body, err := os.ReadFile("../docs/SECURITY.md")
+	require.NoError(t, err)
+	doc := string(body)
+	start := strings.Index(doc, "## 2. The application role")
+	require.NotEqual(t, -1, start)
+	block := regexp.MustCompile("(?s)```sql\n(.*?)```").FindStringSubmatch(doc[start:])
+	require.NotNil(t, block)
+
+	byDoc := dbtest.NewRole(t)
+	sql := strings.ReplaceAll(block[1], "ratelimit.", pgx.Identifier{rs.schema}.Sanitize()+".")
+	sql = strings.ReplaceAll(sql, "SCHEMA ratelimit", "SCHEMA "+pgx.Identifier{rs.schema}.Sanitize())
+	sql = regexp.MustCompile(`\bTO app\b`).ReplaceAllString(sql, "TO "+pgx.Identifier{byDoc}.Sanitize())
+	for _, stmt := range strings.Split(sql, ";") {
+		stmt = strings.TrimSpace(stmt)
+		if stmt == "" || strings.HasPrefix(stmt, "CREATE ROLE") {
+			continue
+		}
+		_, err := admin.Exec(ctx, stmt)
+		require.NoError(t, err, stmt)
+	}
+	rights := func(role string) string {
+		var s string
+		require.NoError(t, admin.QueryRow(ctx, `
+			SELECT has_schema_privilege($1, n.oid, 'USAGE')::text || has_schema_privilege($1, n.oid, 'CREATE')::text || ' ' ||
+			       coalesce(string_agg(c.relname || ':' || (SELECT string_agg(p, ',' ORDER BY p) FROM unnest(ARRAY['SELECT','INSERT','UPDATE','DELETE','TRUNCATE','REFERENCES','TRIGGER']) p
+			                                                  WHERE has_table_privilege($1, c.oid, p)), ' ' ORDER BY c.relname), '')
+			  FROM pg_namespace n LEFT JOIN pg_class c ON c.relnamespace = n.oid AND c.relkind IN ('r', 'p')
+			 WHERE n.nspname = $2 GROUP BY n.oid`, role, rs.schema).Scan(&s))
+		return s
+	}
+	require.Equal(t, rights(rs.app), rights(byDoc))
+	require.Contains(t, rights(rs.app), migration.DefaultTable+":SELECT ")
 }

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/migration"
 )
 
 // A name over 63 bytes is a usage error and nothing is done: PostgreSQL
@@ -63,8 +66,8 @@ func TestLayoutTooManyPartitionsIsUsageError(t *testing.T) {
 }
 
 // up --grant-to gives the application role its rights (DML on the
-// counters, SELECT only on the policy tables), on every run, and refuses a
-// role that does not exist.
+// counters, SELECT only on the policy tables, the migrations table and the
+// layout settings), on every run, and refuses a role that does not exist.
 func TestUpGrantTo(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -84,10 +87,13 @@ func TestUpGrantTo(t *testing.T) {
 			AND NOT has_schema_privilege($1, $2, 'CREATE')
 			AND NOT has_table_privilege($1, $3, 'TRUNCATE')
 			AND has_table_privilege($1, $7, 'SELECT') AND NOT has_table_privilege($1, $7, 'INSERT, UPDATE, DELETE')
-			AND has_table_privilege($1, $8, 'SELECT') AND NOT has_table_privilege($1, $8, 'INSERT, UPDATE, DELETE')`,
+			AND has_table_privilege($1, $8, 'SELECT') AND NOT has_table_privilege($1, $8, 'INSERT, UPDATE, DELETE')
+			AND has_table_privilege($1, $9, 'SELECT') AND NOT has_table_privilege($1, $9, 'INSERT, UPDATE, DELETE, TRUNCATE')
+			AND has_table_privilege($1, $10, 'SELECT') AND NOT has_table_privilege($1, $10, 'INSERT, UPDATE, DELETE')`,
 			role, s, s+".pgrl_fixed_window", s+".pgrl_token_bucket", s+".pgrl_sliding_window",
 			pgx.Identifier{s}.Sanitize()+".pgrl_abort_unless(boolean, text)",
-			s+".pgrl_policy", s+".pgrl_policy_override").Scan(&ok))
+			s+".pgrl_policy", s+".pgrl_policy_override",
+			s+"."+migration.DefaultTable, s+".pgrl_partition_settings").Scan(&ok))
 		return ok
 	}
 	require.True(t, can(app))
@@ -102,4 +108,71 @@ func TestUpGrantTo(t *testing.T) {
 	_, stderr, code = runFn(t, db(s, "up", "--grant-to", "pgrl_no_such_role")...)
 	require.Equal(t, cli.ExitUsage, code, stderr)
 	require.Contains(t, stderr, `role "pgrl_no_such_role" does not exist`)
+}
+
+// The application role, with exactly what up --grant-to gives it, can ask
+// whether its schema is current (status, status --check) and run a no-op
+// up, which needs no CREATE; it is told what is pending, where, and what
+// to run; and a role that may not read the migrations table is told the
+// GRANT.
+func TestAppRoleStatusCheck(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	admin := dbtest.Admin(t)
+	s := dbtest.NewSchema(t)
+	owner, app, other := dbtest.NewRole(t), dbtest.NewRole(t), dbtest.NewRole(t)
+	_, err := admin.Exec(ctx, "ALTER SCHEMA "+pgx.Identifier{s}.Sanitize()+" OWNER TO "+pgx.Identifier{owner}.Sanitize())
+	require.NoError(t, err)
+	as := func(role string, args ...string) (string, string, int) {
+		return runFn(t, append([]string{"--database-url", dbtest.URLAs(role), "--schema", s}, args...)...)
+	}
+	_, stderr, code := as(owner, "up", "--grant-to", app)
+	require.Equal(t, cli.ExitOK, code, stderr)
+
+	stdout, stderr, code := as(app, "status")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "pending:          none")
+	_, stderr, code = as(app, "status", "--check")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	stdout, stderr, code = as(app, "--output", "json", "status", "--check")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Equal(t, "plain", oneJSON(t, stdout)["layout"])
+	stdout, stderr, code = as(app, "up")
+	require.Equal(t, cli.ExitOK, code, "a no-op up needs no CREATE: %s", stderr)
+	require.Contains(t, stdout, "nothing to do")
+
+	// The partitioned layout: status reads the width too.
+	_, stderr, code = as(owner, "layout", "partitioned")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	stdout, stderr, code = as(app, "status", "--check")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "partitioned (partitions of 1h0m0s)")
+
+	// One migration pending.
+	prev := migration.Latest().Version - 1
+	_, stderr, code = as(owner, "force", strconv.Itoa(int(prev)))
+	require.Equal(t, cli.ExitOK, code, stderr)
+	_, stderr, code = as(app, "status", "--check")
+	require.Equal(t, cli.ExitPending, code, stderr)
+	line := oneLine(t, stderr)
+	for _, want := range []string{"database pgrl_test", "schema " + s, "as user " + app,
+		fmt.Sprintf("pending: %d (%s)", migration.Latest().Version, migration.Latest().Name),
+		"run `rl-migrate --schema " + s + " up` as the migration role"} {
+		require.Contains(t, line, want)
+	}
+	_, stderr, code = as(app, "up")
+	require.Equal(t, cli.ExitError, code, stderr)
+	require.Contains(t, oneLine(t, stderr), "lacks CREATE on schema "+s)
+	_, stderr, code = as(owner, "force", strconv.Itoa(int(migration.Latest().Version)))
+	require.Equal(t, cli.ExitOK, code, stderr)
+
+	// USAGE alone: the message names the GRANT.
+	_, err = admin.Exec(ctx, "GRANT USAGE ON SCHEMA "+pgx.Identifier{s}.Sanitize()+" TO "+pgx.Identifier{other}.Sanitize())
+	require.NoError(t, err)
+	_, stderr, code = as(other, "status")
+	require.Equal(t, cli.ExitError, code, stderr)
+	line = oneLine(t, stderr)
+	require.Contains(t, line, "lacks SELECT on "+s+"."+migration.DefaultTable)
+	require.Contains(t, line, "GRANT SELECT ON TABLE "+pgx.Identifier{s, migration.DefaultTable}.Sanitize()+" TO "+pgx.Identifier{other}.Sanitize())
+	require.Contains(t, line, "up --grant-to "+other)
 }

@@ -33,11 +33,14 @@ Commands:
                            --grant-to (repeatable, or a comma list) then grants each
                            role the application's rights (USAGE on the schema, DML
                            on the counter tables, SELECT on the policy tables,
-                           EXECUTE on pgrl's functions), also when nothing was pending
+                           EXECUTE on pgrl's functions, SELECT on the migrations
+                           table for status), also when nothing was pending; every
+                           role must exist, which is checked before anything is done
   down [--all]             revert the newest applied migration; --all reverts every
                            one and drops pgrl's tables with all their counters
   status [--check]         show the version, applied and pending migrations and the
-                           layout; --check exits 4 when some are pending, 3 when dirty
+                           layout; --check exits 4 when some are pending, 3 when dirty;
+                           the application's role may run it after up --grant-to
   force N                  record version N as applied and clear the dirty flag,
                            running no SQL (N=0: nothing applied); for after a repair
   sql N [up|down]          print migration N's SQL (default up); needs no database
@@ -137,6 +140,7 @@ type app struct {
 	stdout, stderr io.Writer
 	g              globals
 	log            *slog.Logger
+	args           []string // the command line as given, for hints
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -149,7 +153,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			lockWait:    migration.DefaultLockWait,
 			output:      "text",
 		},
-		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		log:  slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		args: args,
 	}
 	// Errors in flags that come before --output json are still reported
 	// as JSON.
@@ -172,7 +177,7 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 	fs := newFlagSet("rl-migrate")
 	a.g.register(fs)
 	if err := fs.Parse(args); err != nil {
-		return usagef("%v", err)
+		return flagError(fs, err)
 	}
 	if err := a.checkGlobals(); err != nil {
 		return err
@@ -312,7 +317,7 @@ func newFlagSet(name string) *flag.FlagSet {
 func parse(fs *flag.FlagSet, args []string, a *app) ([]string, error) {
 	pos, err := cli.Positional(fs, args)
 	if err != nil {
-		return nil, usagef("%s: %v", fs.Name(), err)
+		return nil, flagError(fs, err)
 	}
 	if err := a.checkGlobals(); err != nil {
 		return nil, err
@@ -404,7 +409,11 @@ func (a *app) finish(err error) int {
 		code = cli.ExitUsage
 	}
 	msg := explain(err)
-	if code == cli.ExitUsage && !a.jsonOutput() {
+	var mr *migration.MissingRoleError
+	switch {
+	case errors.As(err, &mr):
+		msg = strings.TrimPrefix(msg, "pgrl migration: ") + ", then run `" + a.commandLine() + "` again"
+	case code == cli.ExitUsage && !a.jsonOutput():
 		msg += "; run `rl-migrate --help` for usage"
 	}
 	if a.jsonOutput() {
@@ -580,7 +589,12 @@ func (a *app) status(ctx context.Context, check bool) error {
 		}
 		if len(st.Pending) > 0 {
 			if !a.jsonOutput() {
-				fmt.Fprintf(a.stderr, "rl-migrate: %d migration(s) pending; run `rl-migrate up`\n", len(st.Pending))
+				// Check names the database, the user and the schema.
+				err := m.Check(ctx)
+				if !errors.Is(err, migration.ErrPending) {
+					return err
+				}
+				fmt.Fprintln(a.stderr, "rl-migrate: "+err.Error())
 			}
 			return exitCode(cli.ExitPending)
 		}

@@ -6,10 +6,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -457,47 +455,6 @@ func TestInterrupted(t *testing.T) {
 // returns a URL with the wrong one.
 func scramCluster(t *testing.T) string {
 	t.Helper()
-	bins, _ := filepath.Glob("/usr/lib/postgresql/*/bin/initdb")
-	if len(bins) == 0 {
-		if p, err := exec.LookPath("initdb"); err == nil {
-			bins = []string{p}
-		}
-	}
-	if len(bins) == 0 {
-		if os.Getenv("CI") != "" {
-			t.Fatal("CI: no PostgreSQL server binaries (initdb) installed to start a password-protected cluster")
-		}
-		t.Skip("no PostgreSQL server binaries (initdb) installed to start a password-protected cluster")
-	}
-	binDir := filepath.Dir(bins[len(bins)-1])
-	// Not t.TempDir: its parent is private to this user, and the server
-	// runs as postgres.
-	dir, err := os.MkdirTemp("", "pgrl-scram-")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	require.NoError(t, os.Chmod(dir, 0o777))
-	data := filepath.Join(dir, "data")
-	pwfile := filepath.Join(dir, "pw")
-	require.NoError(t, os.WriteFile(pwfile, []byte("rightpw\n"), 0o644))
-
-	asPostgres := func(name string, args ...string) *exec.Cmd {
-		if u, err := user.Current(); err == nil && u.Uid == "0" {
-			return exec.Command("runuser", append([]string{"-u", "postgres", "--", filepath.Join(binDir, name)}, args...)...)
-		}
-		return exec.Command(filepath.Join(binDir, name), args...)
-	}
-	out, err := asPostgres("initdb", "-D", data, "-U", "postgres", "--auth=scram-sha-256", "--pwfile="+pwfile, "--no-sync").CombinedOutput()
-	require.NoError(t, err, "initdb: %s", out)
-
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := l.Addr().(*net.TCPAddr).Port
-	require.NoError(t, l.Close())
-	opts := fmt.Sprintf("-p %d -c listen_addresses=127.0.0.1 -k %s -c fsync=off -c shared_buffers=16MB -c max_connections=10", port, dir)
-	out, err = asPostgres("pg_ctl", "-D", data, "-o", opts, "-l", filepath.Join(dir, "log"), "-w", "start").CombinedOutput()
-	require.NoError(t, err, "pg_ctl start: %s", out)
-	t.Cleanup(func() {
-		_ = asPostgres("pg_ctl", "-D", data, "-m", "immediate", "-w", "stop").Run()
-	})
-	return fmt.Sprintf("postgres://postgres:wrongpw@127.0.0.1:%d/postgres?sslmode=disable", port)
+	c := startCluster(t, "scram-sha-256", "rightpw")
+	return fmt.Sprintf("postgres://postgres:wrongpw@127.0.0.1:%d/postgres?sslmode=disable", c.port)
 }
