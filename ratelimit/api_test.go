@@ -198,6 +198,9 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		l := testkit.NewLimiter(t, pool, cfg)
 		_, err := l.Allow(ctx, "k")
 		both(t, err, ratelimit.ErrReadOnly, "25006")
+		// A primary whose session is read-only is not called a standby.
+		require.NotContains(t, err.Error(), "standby")
+		require.Contains(t, err.Error(), "default_transaction_read_only")
 	})
 	t.Run("outage under FailError", func(t *testing.T) {
 		// A statement cancelled by statement_timeout while it waits on the

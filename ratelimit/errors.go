@@ -50,9 +50,12 @@ var (
 	// migration.ErrNotMigrated and cleanup.ErrNotMigrated, so errors.Is
 	// matches any of them.
 	ErrNotMigrated = notmigrated.Err
-	// ErrReadOnly: the database is a read-only standby, where counters can
-	// be neither written nor read (UNLOGGED tables live on the primary only).
-	ErrReadOnly = errors.New("ratelimit: database is a read-only standby; point the limiter at the primary")
+	// ErrReadOnly: the database refuses the check's write. Either it is a
+	// read-only standby, where counters can be neither written nor read
+	// (UNLOGGED tables live on the primary only), or the session is
+	// read-only (default_transaction_read_only on for the role, the
+	// database or the connection). The error's text says which it found.
+	ErrReadOnly = errors.New("ratelimit: the database refuses writes")
 	// ErrEmptyMulti: a multi-limit decision was given no checks.
 	ErrEmptyMulti = errors.New("ratelimit: no checks to decide; pass at least one")
 	// ErrDuplicateCheck: one multi-limit decision names the same limiter and

@@ -651,6 +651,9 @@ const schemaWithoutUsage = `SELECT n.nspname::text
 // error path).
 func (l *Limiter) explain(ctx context.Context, err error) error {
 	err = mapErr(err)
+	if errors.Is(err, ErrReadOnly) {
+		return l.explainReadOnly(ctx, err)
+	}
 	if !errors.Is(err, ErrNotMigrated) {
 		return err
 	}
@@ -658,12 +661,39 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") {
 		return err // 42883: the schema's pgrl_ functions are hidden like its tables
 	}
+	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
 	var schema string
 	if qerr := l.db.QueryRow(ctx, schemaWithoutUsage).Scan(&schema); qerr != nil {
 		return err // none found (or no answer): the tables are missing
 	}
 	return fmt.Errorf("%w: the database user lacks USAGE on schema %q, which holds pgrl's tables, so PostgreSQL hides them; run GRANT USAGE ON SCHEMA %s TO <user> (and SELECT, INSERT, UPDATE, DELETE on its pgrl_ tables): %w",
 		ErrPermission, schema, pgx.Identifier{schema}.Sanitize(), pgErr)
+}
+
+// explainReadOnly says why the database refused a write: a standby, or a
+// read-only session on a primary.
+func (l *Limiter) explainReadOnly(ctx context.Context, err error) error {
+	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	var standby bool
+	if qerr := l.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {
+		return fmt.Errorf("%w: it is a read-only standby (point the limiter at the primary), or the session is read-only (set default_transaction_read_only to off for the limiter's role or connections): %w", ErrReadOnly, unwrapMapped(err))
+	}
+	if standby {
+		return fmt.Errorf("%w: it is a read-only standby; point the limiter at the primary: %w", ErrReadOnly, unwrapMapped(err))
+	}
+	return fmt.Errorf("%w: the session is read-only on a primary (default_transaction_read_only is on for the limiter's role, database or connection); turn it off for the limiter's connections, e.g. ALTER ROLE <role> SET default_transaction_read_only = off, or RuntimeParams in the pool's config: %w", ErrReadOnly, unwrapMapped(err))
+}
+
+// unwrapMapped returns the *pgconn.PgError inside an error mapErr made, or
+// the error itself.
+func unwrapMapped(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr
+	}
+	return err
 }
 
 // mulDiv is a*b/c for non-negative a, b and positive c, computed in 128

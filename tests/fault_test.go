@@ -724,6 +724,7 @@ func TestFaultStandbyGuard(t *testing.T) {
 			_, err = l.Allow(ctx, "k")
 			require.ErrorIs(t, err, ratelimit.ErrReadOnly, "%s/%s", alg, pc.name)
 			require.Contains(t, err.Error(), "primary")
+			require.Contains(t, err.Error(), "standby")
 			if pc.policy == ratelimit.FailToMemory {
 				checks = append(checks, ratelimit.Check{Limiter: l, Key: "k"})
 			}
