@@ -64,9 +64,14 @@ func Example() {
 		rec := httptest.NewRecorder()
 		mux.ServeHTTP(rec, req)
 		fmt.Printf("%d Retry-After: %q\n", rec.Code, rec.Header().Get("Retry-After"))
+		if rec.Code == http.StatusTooManyRequests {
+			fmt.Printf("RateLimit-Policy: %s\nRateLimit: %s\n", rec.Header().Get("RateLimit-Policy"), rec.Header().Get("RateLimit"))
+		}
 	}
 	// Output:
 	// 200 Retry-After: ""
 	// 200 Retry-After: ""
 	// 429 Retry-After: "30"
+	// RateLimit-Policy: "public-api";q=2;w=60
+	// RateLimit: "public-api";r=0;t=30
 }

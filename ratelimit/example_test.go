@@ -80,7 +80,8 @@ func ExampleAllowAll() {
 		if err != nil {
 			log.Fatal(err)
 		}
-		fmt.Printf("allowed=%v denied-by=%d email-used=%d\n", m.Allowed, m.DeniedBy, m.Decisions[1].Used)
+		// Granted is what each limit took: 0 for all of them when denied.
+		fmt.Printf("allowed=%v denied-by=%d email-charged=%d\n", m.Allowed, m.DeniedBy, m.Decisions[1].Granted)
 	}
 	d, err := perEmail.Peek(ctx, "ada@example.com")
 	if err != nil {
@@ -88,9 +89,9 @@ func ExampleAllowAll() {
 	}
 	fmt.Println("email used after the denial:", d.Used)
 	// Output:
-	// allowed=true denied-by=-1 email-used=1
-	// allowed=true denied-by=-1 email-used=2
-	// allowed=false denied-by=0 email-used=3
+	// allowed=true denied-by=-1 email-charged=1
+	// allowed=true denied-by=-1 email-charged=1
+	// allowed=false denied-by=0 email-charged=0
 	// email used after the denial: 2
 }
 

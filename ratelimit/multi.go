@@ -45,8 +45,10 @@ type MultiDecision struct {
 	Allowed bool
 	// Decisions holds each limit's own decision, in the order of the
 	// checks. Under AllOrNothing, when the request was denied, nothing was
-	// consumed even where Decisions[i].Allowed is true; their Remaining
-	// counts the units as if they had been.
+	// consumed even where Decisions[i].Allowed is true: every Granted is 0,
+	// while Used and Remaining are what the check saw inside the
+	// transaction that was then rolled back (as if the units had been
+	// taken). Peek reports the key's state afterwards.
 	Decisions []Decision
 	// DeniedBy is the index of the first check that denied, or -1.
 	DeniedBy int
