@@ -225,7 +225,11 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (ratelimit.De
 		lim, _ := l.forKey(b, e, key)
 		d, err := lim.AllowN(ctx, key, n)
 		if attempt == 0 && l.inStatement && stale(err) {
-			if rerr := l.cache.refreshKey(ctx, l.name, b.policy.StoredKey(key), e); rerr != nil {
+			// The reload is bounded as the check is (Config.Timeout).
+			rctx, cancel := context.WithTimeout(ctx, b.lim.Config().Timeout)
+			rerr := l.cache.refreshKey(rctx, l.name, b.policy.StoredKey(key), e)
+			cancel()
+			if rerr != nil {
 				return ratelimit.Decision{}, rerr
 			}
 			continue
