@@ -102,9 +102,11 @@ type Options struct {
 	// Fallback is the store FailToStore asks. Required with FailToStore,
 	// ignored otherwise.
 	Fallback limiter.Store
-	// Timeout bounds each call's time in the database; when it passes, the
-	// failure policy answers. Defaults to 0: no bound but the caller's
-	// context. Pair a short timeout with the server's statement_timeout.
+	// Timeout bounds each call's time in the database, whatever the
+	// caller's context; when it passes, the failure policy answers.
+	// Defaults to ratelimit.DefaultTimeout (500ms), so that a stalled
+	// database never stalls the application. Pair a short timeout with the
+	// server's statement_timeout.
 	Timeout time.Duration
 	// Logger receives one warning each time the failure policy answers.
 	// Defaults to slog.Default().
@@ -147,7 +149,10 @@ func NewStoreWithOptions(db DB, opts Options) (*Store, error) {
 		return nil, fmt.Errorf("%w: %d; use FailError, FailOpen, FailClosed or FailToStore", ErrInvalidPolicy, opts.OnFailure)
 	}
 	if opts.Timeout < 0 {
-		return nil, fmt.Errorf("%w: %v; use a positive timeout, or 0 for none", ErrInvalidTimeout, opts.Timeout)
+		return nil, fmt.Errorf("%w: %v; use a positive timeout, or 0 for the default %v", ErrInvalidTimeout, opts.Timeout, ratelimit.DefaultTimeout)
+	}
+	if opts.Timeout == 0 {
+		opts.Timeout = ratelimit.DefaultTimeout
 	}
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
@@ -266,10 +271,7 @@ func (s *Store) storedKey(key string, windowUs int64) []byte {
 }
 
 func (s *Store) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	if s.opts.Timeout > 0 {
-		return context.WithTimeout(ctx, s.opts.Timeout)
-	}
-	return ctx, func() {}
+	return context.WithTimeout(ctx, s.opts.Timeout)
 }
 
 // fail answers a call the database could not: errors the caller or the
