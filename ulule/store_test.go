@@ -279,6 +279,25 @@ func TestTimeoutAnswersByPolicy(t *testing.T) {
 	_, err = plain.Get(ctx, "k", minute3)
 	require.True(t, errors.Is(err, context.DeadlineExceeded), "got %v", err)
 
+	// With no Timeout set, and a caller's context without a deadline, the
+	// wait is bounded all the same: by ratelimit.DefaultTimeout.
+	byDefault, err := ulule.NewStoreWithOptions(pool, ulule.Options{OnFailure: ulule.FailClosed})
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() {
+		lc, err := byDefault.Get(ctx, "k", minute3)
+		if err == nil && !lc.Reached {
+			err = errors.New("FailClosed answered allowed")
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(30 * ratelimit.DefaultTimeout):
+		t.Fatalf("a call with the default options still waits after %v", 30*ratelimit.DefaultTimeout)
+	}
+
 	require.NoError(t, tx.Rollback(ctx))
 	lc, err = plain.Get(ctx, "k", minute3)
 	require.NoError(t, err)
