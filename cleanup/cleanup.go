@@ -259,8 +259,9 @@ type Result struct {
 	// Cutoff is the instant up to which rows and partitions were judged
 	// dead: the database clock, or the start of the oldest open transaction
 	// when that is earlier, but no more than Options.MaxGrace before the
-	// clock. Zero when the run stopped before computing it.
-	Cutoff time.Time `json:"cutoff"`
+	// clock. Zero when the run stopped before computing it (a skipped run,
+	// or one that failed first); the JSON result then has no "cutoff".
+	Cutoff time.Time `json:"cutoff,omitzero"`
 	// CutoffHeldBy says, when Cutoff is before the database clock, what
 	// held it back, such as "transaction of pid 4242 open since ...".
 	CutoffHeldBy string `json:"cutoff_held_by,omitempty"`
