@@ -104,7 +104,8 @@ var (
 	ErrInvalidOptions = errors.New("invalid cleanup options")
 	// ErrNotMigrated: pgrl's tables are missing from the search_path. It
 	// is the same value as ratelimit.ErrNotMigrated and
-	// migration.ErrNotMigrated.
+	// migration.ErrNotMigrated. Run returns it wrapped in an error whose
+	// message names the database, the user and the schema it looked in.
 	ErrNotMigrated = notmigrated.Err
 	// ErrPermission: the role running the cleanup lacks a grant it needs
 	// (SQLSTATE 42501, or a schema without USAGE, which hides the tables).
@@ -363,8 +364,10 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 			ErrPermission, privs.RoleName, privs.NoUsageSchema,
 			pgx.Identifier{privs.NoUsageSchema}.Sanitize(), pgx.Identifier{privs.RoleName}.Sanitize())
 	}
-	if !tables.FixedWindowExists || !tables.TokenBucketExists || !tables.SlidingWindowExists || !tables.PartitionSettingsExists {
-		return res, ErrNotMigrated
+	if missing := missingTables(tables); len(missing) == 4 {
+		return res, notmigrated.At(r.ctx, conn)
+	} else if len(missing) > 0 {
+		return res, notmigrated.At(r.ctx, conn, missing...)
 	}
 	if err := checkPrivileges(privs, tables.SchemaName, opts.Mode); err != nil {
 		return res, err
@@ -418,6 +421,26 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		"batches", res.Batches, "stopped_early", res.StoppedEarly,
 		"elapsed", time.Since(start))
 	return res, err
+}
+
+// missingTables lists the pgrl tables cleanup needs that the search_path
+// lacks.
+func missingTables(t sqlops.CleanupTablesRow) []string {
+	var missing []string
+	for _, tbl := range []struct {
+		name string
+		ok   bool
+	}{
+		{TableFixedWindow, t.FixedWindowExists},
+		{TableTokenBucket, t.TokenBucketExists},
+		{TableSlidingWindow, t.SlidingWindowExists},
+		{"pgrl_partition_settings", t.PartitionSettingsExists},
+	} {
+		if !tbl.ok {
+			missing = append(missing, tbl.name)
+		}
+	}
+	return missing
 }
 
 // checkPrivileges names the first grant the role lacks for a run in mode.
