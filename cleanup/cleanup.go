@@ -461,11 +461,16 @@ func checkPrivileges(p sqlops.CleanupPrivilegesRow, schema string, mode Mode) er
 				pgx.Identifier{schema, TableSlidingWindow}.Sanitize(), role)
 		}
 	}
+	if mode != ModePartitions {
+		// Delete mode reads no partition setting: it needs no right on
+		// pgrl_partition_settings, whatever the layout.
+		return nil
+	}
 	if !p.CanReadPartitionSettings {
-		return fmt.Errorf("%w: role %s lacks SELECT on pgrl_partition_settings; run GRANT SELECT ON %s TO %s",
+		return fmt.Errorf("%w: role %s lacks SELECT on pgrl_partition_settings, which partition mode reads; run GRANT SELECT ON %s TO %s",
 			ErrPermission, p.RoleName, pgx.Identifier{schema, "pgrl_partition_settings"}.Sanitize(), role)
 	}
-	if mode == ModePartitions && !p.OwnsFixedWindow {
+	if !p.OwnsFixedWindow {
 		return fmt.Errorf("%w: partition mode creates and drops partitions of pgrl_fixed_window, which only its owner %s may do; "+
 			"run as %s, or GRANT %s TO %s", ErrPermission, p.FixedWindowOwner, p.FixedWindowOwner,
 			pgx.Identifier{p.FixedWindowOwner}.Sanitize(), role)
