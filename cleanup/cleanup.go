@@ -104,7 +104,8 @@ var (
 	ErrInvalidOptions = errors.New("invalid cleanup options")
 	// ErrNotMigrated: pgrl's tables are missing from the search_path. It
 	// is the same value as ratelimit.ErrNotMigrated and
-	// migration.ErrNotMigrated.
+	// migration.ErrNotMigrated. Run returns it wrapped in an error whose
+	// message names the database, the user and the schema it looked in.
 	ErrNotMigrated = notmigrated.Err
 	// ErrPermission: the role running the cleanup lacks a grant it needs
 	// (SQLSTATE 42501, or a schema without USAGE, which hides the tables).
@@ -259,8 +260,9 @@ type Result struct {
 	// Cutoff is the instant up to which rows and partitions were judged
 	// dead: the database clock, or the start of the oldest open transaction
 	// when that is earlier, but no more than Options.MaxGrace before the
-	// clock. Zero when the run stopped before computing it.
-	Cutoff time.Time `json:"cutoff"`
+	// clock. Zero when the run stopped before computing it (a skipped run,
+	// or one that failed first); the JSON result then has no "cutoff".
+	Cutoff time.Time `json:"cutoff,omitzero"`
 	// CutoffHeldBy says, when Cutoff is before the database clock, what
 	// held it back, such as "transaction of pid 4242 open since ...".
 	CutoffHeldBy string `json:"cutoff_held_by,omitempty"`
@@ -362,8 +364,10 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 			ErrPermission, privs.RoleName, privs.NoUsageSchema,
 			pgx.Identifier{privs.NoUsageSchema}.Sanitize(), pgx.Identifier{privs.RoleName}.Sanitize())
 	}
-	if !tables.FixedWindowExists || !tables.TokenBucketExists || !tables.SlidingWindowExists || !tables.PartitionSettingsExists {
-		return res, ErrNotMigrated
+	if missing := missingTables(tables); len(missing) == 4 {
+		return res, notmigrated.At(r.ctx, conn)
+	} else if len(missing) > 0 {
+		return res, notmigrated.At(r.ctx, conn, missing...)
 	}
 	if err := checkPrivileges(privs, tables.SchemaName, opts.Mode); err != nil {
 		return res, err
@@ -419,6 +423,26 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 	return res, err
 }
 
+// missingTables lists the pgrl tables cleanup needs that the search_path
+// lacks.
+func missingTables(t sqlops.CleanupTablesRow) []string {
+	var missing []string
+	for _, tbl := range []struct {
+		name string
+		ok   bool
+	}{
+		{TableFixedWindow, t.FixedWindowExists},
+		{TableTokenBucket, t.TokenBucketExists},
+		{TableSlidingWindow, t.SlidingWindowExists},
+		{"pgrl_partition_settings", t.PartitionSettingsExists},
+	} {
+		if !tbl.ok {
+			missing = append(missing, tbl.name)
+		}
+	}
+	return missing
+}
+
 // checkPrivileges names the first grant the role lacks for a run in mode.
 func checkPrivileges(p sqlops.CleanupPrivilegesRow, schema string, mode Mode) error {
 	role := pgx.Identifier{p.RoleName}.Sanitize()
@@ -437,11 +461,16 @@ func checkPrivileges(p sqlops.CleanupPrivilegesRow, schema string, mode Mode) er
 				pgx.Identifier{schema, TableSlidingWindow}.Sanitize(), role)
 		}
 	}
+	if mode != ModePartitions {
+		// Delete mode reads no partition setting: it needs no right on
+		// pgrl_partition_settings, whatever the layout.
+		return nil
+	}
 	if !p.CanReadPartitionSettings {
-		return fmt.Errorf("%w: role %s lacks SELECT on pgrl_partition_settings; run GRANT SELECT ON %s TO %s",
+		return fmt.Errorf("%w: role %s lacks SELECT on pgrl_partition_settings, which partition mode reads; run GRANT SELECT ON %s TO %s",
 			ErrPermission, p.RoleName, pgx.Identifier{schema, "pgrl_partition_settings"}.Sanitize(), role)
 	}
-	if mode == ModePartitions && !p.OwnsFixedWindow {
+	if !p.OwnsFixedWindow {
 		return fmt.Errorf("%w: partition mode creates and drops partitions of pgrl_fixed_window, which only its owner %s may do; "+
 			"run as %s, or GRANT %s TO %s", ErrPermission, p.FixedWindowOwner, p.FixedWindowOwner,
 			pgx.Identifier{p.FixedWindowOwner}.Sanitize(), role)

@@ -360,12 +360,32 @@ func TestPartitionModeOnPlainLayoutIsRefused(t *testing.T) {
 	require.Equal(t, int64(100), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
 }
 
+// The error for missing tables names where cleanup looked: the schema,
+// the database and the user, and the fix with that schema.
 func TestMissingTablesNameTheFix(t *testing.T) {
 	t.Parallel()
-	db := dbtest.PoolOn(t, dbtest.NewSchema(t))
+	schema := dbtest.NewSchema(t)
+	db := dbtest.PoolOn(t, schema)
+	var database, user string
+	require.NoError(t, db.QueryRow(context.Background(), "SELECT current_database(), current_user").Scan(&database, &user))
 	_, err := cleanup.Run(context.Background(), db, cleanup.Options{})
 	require.ErrorIs(t, err, cleanup.ErrNotMigrated)
-	require.Contains(t, err.Error(), "rl-migrate up")
+	require.Contains(t, err.Error(), fmt.Sprintf("pgrl's tables are missing in schema %q of database %q (user %q)", schema, database, user))
+	require.Contains(t, err.Error(), "rl-migrate up --schema "+schema)
+	require.NotContains(t, err.Error(), "not found:", "no table exists: the message does not list them")
+
+	// Some tables missing: they are named.
+	_, err = dbtest.Admin(t).Exec(context.Background(), "CREATE TABLE "+schema+".pgrl_fixed_window (x int)")
+	require.NoError(t, err)
+	_, err = cleanup.Run(context.Background(), db, cleanup.Options{})
+	require.ErrorIs(t, err, cleanup.ErrNotMigrated)
+	require.Contains(t, err.Error(), "(not found: pgrl_token_bucket, pgrl_sliding_window, pgrl_partition_settings)")
+
+	// A search_path none of whose schemas exists is said to be one.
+	db = dbtest.PoolOn(t, "pgrl_no_such_schema")
+	_, err = cleanup.Run(context.Background(), db, cleanup.Options{})
+	require.ErrorIs(t, err, cleanup.ErrNotMigrated)
+	require.Contains(t, err.Error(), `no schema of search_path "pgrl_no_such_schema" exists in database`)
 }
 
 func TestInvalidOptions(t *testing.T) {

@@ -10,9 +10,10 @@
 #
 # Without --database-url or DATABASE_URL the demo uses the test database
 # (PGRL_TEST_DATABASE_URL, else postgres://postgres@127.0.0.1:5432/pgrl_test),
-# in a schema pgrl_demo, and this script first starts a local PostgreSQL when
-# none answers there (see scripts/lib.sh). The demo creates and migrates its
-# schema itself.
+# and this script first starts a local PostgreSQL when none answers there
+# (see scripts/lib.sh). In any database the demo keeps its tables in a schema
+# of its own, pgrl_demo (--schema NAME picks another), which it creates and
+# migrates itself: it never writes into public or the URL's search_path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

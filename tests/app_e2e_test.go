@@ -151,7 +151,7 @@ func appDo(t *testing.T, client *http.Client, req *http.Request) appResponse {
 // other and with the login policy. Both processes then stop cleanly.
 func TestAppLoginLimitSharedByTwoProcesses(t *testing.T) {
 	bin := buildCommand(t, "github.com/pgrl/pgrl/examples/app")
-	dbURL := dbtest.URLWithSchema(dbtest.NewSchema(t))
+	schema := dbtest.NewSchema(t)
 
 	// Start both at once: they race to migrate the empty schema.
 	var procs [2]*appProcess
@@ -161,7 +161,7 @@ func TestAppLoginLimitSharedByTwoProcesses(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			procs[i], errs[i] = appStart(t, bin, dbURL, "--legacy-headers")
+			procs[i], errs[i] = appStart(t, bin, dbtest.URL(), "--schema", schema, "--legacy-headers")
 		}()
 	}
 	wg.Wait()

@@ -50,15 +50,17 @@ type multiprocessDemoResult struct {
 	PostgresPerProcess []int  `json:"postgres_per_process"`
 }
 
-// multiprocessRun runs one trial: the demo's PostgreSQL round only, on key.
-func multiprocessRun(t *testing.T, bin, url string, a ratelimit.Algorithm, key string, penalty bool) multiprocessDemoResult {
+// multiprocessRun runs one trial: the demo's PostgreSQL round only, on key,
+// with its tables in schema.
+func multiprocessRun(t *testing.T, bin, schema string, a ratelimit.Algorithm, key string, penalty bool) multiprocessDemoResult {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin,
 		"--rounds", "postgres",
 		"--output", "json",
-		"--database-url", url,
+		"--database-url", dbtest.URL(),
+		"--schema", schema,
 		"--algorithm", string(a),
 		"--processes", fmt.Sprint(multiprocessProcesses),
 		"--calls", fmt.Sprint(multiprocessCalls),
@@ -109,11 +111,11 @@ func multiprocessHashedKey(name, key string) []byte {
 func TestMultiprocessExactlyTheLimit(t *testing.T) {
 	bin := buildCommand(t, "github.com/pgrl/pgrl/examples/multiinstance")
 	// An empty schema: the first trial migrates it, as the demo does.
-	url := dbtest.URLWithSchema(dbtest.NewSchema(t))
+	schema := dbtest.NewSchema(t)
 	for _, a := range ratelimit.Algorithms {
 		t.Run(string(a), func(t *testing.T) {
 			for trial := range multiprocessTrialCount() {
-				r := multiprocessRun(t, bin, url, a, fmt.Sprintf("exact-%s-%d", a, trial), false)
+				r := multiprocessRun(t, bin, schema, a, fmt.Sprintf("exact-%s-%d", a, trial), false)
 				if *r.PostgresAdmitted != multiprocessLimit {
 					t.Errorf("trial %d: %d admitted (per process %v), want exactly %d",
 						trial+1, *r.PostgresAdmitted, r.PostgresPerProcess, multiprocessLimit)
@@ -129,13 +131,12 @@ func TestMultiprocessExactlyTheLimit(t *testing.T) {
 func TestMultiprocessPenaltyCountsEveryAttempt(t *testing.T) {
 	bin := buildCommand(t, "github.com/pgrl/pgrl/examples/multiinstance")
 	schema := dbtest.NewSchema(t)
-	url := dbtest.URLWithSchema(schema)
 	pool := dbtest.PoolOn(t, schema)
 	ctx := context.Background()
 	const attempts = multiprocessProcesses * multiprocessCalls
 	for trial := range multiprocessTrialCount() {
 		key := fmt.Sprintf("penalty-%d", trial)
-		r := multiprocessRun(t, bin, url, ratelimit.FixedWindow, key, true)
+		r := multiprocessRun(t, bin, schema, ratelimit.FixedWindow, key, true)
 		if *r.PostgresAdmitted != multiprocessLimit {
 			t.Errorf("trial %d: %d admitted (per process %v), want exactly %d",
 				trial+1, *r.PostgresAdmitted, r.PostgresPerProcess, multiprocessLimit)

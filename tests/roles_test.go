@@ -146,8 +146,7 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 }
 
 // rl-cleanup's two modes under the documented cleanup role: delete mode
-// needs SELECT and DELETE on the counter tables and SELECT on
-// pgrl_partition_settings; partitions mode creates and drops partitions,
+// needs SELECT and DELETE on the counter tables; partitions mode creates and drops partitions,
 // which takes the owner's rights: the cleanup role is a member of the
 // migration role.
 func TestRolesCleanupRoleBothModes(t *testing.T) {
@@ -159,7 +158,6 @@ func TestRolesCleanupRoleBothModes(t *testing.T) {
 	for _, stmt := range []string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + c,
 		"GRANT SELECT, DELETE ON " + s + ".pgrl_fixed_window, " + s + ".pgrl_token_bucket, " + s + ".pgrl_sliding_window TO " + c,
-		"GRANT SELECT ON " + s + ".pgrl_partition_settings TO " + c,
 	} {
 		_, err := admin.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)

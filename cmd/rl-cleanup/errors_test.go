@@ -1,11 +1,15 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"fmt"
 	"net/url"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -219,4 +223,51 @@ func TestHiddenTransactionsHoldTheCutoffBack(t *testing.T) {
 	// --horizon (partitions made ahead) is another thing: the result has no
 	// key of that name.
 	require.NotContains(t, stdout, `"horizon`)
+}
+
+// Missing tables: the error names the schema, the database and the user
+// rl-cleanup looked with, and the fix for that schema.
+func TestNotMigratedNamesWhereItLooked(t *testing.T) {
+	t.Parallel()
+	schema := dbtest.NewSchema(t)
+	var database, user string
+	require.NoError(t, dbtest.Admin(t).QueryRow(context.Background(), "SELECT current_database(), current_user").Scan(&database, &user))
+	code, _, stderr := runCLI("--database-url", dbtest.URL(), "--schema", schema)
+	require.Equal(t, cli.ExitError, code, stderr)
+	require.Contains(t, stderr, fmt.Sprintf("rl-cleanup: pgrl's tables are missing in schema %q of database %q (user %q)", schema, database, user))
+	require.Contains(t, stderr, "rl-migrate up --schema "+schema)
+	require.NotContains(t, stderr, "no database URL")
+}
+
+// Run as cron runs it, with no environment but PATH and HOME, rl-cleanup
+// connects with libpq's defaults. Whatever that reaches (here, or nothing),
+// the error says that no database URL is configured, and a "tables are
+// missing" error shows the database and the user it tried.
+func TestNoURLConfiguredSaysSo(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{nil, {"--output", "json"}} {
+		cmd := exec.Command(binary(t), args...)
+		cmd.Env = []string{"PATH=" + os.Getenv("PATH"), "HOME=" + t.TempDir()}
+		var out, errb bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &out, &errb
+		err := cmd.Run()
+		var ee *exec.ExitError
+		require.ErrorAs(t, err, &ee, "stdout %s stderr %s", out.String(), errb.String())
+		require.Equal(t, cli.ExitError, ee.ExitCode())
+		msg := errb.String()
+		if len(args) > 0 {
+			var res struct {
+				Error    string `json:"error"`
+				ExitCode int    `json:"exit_code"`
+			}
+			require.NoError(t, json.Unmarshal(out.Bytes(), &res), out.String())
+			require.Equal(t, cli.ExitError, res.ExitCode)
+			msg = res.Error
+		}
+		require.Contains(t, msg, "no database URL is configured", msg)
+		require.Contains(t, msg, "set DATABASE_URL")
+		if strings.Contains(msg, "tables are missing") {
+			require.Regexp(t, `of database "[^"]*" \(user "[^"]*"\)`, msg)
+		}
+	}
 }

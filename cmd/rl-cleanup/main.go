@@ -25,6 +25,7 @@ import (
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/ident"
+	"github.com/pgrl/pgrl/internal/notmigrated"
 )
 
 func main() { cli.Main(run) }
@@ -83,9 +84,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if cfg.schema != "" {
 		settings["search_path"] = pgx.Identifier{cfg.schema}.Sanitize()
 	}
+	noURL := notmigrated.DefaultsOnly(connString)
 	conn, err := cli.Connect(ctx, pcfg, settings)
 	if err != nil {
-		return out.fail(cli.ExitError, err.Error(), nil)
+		msg := err.Error()
+		if noURL {
+			msg += "; " + noURLHint
+		}
+		return out.fail(cli.ExitError, msg, nil)
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -106,7 +112,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		case errors.Is(err, cleanup.ErrPlainLayout), errors.Is(err, cleanup.ErrInvalidOptions):
 			code = cli.ExitUsage
 			msg = err.Error()
-		case errors.Is(err, cleanup.ErrNotMigrated), errors.Is(err, cleanup.ErrPermission):
+		case errors.Is(err, cleanup.ErrNotMigrated):
+			var nm *notmigrated.Error
+			if errors.As(err, &nm) {
+				nm.NoURL = noURL
+			}
+			msg = err.Error()
+		case errors.Is(err, cleanup.ErrPermission):
 			msg = err.Error()
 		case errors.Is(err, context.Canceled):
 			msg = "interrupted before any work was done; nothing changed"
@@ -127,6 +139,11 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	return cli.ExitOK
 }
+
+// noURLHint ends an error on a connection made with libpq's defaults alone,
+// the usual state of a cron job that sets no DATABASE_URL.
+const noURLHint = "no database URL is configured (neither --database-url nor DATABASE_URL is set, nor any PG* variable): " +
+	"pass --database-url or set DATABASE_URL (in a crontab, a DATABASE_URL=... line above the job)"
 
 // output writes results and errors in the chosen format.
 type output struct {

@@ -312,3 +312,35 @@ func TestSIGINTStopsBetweenBatchesWithSummary(t *testing.T) {
 	require.Less(t, deleted, int64(n))
 	require.Equal(t, int64(n)-deleted, rows(t, db), "the summary matches the table")
 }
+
+// A run skipped because another cleanup holds the lock computed no cutoff:
+// its JSON result has no "cutoff" member (not the zero time).
+func TestSkippedRunReportsNoCutoff(t *testing.T) {
+	t.Parallel()
+	db, schema := dbtest.Pool(t)
+	holder, err := db.Acquire(context.Background())
+	require.NoError(t, err)
+	defer holder.Release()
+	var locked bool
+	require.NoError(t, holder.QueryRow(context.Background(),
+		"SELECT pg_try_advisory_lock(hashtext('pgrl_cleanup')::bigint << 32 | (SELECT relnamespace::oid::bigint FROM pg_class WHERE oid = 'pgrl_fixed_window'::regclass))").Scan(&locked))
+	require.True(t, locked)
+
+	code, stdout, stderr := runCLI("--database-url", dbtest.URLWithSchema(schema), "--output", "json")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	var res map[string]any
+	require.NoError(t, json.Unmarshal([]byte(stdout), &res), stdout)
+	require.Equal(t, true, res["skipped"], stdout)
+	require.NotContains(t, res, "cutoff", "a skipped run computed no cutoff: %s", stdout)
+	require.NotContains(t, stdout, "0001-01-01")
+
+	// A run that works reports its cutoff.
+	_, err = holder.Exec(context.Background(), "SELECT pg_advisory_unlock_all()")
+	require.NoError(t, err)
+	code, stdout, stderr = runCLI("--database-url", dbtest.URLWithSchema(schema), "--output", "json")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	res = nil
+	require.NoError(t, json.Unmarshal([]byte(stdout), &res), stdout)
+	require.Equal(t, false, res["skipped"], stdout)
+	require.IsType(t, "", res["cutoff"], stdout)
+}

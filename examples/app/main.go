@@ -10,7 +10,9 @@
 //
 //	--addr             address to listen on (default 127.0.0.1:8080)
 //	--database-url     PostgreSQL URL; else $DATABASE_URL; else the local test
-//	                   database with search_path=pgrl_app
+//	                   database
+//	--schema           schema of the app's own for pgrl's tables (default
+//	                   pgrl_example_app); the URL's search_path is ignored
 //	--trusted-proxies  comma-separated CIDRs of the proxies in front of the app,
 //	                   whose X-Forwarded-For is believed (default: none)
 //	--ipv6-prefix      group IPv6 clients by this prefix length (default 64)
@@ -22,8 +24,10 @@
 //	                   direct one, or PgBouncer in session mode, never
 //	                   transaction mode (default: --database-url)
 //
-// At start-up it creates the schema named first on the URL's search_path and
-// applies pgrl's migrations to it (several instances may start at once). It
+// At start-up it creates the schema --schema when it is missing and applies
+// pgrl's migrations to it (several instances may start at once); it logs the
+// schema's name. It writes into no other schema: not public, nor the schema
+// a URL's search_path names, which is likely another application's. It
 // stops cleanly on SIGINT or SIGTERM, finishing requests in flight.
 //
 // # Limits from the database
@@ -42,7 +46,7 @@
 //
 //	rl-policy override set public-api key:K --limit 1200 --note "partner, ticket 123"
 //
-// or, in SQL, with search_path set to the app's schema:
+// or, in SQL, with search_path set to the app's schema (pgrl_example_app):
 //
 //	INSERT INTO pgrl_policy_override (policy, key, "limit", note)
 //	VALUES ('public-api', pgrl_stored_key('public-api', 'key:K'), 1200, 'partner, ticket 123');
@@ -60,6 +64,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"os/signal"
 	"strings"
@@ -80,8 +85,12 @@ import (
 )
 
 // DefaultDatabaseURL is the database used when neither --database-url nor
-// DATABASE_URL is set: the local test server, in schema pgrl_app.
-const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable&search_path=pgrl_app"
+// DATABASE_URL is set: the local test server.
+const DefaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable"
+
+// DefaultSchema is the schema that holds pgrl's tables for the app, in
+// whatever database it runs, unless --schema names another.
+const DefaultSchema = "pgrl_example_app"
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
@@ -92,6 +101,7 @@ func main() {
 type options struct {
 	addr           string
 	databaseURL    string
+	schema         string
 	trustedProxies string
 	ipv6Prefix     int
 	legacyHeaders  bool
@@ -108,6 +118,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.addr, "addr", "127.0.0.1:8080", "address to listen on")
 	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL URL (default $DATABASE_URL, else "+DefaultDatabaseURL+")")
+	fs.StringVar(&o.schema, "schema", DefaultSchema, "schema of the app's own for pgrl's tables, created when missing (the URL's search_path is ignored)")
 	fs.StringVar(&o.trustedProxies, "trusted-proxies", "", "comma-separated CIDRs of trusted reverse proxies")
 	fs.IntVar(&o.ipv6Prefix, "ipv6-prefix", 64, "group IPv6 clients by this prefix length (0: no grouping)")
 	fs.BoolVar(&o.legacyHeaders, "legacy-headers", false, "also send X-RateLimit-Limit, -Remaining and -Reset")
@@ -126,12 +137,23 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 	if o.databaseURL == "" {
 		o.databaseURL = os.Getenv("DATABASE_URL")
 	}
+	// PostgreSQL would cut a longer name to 63 bytes: another schema.
+	if o.schema == "" || len(o.schema) > 63 {
+		fmt.Fprintf(stderr, "app: --schema %q: give a schema name of 1 to 63 bytes\n", o.schema)
+		return 2
+	}
 	if o.databaseURL == "" {
 		o.databaseURL = DefaultDatabaseURL
 	}
 	if o.listenerURL == "" {
 		o.listenerURL = o.databaseURL
 	}
+	listenerURL, err := withSearchPath(o.listenerURL, o.schema)
+	if err != nil {
+		fmt.Fprintf(stderr, "app: --listener-url: %v\n", err)
+		return 2
+	}
+	o.listenerURL = listenerURL
 	proxies, err := clientip.ParsePrefixes(o.trustedProxies)
 	if err != nil {
 		fmt.Fprintf(stderr, "app: --trusted-proxies: %v\n", err)
@@ -151,10 +173,10 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 }
 
 func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Logger) error {
-	if err := migrate(ctx, o.databaseURL, log); err != nil {
+	if err := migrate(ctx, o.databaseURL, o.schema, log); err != nil {
 		return err
 	}
-	pool, err := openPool(ctx, o.databaseURL, checkPool)
+	pool, err := openPool(ctx, o.databaseURL, o.schema, checkPool)
 	if err != nil {
 		return err
 	}
@@ -162,7 +184,7 @@ func serve(ctx context.Context, o options, ips *clientip.Resolver, log *slog.Log
 	// The policy reads (a reload reads every override) are not checks:
 	// they get a small pool of their own, without the checks' short
 	// statement timeout.
-	policyPool, err := openPool(ctx, o.databaseURL, policiesPool)
+	policyPool, err := openPool(ctx, o.databaseURL, o.schema, policiesPool)
 	if err != nil {
 		return err
 	}
@@ -258,39 +280,40 @@ func loadPolicies(ctx context.Context, o options, pool *pgxpool.Pool, reg promet
 	return cache, stop, nil
 }
 
-// migrate applies pgrl's migrations to the schema named first on the URL's
-// search_path, creating it if need be. Instances starting together take
-// turns on an advisory lock; all but the first find nothing to do.
-func migrate(ctx context.Context, url string, log *slog.Logger) error {
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		return fmt.Errorf("database URL: %w", err)
-	}
-	m, err := migration.New(url, migration.Config{Schema: firstSchema(cfg.RuntimeParams["search_path"]), Logger: log})
+// migrate applies pgrl's migrations to schema, creating it if need be.
+// Instances starting together take turns on an advisory lock; all but the
+// first find nothing to do.
+func migrate(ctx context.Context, url, schema string, log *slog.Logger) error {
+	m, err := migration.New(url, migration.Config{Schema: schema, Logger: log})
 	if err != nil {
 		return err
 	}
 	defer func() { _ = m.Close() }()
 	res, err := m.Up(ctx)
 	if err != nil {
-		return fmt.Errorf("migrate: %w", err)
+		return fmt.Errorf("migrate schema %q: %w", schema, err)
 	}
 	log.Info("pgrl schema ready", "schema", res.Schema, "version", res.To, "applied", len(res.Applied))
 	return nil
 }
 
-// firstSchema returns the first schema of a search_path setting, or "" (the
-// connection's current schema) when there is none.
-func firstSchema(searchPath string) string {
-	first, _, _ := strings.Cut(searchPath, ",")
-	first = strings.TrimSpace(first)
-	if len(first) >= 2 && first[0] == '"' && first[len(first)-1] == '"' {
-		first = strings.ReplaceAll(first[1:len(first)-1], `""`, `"`)
+// withSearchPath returns connString (a URL or keyword/value string) with
+// search_path set to schema alone, for the connections pgx opens from a
+// string, such as the policy listener's.
+func withSearchPath(connString, schema string) (string, error) {
+	path := pgx.Identifier{schema}.Sanitize()
+	if u, err := url.Parse(connString); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		q := u.Query()
+		q.Set("search_path", path)
+		// pgx reads "+" in a query as itself, not as a space.
+		u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
+		return u.String(), nil
 	}
-	if first == "$user" {
-		return ""
+	if _, err := pgx.ParseConfig(connString); err != nil {
+		return "", fmt.Errorf("database URL: %w", err)
 	}
-	return first
+	quoted := strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(path)
+	return strings.TrimSpace(connString + " search_path='" + quoted + "'"), nil
 }
 
 // poolKind says what a pool is for.
@@ -307,12 +330,14 @@ const (
 	policiesPool
 )
 
-// openPool connects to PostgreSQL for the given use.
-func openPool(ctx context.Context, url string, kind poolKind) (*pgxpool.Pool, error) {
+// openPool connects to PostgreSQL for the given use, with search_path set
+// to schema.
+func openPool(ctx context.Context, url, schema string, kind poolKind) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("database URL: %w", err)
 	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schema}.Sanitize()
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "pgrl-example-app"
 	}

@@ -7,6 +7,8 @@ import (
 	"net/url"
 	"strings"
 	"testing"
+
+	"github.com/jackc/pgx/v5"
 )
 
 func TestUsageErrors(t *testing.T) {
@@ -19,6 +21,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"--ipv6-prefix", "200"}, "IPv6 prefix 200"},
 		{[]string{"--no-such-flag"}, "flag provided but not defined"},
 		{[]string{"extra"}, `unexpected argument "extra"`},
+		{[]string{"--schema", ""}, "--schema"},
+		{[]string{"--schema", strings.Repeat("s", 64)}, "1 to 63 bytes"},
 	} {
 		var stderr strings.Builder
 		if code := run(context.Background(), c.args, &stderr); code != 2 {
@@ -30,17 +34,21 @@ func TestUsageErrors(t *testing.T) {
 	}
 }
 
-func TestFirstSchema(t *testing.T) {
+func TestWithSearchPath(t *testing.T) {
 	t.Parallel()
-	for in, want := range map[string]string{
-		"":                  "",
-		"pgrl_app":          "pgrl_app",
-		" app , public":     "app",
-		`"My ""Schema""",x`: `My "Schema"`,
-		"$user, public":     "",
+	for _, c := range []struct{ in, schema, want string }{
+		{"postgres://u@h/d?sslmode=disable&search_path=myapp", "pgrl_example_app", "postgres://u@h/d?search_path=%22pgrl_example_app%22&sslmode=disable"},
+		{"postgres://u@h/d", `My "S"`, "postgres://u@h/d?search_path=%22My%20%22%22S%22%22%22"},
+		{"host=h dbname=d", "it's", `host=h dbname=d search_path='"it\'s"'`},
 	} {
-		if got := firstSchema(in); got != want {
-			t.Errorf("firstSchema(%q) = %q, want %q", in, got, want)
+		got, err := withSearchPath(c.in, c.schema)
+		if err != nil || got != c.want {
+			t.Errorf("withSearchPath(%q, %q) = %q, %v; want %q", c.in, c.schema, got, err, c.want)
+			continue
+		}
+		cfg, err := pgx.ParseConfig(got)
+		if err != nil || cfg.RuntimeParams["search_path"] != (pgx.Identifier{c.schema}).Sanitize() {
+			t.Errorf("%q parses to search_path %q, %v", got, cfg.RuntimeParams["search_path"], err)
 		}
 	}
 }

@@ -2,14 +2,18 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"io"
 	"net/http"
+	"net/url"
 	"regexp"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -52,14 +56,19 @@ type testApp struct {
 	exited chan int
 }
 
-// startApp runs the app against dbURL until the test ends (or stopApp),
-// and waits until it listens.
+// startApp runs the app against dbURL ("": the app's default, from
+// DATABASE_URL) until the test ends (or stopApp), and waits until it
+// listens.
 func startApp(t *testing.T, dbURL string, args ...string) *testApp {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	a := &testApp{log: &logBuffer{addr: make(chan string, 1)}, stop: cancel, exited: make(chan int, 1)}
+	all := []string{"--addr", "127.0.0.1:0"}
+	if dbURL != "" {
+		all = append(all, "--database-url", dbURL)
+	}
 	go func() {
-		a.exited <- run(ctx, append([]string{"--addr", "127.0.0.1:0", "--database-url", dbURL}, args...), a.log)
+		a.exited <- run(ctx, append(all, args...), a.log)
 	}()
 	t.Cleanup(func() { stopApp(t, a) })
 	select {
@@ -144,8 +153,7 @@ func sql(t *testing.T, db *pgxpool.Pool, stmt string, args ...any) {
 func TestPolicyUpdateAppliesWithoutRestart(t *testing.T) {
 	schema := dbtest.NewSchema(t)
 	db := dbtest.PoolOn(t, schema)
-	url := dbtest.URLWithSchema(schema)
-	a := startApp(t, url)
+	a := startApp(t, dbtest.URL(), "--schema", schema)
 	if r := callAPI(t, a, "first"); r.status != http.StatusOK || r.policy != `"public-api";q=120;w=60` {
 		t.Fatalf("before the update: %+v, want 200 with the default 120 per minute", r)
 	}
@@ -179,7 +187,7 @@ func TestPolicyUpdateAppliesWithoutRestart(t *testing.T) {
 
 	// A restart seeds only what is missing: the DBA's 3 stays. Without the
 	// listener the app still reads the stored limits, once.
-	b := startApp(t, url, "--policy-listener=false")
+	b := startApp(t, dbtest.URL(), "--schema", schema, "--policy-listener=false")
 	if r := callAPI(t, b, "after-restart"); r.policy != `"public-api";q=3;w=60` {
 		t.Fatalf("after a restart: %+v, want the stored q=3, not the default", r)
 	}
@@ -194,7 +202,7 @@ func TestPolicyUpdateAppliesWithoutRestart(t *testing.T) {
 func TestAPIKeyOverride(t *testing.T) {
 	schema := dbtest.NewSchema(t)
 	db := dbtest.PoolOn(t, schema)
-	a := startApp(t, dbtest.URLWithSchema(schema))
+	a := startApp(t, dbtest.URL(), "--schema", schema)
 	// A small quota keeps the test short: 2 a minute, 20 for the partner.
 	sql(t, db, `UPDATE pgrl_policy SET "limit" = 2 WHERE name = 'public-api'`)
 	sql(t, db, `INSERT INTO pgrl_policy_override (policy, key, "limit", note)
@@ -233,5 +241,73 @@ VALUES ('public-api', pgrl_stored_key('public-api', 'key:' || $1), 10 * (SELECT 
 	}
 	if r := callAPI(t, a, ""); r.policy != `"public-api";q=2;w=60` {
 		t.Errorf("anonymous caller: %+v, want the policy's q=2", r)
+	}
+}
+
+// freshDatabase creates an empty database, dropped when the test ends, and
+// returns its URL.
+func freshDatabase(t *testing.T) string {
+	t.Helper()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "pgrl_app_test_" + hex.EncodeToString(b[:])
+	admin := dbtest.Admin(t)
+	if _, err := admin.Exec(context.Background(), "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Logf("drop database %s: %v", name, err)
+		}
+	})
+	u, err := url.Parse(dbtest.URL())
+	if err != nil || u.Scheme == "" {
+		t.Fatalf("this test needs %s in URL form, not %q", dbtest.EnvURL, dbtest.URL())
+	}
+	u.Path = "/" + name
+	return u.String()
+}
+
+// objectsIn counts the relations and functions in a schema of the database
+// at dbURL.
+func objectsIn(t *testing.T, dbURL, schema string) int {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	var n int
+	if err := conn.QueryRow(context.Background(), `
+		SELECT (SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = $1)
+		     + (SELECT count(*) FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE s.nspname = $1)`, schema).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// With DATABASE_URL pointing at a database of the user's own, with a
+// search_path naming the user's schema, the app migrates only its own
+// schema, pgrl_example_app, logs that name, and serves from it.
+func TestAppWritesOnlyIntoItsOwnSchema(t *testing.T) {
+	dbURL := freshDatabase(t)
+	sep := "?"
+	if strings.Contains(dbURL, "?") {
+		sep = "&"
+	}
+	t.Setenv("DATABASE_URL", dbURL+sep+"search_path=myapp,public")
+	a := startApp(t, "")
+	if r := callAPI(t, a, ""); r.status != http.StatusOK || r.policy != `"public-api";q=120;w=60` {
+		t.Errorf("GET /api/v1/items: %+v, want 200 under the stored public-api policy", r)
+	}
+	stopApp(t, a)
+	if n := objectsIn(t, dbURL, "public"); n != 0 {
+		t.Errorf("the app created %d objects in public", n)
+	}
+	if objectsIn(t, dbURL, DefaultSchema) == 0 {
+		t.Errorf("nothing in schema %s", DefaultSchema)
+	}
+	if !strings.Contains(a.log.String(), "msg=\"pgrl schema ready\" schema="+DefaultSchema+" ") {
+		t.Errorf("the log does not name the schema:\n%s", a.log)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"strings"
 	"sync"
 	"time"
 
@@ -14,33 +13,11 @@ import (
 	"github.com/pgrl/pgrl/migration"
 )
 
-// targetSchema is the first schema on the connection string's search_path,
-// or "" when it sets none (the migrator then uses the connection's current
-// schema, usually public).
-func targetSchema(connString string) (string, error) {
-	cfg, err := pgx.ParseConfig(connString)
-	if err != nil {
-		return "", fmt.Errorf("invalid --database-url: %w", err)
-	}
-	first, _, _ := strings.Cut(cfg.RuntimeParams["search_path"], ",")
-	first = strings.TrimSpace(first)
-	if len(first) >= 2 && first[0] == '"' && first[len(first)-1] == '"' {
-		first = strings.ReplaceAll(first[1:len(first)-1], `""`, `"`)
-	}
-	if first == "$user" {
-		first = ""
-	}
-	return first, nil
-}
-
-// prepareDatabase creates the schema named by the connection string's
-// search_path and applies pgrl's migrations to it (a no-op when they are
-// already applied).
-func prepareDatabase(ctx context.Context, connString string, log io.Writer) error {
-	schemaName, err := targetSchema(connString)
-	if err != nil {
-		return err
-	}
+// prepareDatabase creates the demo's schema when it is missing and applies
+// pgrl's migrations to it (a no-op when they are already applied). It
+// writes nothing anywhere else: the connection string's search_path is
+// ignored. It logs the schema it uses, which is also in the result.
+func prepareDatabase(ctx context.Context, connString, schemaName string, log io.Writer) error {
 	m, err := migration.New(connString, migration.Config{Schema: schemaName})
 	if err != nil {
 		return err
@@ -51,18 +28,22 @@ func prepareDatabase(ctx context.Context, connString string, log io.Writer) erro
 		return fmt.Errorf("migrate schema %q: %w", schemaName, err)
 	}
 	if res.Changed() {
-		fmt.Fprintf(log, "multiinstance: migrated schema %q to version %d\n", schemaName, res.To)
+		fmt.Fprintf(log, "multiinstance: migrated schema %q to version %d\n", res.Schema, res.To)
+	} else {
+		fmt.Fprintf(log, "multiinstance: using schema %q (version %d)\n", res.Schema, res.To)
 	}
 	return nil
 }
 
-// openPool connects a pool of conns connections and opens all of them, so
-// that no call of the round waits for a connection to be established.
-func openPool(ctx context.Context, connString string, conns int) (*pgxpool.Pool, error) {
+// openPool connects a pool of conns connections, with search_path set to
+// the demo's schema, and opens all of them, so that no call of the round
+// waits for a connection to be established.
+func openPool(ctx context.Context, connString, schemaName string, conns int) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(connString)
 	if err != nil {
 		return nil, fmt.Errorf("invalid --database-url: %w", err)
 	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = pgx.Identifier{schemaName}.Sanitize()
 	cfg.MaxConns = int32(conns)
 	if _, ok := cfg.ConnConfig.RuntimeParams["application_name"]; !ok {
 		cfg.ConnConfig.RuntimeParams["application_name"] = "pgrl-multiinstance"

@@ -15,11 +15,13 @@
 //	go run ./examples/multiinstance --algorithm token_bucket --output json
 //
 // The database is --database-url, else $DATABASE_URL, else the test database
-// ($PGRL_TEST_DATABASE_URL, else postgres://postgres@127.0.0.1:5432/pgrl_test)
-// with search_path=pgrl_demo; scripts/demo.sh starts that one when it is not
-// running. The program creates the search_path's schema
-// and applies pgrl's migrations to it before it starts. Every run counts
-// against a fresh key, so repeated runs start from zero.
+// ($PGRL_TEST_DATABASE_URL, else postgres://postgres@127.0.0.1:5432/pgrl_test);
+// scripts/demo.sh starts that one when it is not running. Whatever the
+// database, the demo's tables live in a schema of its own, --schema (default
+// pgrl_demo), which it creates and migrates before it starts and names on
+// stderr and in its JSON result: it never writes into public or into the
+// schema a URL's search_path names, which is likely your application's.
+// Every run counts against a fresh key, so repeated runs start from zero.
 //
 // Exit status: 0 when the demo ran (whatever it admitted), 1 on a runtime
 // error, 2 on bad flags.
@@ -46,34 +48,27 @@ import (
 	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/ident"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // envTestURL names the test database (see internal/dbtest), which the demo
-// uses, in a schema of its own, when neither --database-url nor DATABASE_URL
-// is set.
+// uses when neither --database-url nor DATABASE_URL is set.
 const envTestURL = "PGRL_TEST_DATABASE_URL"
 
 // defaultTestURL is the test database when envTestURL is unset.
 const defaultTestURL = "postgres://postgres@127.0.0.1:5432/pgrl_test?sslmode=disable"
 
-// demoSchema is the schema the demo's tables live in on the test database.
-const demoSchema = "pgrl_demo"
+// DefaultSchema is the schema the demo's tables live in, in whatever
+// database it runs, unless --schema names another.
+const DefaultSchema = "pgrl_demo"
 
-// defaultURL is the test database with search_path set to demoSchema.
+// defaultURL is the test database.
 func defaultURL() string {
-	u := os.Getenv(envTestURL)
-	if u == "" {
-		u = defaultTestURL
-	}
-	if strings.Contains(u, "search_path=") {
+	if u := os.Getenv(envTestURL); u != "" {
 		return u
 	}
-	sep := "?"
-	if strings.Contains(u, "?") {
-		sep = "&"
-	}
-	return u + sep + "search_path=" + demoSchema
+	return defaultTestURL
 }
 
 // limiterName names the demo's limiter; its counters are scoped by it.
@@ -98,6 +93,7 @@ type options struct {
 	limit       int64
 	algorithm   ratelimit.Algorithm
 	databaseURL string
+	schema      string
 	output      string
 	key         string
 	penalty     bool
@@ -118,7 +114,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.calls, "calls", 50, "concurrent checks each process fires at the key")
 	fs.Int64Var(&o.limit, "limit", 20, "requests admitted per minute (the token bucket's capacity, with negligible refill)")
 	algorithm := fs.String("algorithm", string(ratelimit.FixedWindow), "pgrl algorithm: fixed_window, token_bucket or sliding_window")
-	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL connection URL; defaults to $DATABASE_URL, else $PGRL_TEST_DATABASE_URL (or the local test database) with search_path=pgrl_demo")
+	fs.StringVar(&o.databaseURL, "database-url", "", "PostgreSQL connection URL; defaults to $DATABASE_URL, else $PGRL_TEST_DATABASE_URL (or the local test database)")
+	fs.StringVar(&o.schema, "schema", DefaultSchema, "schema of the demo's own, created when missing, for its tables (the URL's search_path is ignored)")
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	fs.StringVar(&o.key, "key", "", "the key every call checks; defaults to a fresh random key per run")
 	fs.BoolVar(&o.penalty, "penalty", false, "count every attempt, denied ones included (penalty mode)")
@@ -154,6 +151,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--limit %d: the limit must be at least 1", o.limit)
 	case o.conns < 1:
 		return o, fmt.Errorf("--conns %d: use at least 1 connection per process", o.conns)
+	case ident.Check("--schema", o.schema) != nil:
+		return o, ident.Check("--schema", o.schema)
 	case o.output != "text" && o.output != "json":
 		return o, fmt.Errorf("--output %q: use text or json", o.output)
 	case o.child != "" && o.child != storeMemory && o.child != storePostgres:
@@ -242,6 +241,8 @@ type Result struct {
 	Processes int `json:"processes"`
 	// CallsPerProcess is how many concurrent calls each process fired.
 	CallsPerProcess int `json:"calls_per_process"`
+	// Schema is the schema that holds the demo's tables.
+	Schema string `json:"schema"`
 	// LimiterName and Key identify the counter all the calls shared.
 	LimiterName string `json:"limiter_name"`
 	Key         string `json:"key"`
@@ -271,12 +272,13 @@ func runParent(ctx context.Context, o options, stderr io.Writer) (Result, error)
 		Penalty:         o.penalty,
 		Processes:       o.processes,
 		CallsPerProcess: o.calls,
+		Schema:          o.schema,
 		LimiterName:     limiterName,
 		Key:             o.key,
 	}
 	for _, round := range o.rounds {
 		if round == storePostgres {
-			if err := prepareDatabase(ctx, o.databaseURL, stderr); err != nil {
+			if err := prepareDatabase(ctx, o.databaseURL, o.schema, stderr); err != nil {
 				return res, err
 			}
 			if o.algorithm != ratelimit.TokenBucket {
@@ -345,6 +347,7 @@ func runRound(ctx context.Context, o options, store string, stderr io.Writer) ([
 		"--key", o.key,
 		"--penalty=" + strconv.FormatBool(o.penalty),
 		"--database-url", o.databaseURL,
+		"--schema", o.schema,
 	}
 	// Children's messages go to our stderr; when that is not a file, the
 	// copies run concurrently and must take turns.
@@ -417,7 +420,7 @@ func runChild(ctx context.Context, o options, stdin io.Reader, stdout io.Writer)
 		}
 		lim = m
 	default:
-		pool, err := openPool(ctx, o.databaseURL, o.conns)
+		pool, err := openPool(ctx, o.databaseURL, o.schema, o.conns)
 		if err != nil {
 			return err
 		}

@@ -3,11 +3,16 @@ package main
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
+	"net/url"
 	"os"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -39,10 +44,10 @@ func runDemo(t *testing.T, args ...string) (int, string, string) {
 
 func TestDemoJSONEveryAlgorithm(t *testing.T) {
 	// An empty schema: the demo must create its tables itself.
-	url := dbtest.URLWithSchema(dbtest.NewSchema(t))
+	schema := dbtest.NewSchema(t)
 	for _, a := range ratelimit.Algorithms {
 		t.Run(string(a), func(t *testing.T) {
-			code, stdout, stderr := runDemo(t, "--database-url", url, "--output", "json", "--algorithm", string(a))
+			code, stdout, stderr := runDemo(t, "--database-url", dbtest.URL(), "--schema", schema, "--output", "json", "--algorithm", string(a))
 			if code != 0 {
 				t.Fatalf("exit %d; stderr:\n%s", code, stderr)
 			}
@@ -71,8 +76,7 @@ func TestDemoJSONEveryAlgorithm(t *testing.T) {
 }
 
 func TestDemoTextTable(t *testing.T) {
-	url := dbtest.URLWithSchema(dbtest.NewSchema(t))
-	code, stdout, stderr := runDemo(t, "--database-url", url, "--processes", "2", "--calls", "10", "--limit", "3")
+	code, stdout, stderr := runDemo(t, "--database-url", dbtest.URL(), "--schema", dbtest.NewSchema(t), "--processes", "2", "--calls", "10", "--limit", "3")
 	if code != 0 {
 		t.Fatalf("exit %d; stderr:\n%s", code, stderr)
 	}
@@ -123,29 +127,115 @@ func sum(xs []int) int {
 
 func TestDefaultURL(t *testing.T) {
 	t.Setenv(envTestURL, "")
-	if got, want := defaultURL(), defaultTestURL+"&search_path=pgrl_demo"; got != want {
-		t.Errorf("defaultURL() = %q, want %q", got, want)
+	if got := defaultURL(); got != defaultTestURL {
+		t.Errorf("defaultURL() = %q, want %q", got, defaultTestURL)
 	}
 	t.Setenv(envTestURL, "postgres://u@db.example/x")
-	if got, want := defaultURL(), "postgres://u@db.example/x?search_path=pgrl_demo"; got != want {
-		t.Errorf("defaultURL() = %q, want %q", got, want)
-	}
-	t.Setenv(envTestURL, "postgres://u@db.example/x?search_path=mine")
-	if got, want := defaultURL(), "postgres://u@db.example/x?search_path=mine"; got != want {
-		t.Errorf("defaultURL() = %q, want %q", got, want)
+	if got := defaultURL(); got != "postgres://u@db.example/x" {
+		t.Errorf("defaultURL() = %q", got)
 	}
 }
 
-func TestTargetSchema(t *testing.T) {
-	for url, want := range map[string]string{
-		"postgres://h/d?search_path=pgrl_demo":                "pgrl_demo",
-		"postgres://h/d?search_path=a,public":                 "a",
-		"postgres://h/d":                                      "",
-		"postgres://h/d?search_path=%22My%20Schema%22,public": "My Schema",
-	} {
-		got, err := targetSchema(url)
-		if err != nil || got != want {
-			t.Errorf("targetSchema(%q) = %q, %v; want %q", url, got, err, want)
+func TestDemoSchemaFlagChecked(t *testing.T) {
+	for _, schema := range []string{"", strings.Repeat("s", 64)} {
+		code, _, stderr := runDemo(t, "--schema", schema)
+		if code != 2 || !strings.Contains(stderr, "--schema") {
+			t.Errorf("--schema %q: exit %d, stderr %q; want a usage error naming --schema", schema, code, stderr)
 		}
+	}
+}
+
+// freshDatabase creates an empty database, dropped when the test ends, and
+// returns its URL.
+func freshDatabase(t *testing.T) string {
+	t.Helper()
+	admin := dbtest.Admin(t)
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "pgrl_demo_test_" + hex.EncodeToString(b[:])
+	ctx := context.Background()
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Logf("drop database %s: %v", name, err)
+		}
+	})
+	u, err := url.Parse(dbtest.URL())
+	if err != nil || u.Scheme == "" {
+		t.Fatalf("this test needs %s in URL form, not %q", dbtest.EnvURL, dbtest.URL())
+	}
+	u.Path = "/" + name
+	return u.String()
+}
+
+// objectsIn counts the tables, sequences, views and functions in a schema
+// of the database at dbURL.
+func objectsIn(t *testing.T, dbURL, schema string) int {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	var n int
+	err = conn.QueryRow(context.Background(), `
+		SELECT (SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = $1)
+		     + (SELECT count(*) FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE s.nspname = $1)`, schema).Scan(&n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// With DATABASE_URL pointing at a database of the user's own, search_path
+// and all, the demo writes only into its own schema, pgrl_demo, and says so;
+// --schema picks another.
+func TestDemoWritesOnlyIntoItsOwnSchema(t *testing.T) {
+	dbURL := freshDatabase(t)
+	// A user's URL often names the application's schema: the demo leaves it alone too.
+	sep := "?"
+	if strings.Contains(dbURL, "?") {
+		sep = "&"
+	}
+	t.Setenv("DATABASE_URL", dbURL+sep+"search_path=myapp,public")
+	code, stdout, stderr := runDemo(t, "--output", "json", "--processes", "2", "--calls", "5", "--limit", "3")
+	if code != 0 {
+		t.Fatalf("exit %d; stderr:\n%s", code, stderr)
+	}
+	if n := objectsIn(t, dbURL, "public"); n != 0 {
+		t.Errorf("the demo created %d objects in public", n)
+	}
+	if n := objectsIn(t, dbURL, DefaultSchema); n == 0 {
+		t.Errorf("nothing in schema %s", DefaultSchema)
+	}
+	var r Result
+	if err := json.Unmarshal([]byte(stdout), &r); err != nil {
+		t.Fatalf("output is not JSON: %v\n%s", err, stdout)
+	}
+	if r.Schema != DefaultSchema || deref(r.PostgresAdmitted) != 3 {
+		t.Errorf("schema %q, postgres_admitted %d; want %q and 3\n%s", r.Schema, deref(r.PostgresAdmitted), DefaultSchema, stdout)
+	}
+	if !strings.Contains(stderr, `multiinstance: migrated schema "pgrl_demo" to version`) {
+		t.Errorf("stderr does not name the schema it migrated:\n%s", stderr)
+	}
+
+	// Run again: the schema is named once more, now already current.
+	code, _, stderr = runDemo(t, "--rounds", "postgres", "--processes", "1", "--calls", "1")
+	if code != 0 || !strings.Contains(stderr, `multiinstance: using schema "pgrl_demo"`) {
+		t.Errorf("second run: exit %d, stderr:\n%s", code, stderr)
+	}
+
+	code, stdout, stderr = runDemo(t, "--schema", "Demo Two", "--output", "json", "--rounds", "postgres", "--processes", "1", "--calls", "2", "--limit", "1")
+	if code != 0 {
+		t.Fatalf("--schema: exit %d; stderr:\n%s", code, stderr)
+	}
+	r = Result{}
+	if err := json.Unmarshal([]byte(stdout), &r); err != nil || r.Schema != "Demo Two" || deref(r.PostgresAdmitted) != 1 {
+		t.Errorf("--schema: %v, result %s", err, stdout)
+	}
+	if objectsIn(t, dbURL, "Demo Two") == 0 || objectsIn(t, dbURL, "public") != 0 || objectsIn(t, dbURL, "myapp") != 0 {
+		t.Error("--schema: the tables are not in the named schema alone")
 	}
 }
