@@ -189,6 +189,10 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		// 42883: a check names pgrl's arithmetic functions (migration 5)
 		// before its table, so a schema without them fails there first.
 		both(t, err, ratelimit.ErrNotMigrated, "42883")
+		// It says where it looked: the schema, the database and the user.
+		require.Contains(t, err.Error(), "pgrl's tables are missing in schema")
+		require.Contains(t, err.Error(), "of database")
+		require.Contains(t, err.Error(), "(user ")
 	})
 	t.Run("read only", func(t *testing.T) {
 		_, s := dbtest.Pool(t)

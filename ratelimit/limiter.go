@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
@@ -665,7 +666,13 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 	defer cancel()
 	var schema string
 	if qerr := l.db.QueryRow(ctx, schemaWithoutUsage).Scan(&schema); qerr != nil {
-		return err // none found (or no answer): the tables are missing
+		// None found (or no answer): the tables are missing. Say where
+		// the connection looked, when it can tell.
+		var where *notmigrated.Error
+		if errors.As(notmigrated.At(ctx, l.db), &where) {
+			return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
+		}
+		return err
 	}
 	return fmt.Errorf("%w: the database user lacks USAGE on schema %q, which holds pgrl's tables, so PostgreSQL hides them; run GRANT USAGE ON SCHEMA %s TO <user> (and SELECT, INSERT, UPDATE, DELETE on its pgrl_ tables): %w",
 		ErrPermission, schema, pgx.Identifier{schema}.Sanitize(), pgErr)

@@ -117,7 +117,11 @@ func observeAll(mode MultiMode, checks []Check, decide func() (MultiDecision, er
 		if i < len(checks) {
 			// What each check took: its cost where it was allowed, unless
 			// AllOrNothing refused the request as a whole.
-			d := ask{n: checks[i].Cost}.settle(m.Decisions[i])
+			cost := checks[i].Cost
+			if cost == 0 {
+				cost = 1 // Check.Cost's default, as allowAll applies it
+			}
+			d := ask{n: cost}.settle(m.Decisions[i])
 			if !m.Allowed && mode == AllOrNothing {
 				d.Granted = 0
 			}

@@ -232,8 +232,12 @@ func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
 	loose, err := ratelimit.New(pool, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at, Observer: col})
 	require.NoError(t, err)
 	ctx := context.Background()
-	_, err = strict.Allow(ctx, "k")
+	// An allowed decision (Check.Cost left at its default) is allowed.
+	m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
+		ratelimit.Check{Limiter: strict, Key: "k"}, ratelimit.Check{Limiter: loose, Key: "k"})
 	require.NoError(t, err)
+	require.True(t, m.Allowed)
+	require.Equal(t, int64(1), m.Decisions[1].Granted)
 	for range 2 { // PostgreSQL denies, then the deny cache does
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
 			ratelimit.Check{Limiter: strict, Key: "k"}, ratelimit.Check{Limiter: loose, Key: "k"})
@@ -245,7 +249,10 @@ func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
 	samples, _ := scrape(t, srv.URL)
 	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="loose",outcome="not_counted",store="postgres"}`])
 	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="loose",outcome="not_counted",store="deny_cache"}`])
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="loose",outcome="allowed",store="postgres"}`], "only the allowed request's check is allowed")
 	for k := range samples {
-		require.NotContains(t, k, `limiter="loose",outcome="allowed"`, "a refused request's check is not allowed")
+		if strings.Contains(k, `limiter="loose",outcome="allowed"`) {
+			require.Contains(t, k, `store="postgres"`, "a refused request's check is not allowed")
+		}
 	}
 }
