@@ -2,6 +2,7 @@ package tests
 
 import (
 	"bufio"
+	"context"
 	"debug/elf"
 	"errors"
 	"fmt"
@@ -18,7 +19,10 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/jackc/pgx/v5"
 	"go.yaml.in/yaml/v3"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
 )
 
 // The deploy recipes in deploy/ (Kubernetes, systemd, GitHub Actions, the
@@ -1176,5 +1180,87 @@ func TestDeployDocShowsRecipes(t *testing.T) {
 	}
 	if n < 6 {
 		t.Fatalf("found %d recipes in deploy/", n)
+	}
+}
+
+// TestDeployRecipesRunAsRoles runs every database call of the recipes, with
+// their arguments, against the test database under the roles they name: the
+// migration calls as a role owning the schema, the cleanup calls as a role
+// given exactly the grants docs/DEPLOY.md lists. The recipes' schema
+// "ratelimit" and application role "app" become fresh ones. A recipe that
+// needs a right the docs do not give fails here.
+func TestDeployRecipesRunAsRoles(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema, owner, app, cleaner := dbtest.NewSchema(t), dbtest.NewRole(t), dbtest.NewRole(t), dbtest.NewRole(t)
+	admin := dbtest.Admin(t)
+	if _, err := admin.Exec(ctx, "ALTER SCHEMA "+pgx.Identifier{schema}.Sanitize()+" OWNER TO "+pgx.Identifier{owner}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	bins := map[string]string{
+		"rl-migrate": buildStatic(t, "github.com/pgrl/pgrl/cmd/rl-migrate"),
+		"rl-cleanup": buildStatic(t, "github.com/pgrl/pgrl/cmd/rl-cleanup"),
+	}
+	// The cleanup role's grants, as docs/DEPLOY.md gives them.
+	doc, err := os.ReadFile("../docs/DEPLOY.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	grants := regexp.MustCompile("(?s)```sql\n(GRANT USAGE ON SCHEMA ratelimit TO pgrl_cleanup;.*?)```").FindSubmatch(doc)
+	if grants == nil {
+		t.Fatal("docs/DEPLOY.md shows no GRANT for pgrl_cleanup")
+	}
+	sql := strings.NewReplacer("ratelimit.", pgx.Identifier{schema}.Sanitize()+".", "SCHEMA ratelimit", "SCHEMA "+pgx.Identifier{schema}.Sanitize(),
+		"pgrl_cleanup;", pgx.Identifier{cleaner}.Sanitize()+";").Replace(string(grants[1]))
+
+	var migrations, cleanups []invocation
+	for _, inv := range recipeInvocations(t, "../deploy") {
+		if inv.bin == "rl-migrate" {
+			migrations = append(migrations, inv)
+		} else {
+			cleanups = append(cleanups, inv)
+		}
+	}
+	run := func(inv invocation, role string) {
+		t.Helper()
+		args := slices.Clone(inv.args)
+		for i := 1; i < len(args); i++ {
+			switch {
+			case args[i-1] == "--schema" && args[i] == "ratelimit":
+				args[i] = schema
+			case args[i-1] == "--grant-to" && args[i] == "app":
+				args[i] = app
+			}
+		}
+		cmd := exec.Command(bins[inv.bin], args...)
+		cmd.Env = append(os.Environ(), "DATABASE_URL="+dbtest.URLAs(role))
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Errorf("%s: %s %s as the %s role: %v\n%s", inv.where, inv.bin, strings.Join(args, " "), map[string]string{owner: "migration", cleaner: "cleanup"}[role], err, out)
+		}
+	}
+	// Twice, as two deploys would.
+	for range 2 {
+		for _, inv := range migrations {
+			run(inv, owner)
+		}
+	}
+	var appRights bool
+	if err := admin.QueryRow(ctx, "SELECT has_table_privilege($1, $2, 'INSERT, UPDATE')", app, schema+".pgrl_fixed_window").Scan(&appRights); err != nil || !appRights {
+		t.Errorf("after the recipes' rl-migrate up, the application role cannot write the counters (%v)", err)
+	}
+	for _, stmt := range strings.Split(sql, ";") {
+		if strings.TrimSpace(stmt) == "" {
+			continue
+		}
+		if _, err := admin.Exec(ctx, stmt); err != nil {
+			t.Fatalf("docs/DEPLOY.md's grant %q: %v", strings.TrimSpace(stmt), err)
+		}
+	}
+	for _, inv := range cleanups {
+		run(inv, cleaner)
+	}
+	if len(migrations) < 4 || len(cleanups) < 2 {
+		t.Fatalf("ran %d migration and %d cleanup calls", len(migrations), len(cleanups))
 	}
 }
