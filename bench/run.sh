@@ -87,7 +87,8 @@ setup_postgres
 
 cd "$here"
 bin="$(mktemp -d)"
-trap 'rm -rf "$bin"' EXIT
+# Cleanup must not fail a run that passed.
+trap 'rm -rf "$bin" || true' EXIT
 go build -o "$bin/vsredis" ./cmd/vsredis
 go build -o "$bin/vsredischart" ./cmd/vsredischart
 

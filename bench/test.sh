@@ -18,13 +18,17 @@ PGRL_TEST_DATABASE_URL=$(pgrl_db_url)
 export PGRL_TEST_DATABASE_URL
 
 redis_dir=""
+# stop_redis stops the redis-server started here and waits until it has
+# exited before removing its directory (it writes its log there on its way
+# down). It never changes the script's exit status.
 stop_redis() {
-	if [[ -n $redis_dir && -f $redis_dir/redis.pid ]]; then
-		kill "$(cat "$redis_dir/redis.pid")" 2>/dev/null || true
-	fi
-	[[ -z $redis_dir ]] || rm -rf "$redis_dir"
+	[[ -n $redis_dir ]] || return 0
+	pgrl_stop_pidfile "$redis_dir/redis.pid"
+	pgrl_remove_dir "$redis_dir"
 }
-trap stop_redis EXIT
+trap 'pgrl_exit_trap stop_redis' EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 # start_redis starts redis-server on a free port of 127.0.0.1 and sets
 # PGRL_TEST_REDIS_ADDR to it.
@@ -51,7 +55,8 @@ start_redis() {
 				sleep 0.1
 			done
 		fi
-		[[ ! -f $redis_dir/redis.pid ]] || kill "$(cat "$redis_dir/redis.pid")" 2>/dev/null || true
+		pgrl_stop_pidfile "$redis_dir/redis.pid"
+		rm -f "$redis_dir/redis.pid"
 	done
 	cat "$redis_dir/redis.log" >&2 2>/dev/null || true
 	pgrl_die "could not start redis-server on a free port of 127.0.0.1 (log above)"

@@ -18,6 +18,95 @@ PGRL_REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 pgrl_log() { printf '%s\n' "$*" >&2; }
 pgrl_die() { printf 'error: %s\n' "$*" >&2; return 1; }
 
+# Stopping what a script started. A server that was sent a signal is still
+# running, and may still write into its directory (Redis logs its shutdown,
+# PostgreSQL removes its pid file last): remove its files only after it is
+# gone. Cleanup must never turn a passing run into a failing one, so these
+# functions log what they could not do and return 0.
+
+# pgrl_alive PID succeeds while the process exists and is not a zombie.
+pgrl_alive() {
+	local state=""
+	kill -0 "$1" 2>/dev/null || return 1
+	if [[ -r /proc/$1/stat ]]; then
+		# The state is the first field after the command's closing parenthesis.
+		state=$(sed 's/^.*) //; s/ .*//' "/proc/$1/stat" 2>/dev/null) || true
+		[[ $state != Z ]] || return 1
+	fi
+	return 0
+}
+
+# pgrl_wait_gone PID TENTHS waits until the process is gone, at most TENTHS
+# tenths of a second; it fails when the process is still there.
+pgrl_wait_gone() {
+	local pid=$1 n=$2
+	while pgrl_alive "$pid"; do
+		((n-- > 0)) || return 1
+		sleep 0.1
+	done
+	return 0
+}
+
+# pgrl_stop_pid PID [SECONDS] [SIGNAL] stops a process and waits until it is
+# gone: SIGNAL (default TERM), up to SECONDS (default 10) for it to exit, then
+# KILL and up to 5 s more. A child of the calling shell is reaped too. It
+# returns 0 when the process is gone (or never existed), 1 with a message
+# when even KILL did not end it.
+pgrl_stop_pid() {
+	local pid=$1 secs=${2:-10} sig=${3:-TERM}
+	[[ $pid =~ ^[0-9]+$ ]] || { pgrl_log "warning: not a process id: '$pid'"; return 0; }
+	pgrl_alive "$pid" || { wait "$pid" 2>/dev/null || true; return 0; }
+	kill -s "$sig" "$pid" 2>/dev/null || true
+	if ! pgrl_wait_gone "$pid" $((secs * 10)); then
+		pgrl_log "warning: process $pid still running ${secs}s after SIG$sig; sending SIGKILL"
+		kill -s KILL "$pid" 2>/dev/null || true
+		if ! pgrl_wait_gone "$pid" 50; then
+			pgrl_log "warning: process $pid survived SIGKILL"
+			return 1
+		fi
+	fi
+	wait "$pid" 2>/dev/null || true
+	return 0
+}
+
+# pgrl_stop_pidfile FILE [SECONDS] [SIGNAL] stops the process whose id is the
+# first line of FILE (Redis' --pidfile, PostgreSQL's postmaster.pid), as
+# pgrl_stop_pid does. A missing or empty file is nothing to stop.
+pgrl_stop_pidfile() {
+	local file=$1 pid=""
+	[[ -f $file ]] || return 0
+	read -r pid <"$file" 2>/dev/null || true
+	[[ -n $pid ]] || return 0
+	pgrl_stop_pid "$pid" "${2:-10}" "${3:-TERM}"
+}
+
+# pgrl_remove_dir DIR [SECONDS] removes a directory tree, retrying for up to
+# SECONDS (default 5) when something still writes into it; it logs a warning
+# and returns 0 when it cannot.
+pgrl_remove_dir() {
+	local dir=$1 secs=${2:-5} _
+	[[ -n $dir ]] || return 0
+	for _ in $(seq $((secs * 10))); do
+		rm -rf -- "$dir" 2>/dev/null && [[ ! -e $dir ]] && return 0
+		sleep 0.1
+	done
+	rm -rf -- "$dir" 2>/dev/null && [[ ! -e $dir ]] && return 0
+	pgrl_log "warning: could not remove $dir (left in place): $(rm -rf -- "$dir" 2>&1 | head -n 1)"
+	return 0
+}
+
+# pgrl_exit_trap CMD... runs CMD as a script's EXIT trap without changing the
+# script's exit status, whatever CMD does (set -e does not apply inside it):
+#
+#   cleanup() { pgrl_stop_pidfile "$dir/redis.pid"; pgrl_remove_dir "$dir"; }
+#   trap 'pgrl_exit_trap cleanup' EXIT
+pgrl_exit_trap() {
+	local rc=$?
+	set +e
+	"$@"
+	exit "$rc"
+}
+
 # pgrl_db_url prints the test database URL.
 pgrl_db_url() { printf '%s\n' "${PGRL_TEST_DATABASE_URL:-$PGRL_DEFAULT_TEST_URL}"; }
 

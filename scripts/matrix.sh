@@ -44,9 +44,15 @@ multi_run='^(TestMultiprocess|TestMultiConcurrent|TestMultiSingleAlgorithm|TestM
 
 bin=$(mktemp -d)
 current=""
-# Stopped or interrupted, leave no server running.
-trap 'rm -rf "$bin"; [[ -z $current ]] || bash scripts/pg.sh "$current" stop' EXIT
-trap 'exit 143' TERM INT
+# Stopped or interrupted, leave no server running; stopping it waits until
+# it has exited, and never changes the exit status.
+stop_current() {
+	[[ -z $current ]] || bash scripts/pg.sh "$current" stop
+	pgrl_remove_dir "$bin"
+}
+trap 'pgrl_exit_trap stop_current' EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 go build -o "$bin/" ./cmd/rl-migrate ./cmd/rl-cleanup
 
 # expect NAME JSON PATTERN fails unless the command's JSON output contains PATTERN.
@@ -88,6 +94,7 @@ for major in "${majors[@]}"; do
 	if ! url=$(bash scripts/pg.sh "$major" start); then
 		echo "PostgreSQL $major: FAILED to start" >&2
 		bash scripts/pg.sh "$major" stop || true
+		current=""
 		failed+=("$major")
 		continue
 	fi

@@ -150,11 +150,20 @@ start() {
 	url
 }
 
+# stop stops the server and removes its data directory once the server has
+# exited: pg_ctl -w waits for the postmaster, which waits for its children. A
+# server that does not stop within a minute is stopped by its pid (SIGQUIT,
+# an immediate shutdown, then SIGKILL). It succeeds whatever it could not do
+# (logged), so stopping a server never fails a run.
 stop() {
 	if running; then
-		as_pg "$bindir/pg_ctl" -D "$datadir" -m fast -w -t 120 stop >/dev/null
+		if ! as_pg "$bindir/pg_ctl" -D "$datadir" -m fast -w -t 60 stop >/dev/null; then
+			pgrl_log "warning: PostgreSQL $major did not stop within 60 s; stopping it by its pid"
+			running && pgrl_stop_pidfile "$datadir/postmaster.pid" 10 QUIT
+		fi
 	fi
-	rm -rf "$datadir" "$datadir".*.log
+	pgrl_remove_dir "$datadir"
+	rm -f "$datadir".*.log
 }
 
 case $action in
