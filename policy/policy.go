@@ -15,10 +15,12 @@
 package policy
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -164,6 +166,9 @@ func (o Override) Validate(p Policy) error {
 	if len(o.Key) == 0 || len(o.Key) > maxStoredKey {
 		return invalid(ratelimit.ErrKeyTooLong, "stored key of %d bytes for %q; %s", len(o.Key), p.Name, constraintFix["pgrl_policy_override_key_check"])
 	}
+	if err := p.checkStoredKey(o.Key); err != nil {
+		return err
+	}
 	if o.Limit < 0 || o.Window < 0 || o.Burst < 0 {
 		return invalid(nil, "negative limit, window or burst in an override of %q; use 0 to inherit the policy's", p.Name)
 	}
@@ -181,6 +186,28 @@ func (o Override) Validate(p Policy) error {
 	}
 	return nil
 }
+
+// checkStoredKey refuses a key that no caller's key is stored as under the
+// policy's key mode (what the trigger pgrl_policy_override_key_mode_check
+// refuses): a key given as the caller wrote it instead of its stored form.
+func (p Policy) checkStoredKey(key []byte) error {
+	if p.KeyMode == ratelimit.ReadableKeys {
+		if !bytes.HasPrefix(key, []byte(p.Name+":")) {
+			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, p.Name+":", quoteSQL(p.Name))
+		}
+		return nil
+	}
+	if len(key) != hashedKeyBytes {
+		return invalid(nil, "override key of %d bytes for %q, whose keys are hashed: a stored key is a %d-byte digest, so it would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", len(key), p.Name, hashedKeyBytes, quoteSQL(p.Name))
+	}
+	return nil
+}
+
+// hashedKeyBytes is the length of a hashed stored key (ratelimit.StoredKey).
+const hashedKeyBytes = 16
+
+// quoteSQL quotes s as an SQL string literal.
+func quoteSQL(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // maxStoredKey is the longest stored key: a readable key with its name and
 // separator.
