@@ -99,3 +99,41 @@ func TestDocsKeyRecipe(t *testing.T) {
 	require.NotNil(t, x.Override, "the rewritten row applies")
 	require.Equal(t, int64(4), x.Rate.Limit)
 }
+
+// The package doc describes the default: checks read the policy tables in
+// their own statement, and only FromCache keeps them off the request path.
+func TestPackageDocDescribesTheDefault(t *testing.T) {
+	t.Parallel()
+	src, err := os.ReadFile("policy.go")
+	require.NoError(t, err)
+	doc := string(src[:strings.Index(string(src), "\npackage policy")])
+	doc = strings.Join(strings.Fields(strings.ReplaceAll(doc, "//", "")), " ")
+	require.NotContains(t, doc, "never queries the policy tables")
+	require.Contains(t, doc, "By default each check reads the policy and the key's override in the one statement that counts")
+	require.Contains(t, doc, "With Options.FromCache, checks use the policy and override as last loaded into the Cache")
+	require.False(t, policy.Options{}.FromCache, "the default is the statement's read")
+}
+
+// A plan's lines show what changes, even what Summary leaves out.
+func TestPlanShowsHiddenChanges(t *testing.T) {
+	t.Parallel()
+	stored := []policy.Policy{{Name: "api", Algorithm: "fixed_window", Limit: 5, Window: time.Minute, Description: "old"}}
+	for _, tc := range []struct {
+		want policy.Policy
+		line string
+	}{
+		{policy.Policy{Name: "api", Limit: 5, Window: time.Minute, Description: "new"},
+			`update api: fixed_window, 5 per 1m0s, hashed keys, unchanged; description "old" -> "new"`},
+		{policy.Policy{Name: "api", Limit: 5, Window: time.Minute, Burst: 9, Description: "old"},
+			`update api: fixed_window, 5 per 1m0s, hashed keys, unchanged; burst =limit -> 9 (used by token_bucket only)`},
+		{policy.Policy{Name: "api", Limit: 6, Window: time.Minute, Description: "old"},
+			`update api: fixed_window, 5 per 1m0s, hashed keys -> fixed_window, 6 per 1m0s, hashed keys`},
+		{policy.Policy{Name: "new", Limit: 6, Window: time.Minute, Description: "for bots"},
+			`create new: fixed_window, 6 per 1m0s, hashed keys; description "for bots"`},
+	} {
+		changes, err := policy.Plan(stored, []policy.Policy{tc.want}, false)
+		require.NoError(t, err)
+		require.Len(t, changes, 1)
+		require.Equal(t, tc.line, changes[0].String())
+	}
+}

@@ -61,15 +61,39 @@ func Plan(stored, want []Policy, prune bool) ([]Change, error) {
 	return out, nil
 }
 
-// String describes the change in one line.
+// String describes the change in one line. What Summary leaves out is
+// shown when it changes: the description (also when a policy is created
+// with one), and the burst of an algorithm that does not use it.
 func (c Change) String() string {
 	switch c.Op {
 	case "create":
-		return fmt.Sprintf("create %s: %s", c.Name, c.After.Summary())
+		s := fmt.Sprintf("create %s: %s", c.Name, c.After.Summary())
+		if c.After.Description != "" {
+			s += fmt.Sprintf("; description %q", c.After.Description)
+		}
+		return s
 	case "delete":
 		return fmt.Sprintf("delete %s (was %s) and its overrides", c.Name, c.Before.Summary())
 	}
-	return fmt.Sprintf("update %s: %s -> %s", c.Name, c.Before.Summary(), c.After.Summary())
+	s := fmt.Sprintf("update %s: %s -> %s", c.Name, c.Before.Summary(), c.After.Summary())
+	if c.Before.Summary() == c.After.Summary() {
+		s = fmt.Sprintf("update %s: %s, unchanged", c.Name, c.After.Summary())
+	}
+	if c.Before.Burst != c.After.Burst && c.Before.Algorithm != ratelimit.TokenBucket && c.After.Algorithm != ratelimit.TokenBucket {
+		s += fmt.Sprintf("; burst %s -> %s (used by token_bucket only)", burstWords(c.Before.Burst), burstWords(c.After.Burst))
+	}
+	if c.Before.Description != c.After.Description {
+		s += fmt.Sprintf("; description %q -> %q", c.Before.Description, c.After.Description)
+	}
+	return s
+}
+
+// burstWords is a stored burst in words: 0 is the limit.
+func burstWords(b int64) string {
+	if b == 0 {
+		return "=limit"
+	}
+	return fmt.Sprint(b)
 }
 
 // Summary describes the policy's limit in a few words, such as
