@@ -192,3 +192,25 @@ func TestPolicyKeyBindingKept(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pgrl_policy_override`).Scan(&n))
 	require.Zero(t, n)
 }
+
+// The key's check, pgrl_policy_key and the policy trigger find pgrl's
+// tables from a session whose search_path does not name the schema, as a
+// DBA's psql may be.
+func TestKeyChecksWithAnotherSearchPath(t *testing.T) {
+	t.Parallel()
+	pool, s := dbtest.Pool(t)
+	ctx := context.Background()
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 2, Window: time.Hour})
+	require.NoError(t, err)
+	admin := dbtest.Admin(t)
+	q := func(sql string) string { return strings.ReplaceAll(sql, "$s.", `"`+s+`".`) }
+	_, err = admin.Exec(ctx, q(`INSERT INTO $s.pgrl_policy_override (policy, key, "limit") VALUES ('api', 'tenant-9', 5)`))
+	requireConstraint(t, err, "pgrl_policy_override_key_mode_check")
+	_, err = admin.Exec(ctx, q(`INSERT INTO $s.pgrl_policy_override (policy, key, "limit") VALUES ('api', $s.pgrl_policy_key('api', 'tenant-9'), 5)`))
+	require.NoError(t, err)
+	_, err = admin.Exec(ctx, q(`UPDATE $s.pgrl_policy SET key_mode = 'readable' WHERE name = 'api'`))
+	requireConstraint(t, err, "pgrl_policy_key_mode_overrides_check")
+	x, err := policy.Explain(ctx, pool, "api", "tenant-9")
+	require.NoError(t, err)
+	require.NotNil(t, x.Override)
+}

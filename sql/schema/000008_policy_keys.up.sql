@@ -22,6 +22,12 @@
 -- table against concurrent writers while it looks, so that an override
 -- written during the change is checked against the new key mode.
 --
+-- These three functions run with the search_path they were created with
+-- (pgrl's schema, as 000004's do), so that they find pgrl's tables whatever
+-- the caller's search_path: a DBA may write
+--   INSERT INTO ratelimit.pgrl_policy_override ... ratelimit.pgrl_policy_key(...)
+-- from a session whose search_path does not name the schema.
+--
 -- Rows already in the table are left as they are (an override that never
 -- applied goes on not applying); docs/POLICIES.md has the query that finds
 -- and rewrites them.
@@ -30,6 +36,7 @@
 -- policy named policy: pgrl_stored_key(policy, key, key_mode = 'readable').
 CREATE FUNCTION pgrl_policy_key(policy text, key text) RETURNS bytea
 LANGUAGE plpgsql STABLE STRICT PARALLEL SAFE
+SET search_path FROM CURRENT
 AS $$
 DECLARE
     mode text;
@@ -48,6 +55,7 @@ $$;
 -- stored key under its policy's key mode.
 CREATE FUNCTION pgrl_policy_override_check_key() RETURNS trigger
 LANGUAGE plpgsql
+SET search_path FROM CURRENT
 AS $$
 DECLARE
     mode   text;
@@ -84,6 +92,7 @@ CREATE CONSTRAINT TRIGGER pgrl_policy_override_key_mode_check
 -- writers of overrides before it looks.
 CREATE OR REPLACE FUNCTION pgrl_policy_keep_key_mode() RETURNS trigger
 LANGUAGE plpgsql
+SET search_path FROM CURRENT
 AS $$
 BEGIN
     IF NEW.key_mode IS NOT DISTINCT FROM OLD.key_mode AND NEW.name IS NOT DISTINCT FROM OLD.name THEN
