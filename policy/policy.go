@@ -171,7 +171,7 @@ func (o Override) Validate(p Policy) error {
 	if len(o.Key) == 0 || len(o.Key) > maxStoredKey {
 		return invalid(ratelimit.ErrKeyTooLong, "stored key of %d bytes for %q; %s", len(o.Key), p.Name, constraintFix["pgrl_policy_override_key_check"])
 	}
-	if err := p.checkStoredKey(o.Key); err != nil {
+	if err := p.CheckStoredKey(o.Key); err != nil {
 		return err
 	}
 	if o.Limit < 0 || o.Window < 0 || o.Burst < 0 {
@@ -192,10 +192,13 @@ func (o Override) Validate(p Policy) error {
 	return nil
 }
 
-// checkStoredKey refuses a key that no caller's key is stored as under the
-// policy's key mode (what the trigger pgrl_policy_override_key_mode_check
-// refuses): a key given as the caller wrote it instead of its stored form.
-func (p Policy) checkStoredKey(key []byte) error {
+// CheckStoredKey returns ErrInvalid when key cannot be the stored form of
+// any caller's key under p's key mode (what the table's trigger
+// pgrl_policy_override_key_mode_check refuses): under hashed keys anything
+// but 16 bytes, under readable keys anything that does not start with p's
+// name and ':'. Such a key, usually the caller's key given as is, would
+// never match a check.
+func (p Policy) CheckStoredKey(key []byte) error {
 	if p.KeyMode == ratelimit.ReadableKeys {
 		if !bytes.HasPrefix(key, []byte(p.Name+":")) {
 			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, p.Name+":", quoteSQL(p.Name))

@@ -690,6 +690,9 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 		}
 		if !stored {
 			o.Key = p.StoredKey(key)
+		} else if p.CheckStoredKey(o.Key) != nil {
+			return usagef("--stored-key %x is not a stored key of policy %s, whose keys are %s, so the override would never apply: copy key_hex from `rl-policy override list %s`, or give the key itself as the KEY argument instead of --stored-key",
+				o.Key, p.Name, keyModeText(p.KeyMode), p.Name)
 		}
 		o, err = policy.SetOverride(ctx, tx, o)
 		return err

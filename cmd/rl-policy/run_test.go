@@ -178,6 +178,11 @@ func TestBadInputWritesNothing(t *testing.T) {
 	_, stderr, code = runFn(t, db(s, "override", "set", "tb", "k", "--burst", "9007199254740992")...)
 	require.Equal(t, cli.ExitUsage, code)
 	require.Contains(t, stderr, "more than 1,000 years to refill")
+	// A stored key that no key is stored as under the policy's key mode.
+	_, stderr, code = runFn(t, db(s, "override", "set", "tb", "--stored-key", "74656e616e742d39", "--limit", "3")...)
+	require.Equal(t, cli.ExitUsage, code)
+	require.Contains(t, stderr, "--stored-key 74656e616e742d39 is not a stored key of policy tb, whose keys are hashed, so the override would never apply")
+	require.Contains(t, stderr, "give the key itself as the KEY argument")
 	stdout, _, code := runFn(t, jsonDB(s, "override", "set", "missing", "k", "--limit", "3")...)
 	require.Equal(t, cli.ExitError, code)
 	e := oneJSON(t, stdout)
