@@ -123,9 +123,9 @@ func TestPlanShowsHiddenChanges(t *testing.T) {
 		line string
 	}{
 		{policy.Policy{Name: "api", Limit: 5, Window: time.Minute, Description: "new"},
-			`update api: fixed_window, 5 per 1m0s, hashed keys, unchanged; description "old" -> "new"`},
+			`update api: description "old" -> "new" (limit unchanged: fixed_window, 5 per 1m0s, hashed keys)`},
 		{policy.Policy{Name: "api", Limit: 5, Window: time.Minute, Burst: 9, Description: "old"},
-			`update api: fixed_window, 5 per 1m0s, hashed keys, unchanged; burst =limit -> 9 (used by token_bucket only)`},
+			`update api: burst =limit -> 9 (used by token_bucket only) (limit unchanged: fixed_window, 5 per 1m0s, hashed keys)`},
 		{policy.Policy{Name: "api", Limit: 6, Window: time.Minute, Description: "old"},
 			`update api: fixed_window, 5 per 1m0s, hashed keys -> fixed_window, 6 per 1m0s, hashed keys`},
 		{policy.Policy{Name: "new", Limit: 6, Window: time.Minute, Description: "for bots"},

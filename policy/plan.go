@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -75,17 +76,17 @@ func (c Change) String() string {
 	case "delete":
 		return fmt.Sprintf("delete %s (was %s) and its overrides", c.Name, c.Before.Summary())
 	}
-	s := fmt.Sprintf("update %s: %s -> %s", c.Name, c.Before.Summary(), c.After.Summary())
-	if c.Before.Summary() == c.After.Summary() {
-		s = fmt.Sprintf("update %s: %s, unchanged", c.Name, c.After.Summary())
-	}
+	var hidden []string
 	if c.Before.Burst != c.After.Burst && c.Before.Algorithm != ratelimit.TokenBucket && c.After.Algorithm != ratelimit.TokenBucket {
-		s += fmt.Sprintf("; burst %s -> %s (used by token_bucket only)", burstWords(c.Before.Burst), burstWords(c.After.Burst))
+		hidden = append(hidden, fmt.Sprintf("burst %s -> %s (used by token_bucket only)", burstWords(c.Before.Burst), burstWords(c.After.Burst)))
 	}
 	if c.Before.Description != c.After.Description {
-		s += fmt.Sprintf("; description %q -> %q", c.Before.Description, c.After.Description)
+		hidden = append(hidden, fmt.Sprintf("description %q -> %q", c.Before.Description, c.After.Description))
 	}
-	return s
+	if before, after := c.Before.Summary(), c.After.Summary(); before != after {
+		return strings.Join(append([]string{fmt.Sprintf("update %s: %s -> %s", c.Name, before, after)}, hidden...), "; ")
+	}
+	return fmt.Sprintf("update %s: %s (limit unchanged: %s)", c.Name, strings.Join(hidden, "; "), c.After.Summary())
 }
 
 // burstWords is a stored burst in words: 0 is the limit.

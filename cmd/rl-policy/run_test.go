@@ -294,7 +294,7 @@ func TestApply(t *testing.T) {
 		{"name": "uploads", "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 50, "description": "bytes"}]}`)
 	stdout, stderr, code = runFn(t, db(s, "apply", desc, "--dry-run")...)
 	require.Equal(t, cli.ExitOK, code, stderr)
-	require.Contains(t, stdout, `update api: fixed_window, 200 per 1m0s, hashed keys, unchanged; description "" -> "public API, per key"`)
+	require.Contains(t, stdout, `update api: description "" -> "public API, per key" (limit unchanged: fixed_window, 200 per 1m0s, hashed keys)`)
 	require.Contains(t, stdout, "dry run: 1 change, none made\n")
 	stdout, stderr, code = runFn(t, db(s, "apply", desc)...)
 	require.Equal(t, cli.ExitOK, code, stderr)
