@@ -183,7 +183,10 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	require.Equal(t, int64(1), limitOf(cache, "other"))
 
 	// ReloadOverrides directly: an expired override leaves the cache.
-	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("t5"), Limit: 5, ExpiresAt: time.Now().Add(-time.Second)})
+	// (SetOverride refuses a past expiry; an UPDATE can expire a row.)
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit", expires_at)
+		VALUES ('api', pgrl_policy_key('api', 't5'), 5, now() - interval '1 second')
+		ON CONFLICT (policy, key) DO UPDATE SET "limit" = excluded."limit", expires_at = excluded.expires_at`)
 	require.NoError(t, err)
 	require.NoError(t, cache.ReloadOverrides(ctx, "api", [][]byte{p.StoredKey("t5")}))
 	require.Equal(t, int64(10), limitFor("t5"))

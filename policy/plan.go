@@ -3,6 +3,7 @@ package policy
 import (
 	"fmt"
 	"sort"
+	"strings"
 
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -61,15 +62,39 @@ func Plan(stored, want []Policy, prune bool) ([]Change, error) {
 	return out, nil
 }
 
-// String describes the change in one line.
+// String describes the change in one line. What Summary leaves out is
+// shown when it changes: the description (also when a policy is created
+// with one), and the burst of an algorithm that does not use it.
 func (c Change) String() string {
 	switch c.Op {
 	case "create":
-		return fmt.Sprintf("create %s: %s", c.Name, c.After.Summary())
+		s := fmt.Sprintf("create %s: %s", c.Name, c.After.Summary())
+		if c.After.Description != "" {
+			s += fmt.Sprintf("; description %q", c.After.Description)
+		}
+		return s
 	case "delete":
 		return fmt.Sprintf("delete %s (was %s) and its overrides", c.Name, c.Before.Summary())
 	}
-	return fmt.Sprintf("update %s: %s -> %s", c.Name, c.Before.Summary(), c.After.Summary())
+	var hidden []string
+	if c.Before.Burst != c.After.Burst && c.Before.Algorithm != ratelimit.TokenBucket && c.After.Algorithm != ratelimit.TokenBucket {
+		hidden = append(hidden, fmt.Sprintf("burst %s -> %s (used by token_bucket only)", burstWords(c.Before.Burst), burstWords(c.After.Burst)))
+	}
+	if c.Before.Description != c.After.Description {
+		hidden = append(hidden, fmt.Sprintf("description %q -> %q", c.Before.Description, c.After.Description))
+	}
+	if before, after := c.Before.Summary(), c.After.Summary(); before != after {
+		return strings.Join(append([]string{fmt.Sprintf("update %s: %s -> %s", c.Name, before, after)}, hidden...), "; ")
+	}
+	return fmt.Sprintf("update %s: %s (limit unchanged: %s)", c.Name, strings.Join(hidden, "; "), c.After.Summary())
+}
+
+// burstWords is a stored burst in words: 0 is the limit.
+func burstWords(b int64) string {
+	if b == 0 {
+		return "=limit"
+	}
+	return fmt.Sprint(b)
 }
 
 // Summary describes the policy's limit in a few words, such as

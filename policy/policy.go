@@ -6,19 +6,26 @@
 // Set, Get, List and Delete manage policies; SetOverride, ListOverrides and
 // DeleteOverride the overrides of one key; Explain says which limit applies
 // to a key and what it has used. NewLimiter builds a limiter from a stored
-// policy: it reads the policy from a Cache held in memory, applies the
-// key's override on each check as a per-call rate (ratelimit.Rate), and
-// never queries the policy tables on the request path. A Listener keeps the
-// Cache current from the NOTIFY that every change of either table sends.
+// policy. By default each check reads the policy and the key's override in
+// the one statement that counts (two primary-key lookups joined to the
+// counter's upsert: no extra round trip), so a change made by plain SQL is
+// obeyed by the next check; the Cache held in memory tells the limiter
+// which counter row a key uses, and is read again from the tables when a
+// check finds the policy changed. With Options.FromCache, checks use the
+// policy and override as last loaded into the Cache instead, and do not
+// touch the policy tables. A Listener keeps the Cache current from the
+// NOTIFY that every change of either table sends.
 //
 // The tables are described, with plain SQL for a DBA, in docs/POLICIES.md.
 package policy
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"regexp"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -164,6 +171,9 @@ func (o Override) Validate(p Policy) error {
 	if len(o.Key) == 0 || len(o.Key) > maxStoredKey {
 		return invalid(ratelimit.ErrKeyTooLong, "stored key of %d bytes for %q; %s", len(o.Key), p.Name, constraintFix["pgrl_policy_override_key_check"])
 	}
+	if err := p.CheckStoredKey(o.Key); err != nil {
+		return err
+	}
 	if o.Limit < 0 || o.Window < 0 || o.Burst < 0 {
 		return invalid(nil, "negative limit, window or burst in an override of %q; use 0 to inherit the policy's", p.Name)
 	}
@@ -181,6 +191,31 @@ func (o Override) Validate(p Policy) error {
 	}
 	return nil
 }
+
+// CheckStoredKey returns ErrInvalid when key cannot be the stored form of
+// any caller's key under p's key mode (what the table's trigger
+// pgrl_policy_override_key_mode_check refuses): under hashed keys anything
+// but 16 bytes, under readable keys anything that does not start with p's
+// name and ':'. Such a key, usually the caller's key given as is, would
+// never match a check.
+func (p Policy) CheckStoredKey(key []byte) error {
+	if p.KeyMode == ratelimit.ReadableKeys {
+		if !bytes.HasPrefix(key, []byte(p.Name+":")) {
+			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, p.Name+":", quoteSQL(p.Name))
+		}
+		return nil
+	}
+	if len(key) != hashedKeyBytes {
+		return invalid(nil, "override key of %d bytes for %q, whose keys are hashed: a stored key is a %d-byte digest, so it would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", len(key), p.Name, hashedKeyBytes, quoteSQL(p.Name))
+	}
+	return nil
+}
+
+// hashedKeyBytes is the length of a hashed stored key (ratelimit.StoredKey).
+const hashedKeyBytes = 16
+
+// quoteSQL quotes s as an SQL string literal.
+func quoteSQL(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
 
 // maxStoredKey is the longest stored key: a readable key with its name and
 // separator.
@@ -325,7 +360,9 @@ func Delete(ctx context.Context, db DB, name string) error {
 // SetOverride creates or replaces the override of o.Key under o.Policy and
 // returns it as stored. It reads the policy to validate the rate the key
 // would get; an override of a policy that does not exist is ErrNotFound.
-// Nothing is written when it fails.
+// An ExpiresAt that is not after the database's now() is ErrInvalid: such
+// an override would never apply (delete an override to end it). Nothing is
+// written when it fails.
 func SetOverride(ctx context.Context, db DB, o Override) (Override, error) {
 	p, err := Get(ctx, db, o.Policy)
 	if err != nil {
@@ -346,13 +383,17 @@ func SetOverride(ctx context.Context, db DB, o Override) (Override, error) {
 	}
 	row := db.QueryRow(ctx, `
 INSERT INTO pgrl_policy_override AS t (policy, key, "limit", "window", burst, expires_at, note)
-VALUES ($1, $2, $3, $4, $5, $6, nullif($7, ''))
+SELECT $1::text, $2::bytea, $3::bigint, $4::interval, $5::bigint, $6::timestamptz, nullif($7::text, '')
+ WHERE $6::timestamptz IS NULL OR $6::timestamptz > now()
 ON CONFLICT (policy, key) DO UPDATE
    SET "limit" = excluded."limit", "window" = excluded."window", burst = excluded.burst,
        expires_at = excluded.expires_at, note = excluded.note
 RETURNING `+overrideColumns,
 		o.Policy, o.Key, nz(o.Limit), interval(o.Window), nz(o.Burst), exp, o.Note)
 	out, err := scanOverride(row)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Override{}, invalid(nil, "override of %q expires at %s, which is not in the future on the database's clock: give a later ExpiresAt (or none, for never); to end an override now, delete it (DeleteOverride, rl-policy override delete)", o.Policy, o.ExpiresAt.UTC().Format(time.RFC3339Nano))
+	}
 	return out, mapErr(err)
 }
 

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -8,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"runtime/debug"
 	"strconv"
@@ -47,13 +49,15 @@ Commands:
                            as "rl-policy --output json list" prints it (window as
                            a duration such as "1m"); --prune also deletes the
                            policies FILE lacks (with their overrides); --dry-run
-                           prints the changes and makes none
+                           prints the changes and makes none; a field FILE
+                           does not know is refused
   explain NAME KEY         show the policy, the override in force for KEY, the
                            limit that applies and KEY's counter (counts nothing)
   override set NAME KEY [--limit N] [--window D] [--burst N]
            [--expires-in D | --expires-at TIME] [--note TEXT]
                            give KEY its own limit, window or burst (at least one),
-                           until the expiry if any (TIME in RFC 3339)
+                           until the expiry if any (TIME in RFC 3339, in the
+                           future; delete an override to end it)
   override list [NAME]     show the overrides (of one policy), expired ones too
   override delete NAME KEY delete KEY's override
                            (override set and delete take --stored-key HEX instead
@@ -115,7 +119,7 @@ type globals struct {
 func (g *globals) register(fs *flag.FlagSet) {
 	fs.StringVar(&g.databaseURL, "database-url", g.databaseURL, "")
 	fs.StringVar(&g.schema, "schema", g.schema, "")
-	fs.DurationVar(&g.lockTimeout, "lock-timeout", g.lockTimeout, "")
+	fs.Var(durationFlag{&g.lockTimeout}, "lock-timeout", "")
 	fs.StringVar(&g.output, "output", g.output, "")
 	fs.BoolVar(&g.help, "help", g.help, "")
 	fs.BoolVar(&g.help, "h", g.help, "")
@@ -200,9 +204,52 @@ type rateFlags struct {
 }
 
 func (r *rateFlags) register(fs *flag.FlagSet) {
-	fs.Int64Var(&r.limit, "limit", 0, "")
-	fs.DurationVar(&r.window, "window", 0, "")
-	fs.Int64Var(&r.burst, "burst", 0, "")
+	fs.Var(int64Flag{&r.limit}, "limit", "")
+	fs.Var(durationFlag{&r.window}, "window", "")
+	fs.Var(int64Flag{&r.burst}, "burst", "")
+}
+
+// durationFlag is a flag.Value holding a Go duration, whose error gives
+// examples (the flag package's own says "parse error" only).
+type durationFlag struct{ d *time.Duration }
+
+func (f durationFlag) String() string {
+	if f.d == nil {
+		return ""
+	}
+	return f.d.String()
+}
+
+func (f durationFlag) Set(s string) error {
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return errors.New("not a duration: use a duration such as 90s, 15m or 24h (units ms, s, m, h; no d)")
+	}
+	*f.d = d
+	return nil
+}
+
+// int64Flag is a flag.Value holding a whole number, whose error gives an
+// example.
+type int64Flag struct{ v *int64 }
+
+func (f int64Flag) String() string {
+	if f.v == nil {
+		return ""
+	}
+	return strconv.FormatInt(*f.v, 10)
+}
+
+func (f int64Flag) Set(s string) error {
+	v, err := strconv.ParseInt(s, 10, 64)
+	if errors.Is(err, strconv.ErrRange) {
+		return fmt.Errorf("out of range: use a whole number from 1 to %d", int64(math.MaxInt64))
+	}
+	if err != nil {
+		return errors.New("not a whole number: use a number such as 100")
+	}
+	*f.v = v
+	return nil
 }
 
 func given(fs *flag.FlagSet) map[string]bool {
@@ -355,7 +402,8 @@ func (a *app) override(ctx context.Context, cmd string, rest []string) error {
 	case "set":
 		var r rateFlags
 		r.register(sub)
-		expiresIn := sub.Duration("expires-in", 0, "")
+		expiresIn := new(time.Duration)
+		sub.Var(durationFlag{expiresIn}, "expires-in", "")
 		expiresAt := sub.String("expires-at", "", "")
 		note := sub.String("note", "", "")
 		pos, err := a.parse(sub, rest)
@@ -382,7 +430,11 @@ func (a *app) override(ctx context.Context, cmd string, rest []string) error {
 		}
 		if set["expires-at"] {
 			if o.ExpiresAt, err = time.Parse(time.RFC3339, *expiresAt); err != nil {
-				return usagef("--expires-at %q: use RFC 3339, such as 2026-12-31T23:59:59Z", *expiresAt)
+				return usagef("--expires-at %q: use RFC 3339, such as %s", *expiresAt, exampleInstant())
+			}
+			if !o.ExpiresAt.After(time.Now()) {
+				return usagef("--expires-at %s is in the past, so the override would never apply: give a later instant, such as %s, or --expires-in such as 720h; to end an override now, run `rl-policy override delete %s KEY`",
+					*expiresAt, exampleInstant(), name)
 			}
 		}
 		if set["stored-key"] {
@@ -424,6 +476,11 @@ func (a *app) override(ctx context.Context, cmd string, rest []string) error {
 	default:
 		return usagef("unknown override subcommand %q: use set, list or delete", cmd)
 	}
+}
+
+// exampleInstant is an instant 30 days ahead, in RFC 3339, for messages.
+func exampleInstant() string {
+	return time.Now().Add(30 * 24 * time.Hour).UTC().Truncate(time.Second).Format(time.RFC3339)
 }
 
 // keyArgs reads NAME KEY, or NAME alone with --stored-key.
@@ -582,7 +639,7 @@ func (a *app) explain(ctx context.Context, name, key string) error {
 			"stored_key_hex": hex.EncodeToString(x.StoredKey),
 			"override":       nil, "expired_override": nil, "ignored_override": nil,
 			"rate": map[string]any{"limit": x.Rate.Limit, "window": x.Rate.Window.String(),
-				"window_seconds": x.Rate.Window.Seconds(), "burst": x.Rate.Burst},
+				"window_seconds": x.Rate.Window.Seconds(), "burst": explainBurst(x)},
 			"counter": map[string]any{"allowed": x.Counter.Allowed, "used": x.Counter.Used,
 				"remaining": x.Counter.Remaining, "limit": x.Counter.Limit,
 				"reset_at": x.Counter.ResetAt.UTC().Format(time.RFC3339Nano), "retry_after_seconds": x.Counter.RetryAfterSeconds()},
@@ -602,7 +659,7 @@ func (a *app) explain(ctx context.Context, name, key string) error {
 	fmt.Fprintf(a.stdout, "key        %q (stored as %x)\n", x.Key, x.StoredKey)
 	switch {
 	case x.Override != nil:
-		fmt.Fprintf(a.stdout, "override   %s\n", describeOverride(*x.Override))
+		fmt.Fprintf(a.stdout, "override   %s\n", describeOverride(*x.Override, x.Policy))
 	case x.Ignored != "":
 		fmt.Fprintf(a.stdout, "override   ignored: %s\n", x.Ignored)
 	case x.Expired != nil:
@@ -610,7 +667,11 @@ func (a *app) explain(ctx context.Context, name, key string) error {
 	default:
 		fmt.Fprintln(a.stdout, "override   none: the policy applies")
 	}
-	fmt.Fprintf(a.stdout, "applies    %d per %s, burst %d\n", x.Rate.Limit, x.Rate.Window, x.Rate.Burst)
+	if x.Policy.Algorithm == ratelimit.TokenBucket {
+		fmt.Fprintf(a.stdout, "applies    %d per %s, burst %d\n", x.Rate.Limit, x.Rate.Window, x.Rate.Burst)
+	} else {
+		fmt.Fprintf(a.stdout, "applies    %d per %s\n", x.Rate.Limit, x.Rate.Window)
+	}
 	c := x.Counter
 	state := "allowed"
 	if !c.Allowed {
@@ -635,6 +696,9 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 		}
 		if !stored {
 			o.Key = p.StoredKey(key)
+		} else if p.CheckStoredKey(o.Key) != nil {
+			return usagef("--stored-key %x is not a stored key of policy %s, whose keys are %s, so the override would never apply: copy key_hex from `rl-policy override list %s`, or give the key itself as the KEY argument instead of --stored-key",
+				o.Key, p.Name, keyModeText(p.KeyMode), p.Name)
 		}
 		o, err = policy.SetOverride(ctx, tx, o)
 		return err
@@ -645,7 +709,7 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 	if a.json() {
 		return cli.PrintJSON(a.stdout, map[string]any{"command": "override set", "override": overrideJSON(o, p)})
 	}
-	fmt.Fprintf(a.stdout, "override of %s for key %x: %s\n", o.Policy, o.Key, describeOverride(o))
+	fmt.Fprintf(a.stdout, "override of %s for key %x: %s\n", o.Policy, o.Key, describeOverride(o, p))
 	return nil
 }
 
@@ -777,8 +841,13 @@ func (a *app) finish(err error) int {
 	return code
 }
 
-func describeOverride(o policy.Override) string {
-	parts := []string{"limit " + inherit(o.Limit), "window " + inheritDuration(o.Window), "burst " + inherit(o.Burst)}
+// describeOverride describes o in words; the burst only under a token
+// bucket, the one algorithm that uses it.
+func describeOverride(o policy.Override, p policy.Policy) string {
+	parts := []string{"limit " + inherit(o.Limit), "window " + inheritDuration(o.Window)}
+	if p.Algorithm == ratelimit.TokenBucket || o.Burst != 0 {
+		parts = append(parts, "burst "+inherit(o.Burst))
+	}
 	if o.ExpiresAt.IsZero() {
 		parts = append(parts, "never expires")
 	} else {
@@ -865,8 +934,9 @@ func overrideJSON(o policy.Override, p policy.Policy) map[string]any {
 	}
 }
 
-// policyFile is one policy as apply reads it: the JSON of list, whose
-// other fields (window_seconds, created_at, ...) are ignored.
+// policyFile is one policy as apply reads it: the JSON of list. Its last
+// three fields are what list prints besides and apply ignores; any other
+// field is refused, so that a misspelt one is not silently dropped.
 type policyFile struct {
 	Name        string `json:"name"`
 	Algorithm   string `json:"algorithm"`
@@ -876,9 +946,71 @@ type policyFile struct {
 	Penalty     bool   `json:"penalty"`
 	KeyMode     string `json:"key_mode"`
 	Description string `json:"description"`
+
+	WindowSeconds json.RawMessage `json:"window_seconds"`
+	CreatedAt     json.RawMessage `json:"created_at"`
+	UpdatedAt     json.RawMessage `json:"updated_at"`
 }
 
-// readPolicies reads apply's file (or stdin for "-").
+// policyFields are the fields of a policy in apply's file, and
+// ignoredFields those that list prints and apply ignores.
+var (
+	policyFields  = []string{"name", "algorithm", "limit", "window", "burst", "penalty", "key_mode", "description"}
+	ignoredFields = []string{"window_seconds", "created_at", "updated_at"}
+)
+
+// unknownField returns the field name of encoding/json's error for a field
+// that the target lacks, or "".
+func unknownField(err error) string {
+	const prefix = `json: unknown field "`
+	msg := err.Error()
+	if !strings.HasPrefix(msg, prefix) {
+		return ""
+	}
+	return strings.TrimSuffix(strings.TrimPrefix(msg, prefix), `"`)
+}
+
+// closest returns the known name nearest to name, when a typo (an edit
+// distance of at most 2, or at most 3 with a common start of 4 letters)
+// would explain the difference, else "".
+func closest(name string, known []string) string {
+	best, bestD := "", 3
+	name = strings.ToLower(name)
+	for _, k := range known {
+		d := editDistance(name, k)
+		if d == 3 && len(name) >= 4 && len(k) >= 4 && name[:4] == k[:4] {
+			d = 2
+		}
+		if d < bestD {
+			best, bestD = k, d
+		}
+	}
+	return best
+}
+
+// editDistance is the Levenshtein distance between a and b, in bytes.
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	cur := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev, cur = cur, prev
+	}
+	return prev[len(b)]
+}
+
+// readPolicies reads apply's file (or stdin for "-"). Unknown fields, at the
+// top and in each policy, are refused with the known ones.
 func readPolicies(path string, stdin io.Reader) ([]policy.Policy, error) {
 	var r io.Reader = stdin
 	if path != "-" {
@@ -890,20 +1022,50 @@ func readPolicies(path string, stdin io.Reader) ([]policy.Policy, error) {
 		r = f
 	}
 	var doc struct {
-		Policies *[]policyFile `json:"policies"`
+		Command  json.RawMessage    `json:"command"` // printed by list, ignored
+		Policies *[]json.RawMessage `json:"policies"`
 	}
 	dec := json.NewDecoder(r)
+	dec.DisallowUnknownFields()
 	if err := dec.Decode(&doc); err != nil {
+		if f := unknownField(err); f != "" {
+			hint := ""
+			if c := closest(f, []string{"policies"}); c != "" {
+				hint = fmt.Sprintf(" (did you mean %q?)", c)
+			}
+			return nil, usagef("apply: %s has an unknown field %q at the top%s; the file is one object {\"policies\": [...]} (\"command\", which list prints, is ignored)", path, f, hint)
+		}
 		return nil, usagef("apply: %s is not a JSON object {\"policies\": [...]}: %v", path, err)
+	}
+	if dec.More() {
+		return nil, usagef("apply: %s holds more than one JSON value; put every policy in the one \"policies\" array", path)
 	}
 	if doc.Policies == nil {
 		return nil, usagef("apply: %s has no \"policies\" array; write {\"policies\": []} to mean none", path)
 	}
 	out := make([]policy.Policy, 0, len(*doc.Policies))
-	for i, f := range *doc.Policies {
+	for i, raw := range *doc.Policies {
+		var f policyFile
+		pd := json.NewDecoder(bytes.NewReader(raw))
+		pd.DisallowUnknownFields()
+		if err := pd.Decode(&f); err != nil {
+			var name struct {
+				Name string `json:"name"`
+			}
+			_ = json.Unmarshal(raw, &name)
+			if field := unknownField(err); field != "" {
+				hint := ""
+				if c := closest(field, policyFields); c != "" {
+					hint = fmt.Sprintf(" (did you mean %q?)", c)
+				}
+				return nil, usagef("apply: policy %d (%q): unknown field %q%s; a policy's fields are %s (list's %s are ignored)",
+					i, name.Name, field, hint, strings.Join(policyFields, ", "), strings.Join(ignoredFields, ", "))
+			}
+			return nil, usagef("apply: policy %d (%q) is not a policy object: %v", i, name.Name, err)
+		}
 		w, err := time.ParseDuration(f.Window)
 		if err != nil {
-			return nil, usagef("apply: policy %d (%q): window %q is not a duration such as 1m or 24h", i, f.Name, f.Window)
+			return nil, usagef("apply: policy %d (%q): window %q is not a duration: use a duration such as 90s, 15m or 24h", i, f.Name, f.Window)
 		}
 		mode, err := policy.ParseKeyMode(f.KeyMode)
 		if err != nil {
@@ -979,11 +1141,28 @@ func (a *app) apply(ctx context.Context, want []policy.Policy, prune, dry bool) 
 		fmt.Fprintln(a.stdout, c.String())
 	}
 	if dry {
-		fmt.Fprintf(a.stdout, "dry run: %d changes, none made\n", len(changes))
+		fmt.Fprintf(a.stdout, "dry run: %s, none made\n", plural(len(changes), "change", "changes"))
 	} else {
-		fmt.Fprintf(a.stdout, "applied %d changes in one transaction\n", len(changes))
+		fmt.Fprintf(a.stdout, "applied %s in one transaction\n", plural(len(changes), "change", "changes"))
 	}
 	return nil
+}
+
+// explainBurst is the burst that applies under a token bucket, and nil
+// under the other algorithms, which have none.
+func explainBurst(x policy.Explanation) any {
+	if x.Policy.Algorithm != ratelimit.TokenBucket {
+		return nil
+	}
+	return x.Rate.Burst
+}
+
+// plural is "1 change" or "n changes".
+func plural(n int, one, many string) string {
+	if n == 1 {
+		return "1 " + one
+	}
+	return strconv.Itoa(n) + " " + many
 }
 
 // policyFileJSON is policyJSON without the instants a wanted policy lacks.

@@ -103,6 +103,17 @@ func TestPolicyLifecycle(t *testing.T) {
 	require.Equal(t, cli.ExitOK, code)
 	require.Contains(t, stdout, "override   none: the policy applies")
 	require.Contains(t, stdout, "applies    200 per 1m0s, burst 300")
+	// A fixed window has no burst: explain shows none.
+	stdout, _, code = runFn(t, db(s, "explain", "login", "ada@example.com")...)
+	require.Equal(t, cli.ExitOK, code)
+	require.Contains(t, stdout, "override   limit 50, window (policy's), expires at")
+	require.Contains(t, stdout, "applies    50 per 15m0s\n")
+	require.NotContains(t, stdout, "burst")
+	stdout, _, code = runFn(t, jsonDB(s, "explain", "login", "bob@example.com")...)
+	require.Equal(t, cli.ExitOK, code)
+	rate := oneJSON(t, stdout)["rate"].(map[string]any)
+	require.Contains(t, rate, "burst")
+	require.Nil(t, rate["burst"], "a fixed window has no burst")
 
 	// Delete an override by its stored key, then a policy (and its overrides).
 	stdout, _, code = runFn(t, jsonDB(s, "override", "list", "api")...)
@@ -141,6 +152,15 @@ func TestBadInputWritesNothing(t *testing.T) {
 		{[]string{"explain", "api"}, "explain takes two arguments"},
 		{[]string{"override", "set", "api", "k"}, "at least one of --limit, --window and --burst"},
 		{[]string{"override", "set", "api", "k", "--limit", "1", "--expires-at", "tomorrow"}, "use RFC 3339"},
+		{[]string{"override", "set", "api", "k", "--limit", "1", "--expires-at", "2020-01-01T00:00:00Z"}, "is in the past, so the override would never apply: give a later instant"},
+		{[]string{"override", "set", "api", "k", "--limit", "1", "--expires-at", time.Now().Add(-time.Second).UTC().Format(time.RFC3339)}, "rl-policy override delete api KEY"},
+		{[]string{"override", "set", "api", "k", "--limit", "1", "--expires-in", "0s"}, "--expires-in must be a positive duration such as 24h"},
+		{[]string{"override", "set", "api", "k", "--limit", "1", "--expires-in", "-1h"}, "--expires-in must be a positive duration such as 24h"},
+		{[]string{"set", "api", "--limit", "5", "--window", "1d"}, `invalid value "1d" for flag -window: not a duration: use a duration such as 90s, 15m or 24h`},
+		{[]string{"override", "set", "api", "k", "--limit", "1", "--expires-in", "soon"}, "use a duration such as 90s, 15m or 24h"},
+		{[]string{"--lock-timeout", "5", "list"}, "use a duration such as 90s, 15m or 24h"},
+		{[]string{"set", "api", "--limit", "lots", "--window", "1m"}, "not a whole number: use a number such as 100"},
+		{[]string{"set", "api", "--limit", "99999999999999999999", "--window", "1m"}, "out of range"},
 		{[]string{"override", "frob"}, "unknown override subcommand"},
 		{[]string{"frob"}, `unknown command "frob"`},
 		{[]string{"--output", "yaml", "list"}, "--output must be text or json"},
@@ -149,6 +169,7 @@ func TestBadInputWritesNothing(t *testing.T) {
 		require.Equal(t, cli.ExitUsage, code, "%v: %s", tc.args, stderr)
 		require.Empty(t, stdout)
 		require.Contains(t, stderr, tc.want, tc.args)
+		require.NotContains(t, stderr, "parse error", tc.args)
 		require.Equal(t, 1, strings.Count(stderr, "\n"), stderr)
 	}
 	// An override the policy's algorithm cannot hold, and one of a missing policy.
@@ -157,6 +178,11 @@ func TestBadInputWritesNothing(t *testing.T) {
 	_, stderr, code = runFn(t, db(s, "override", "set", "tb", "k", "--burst", "9007199254740992")...)
 	require.Equal(t, cli.ExitUsage, code)
 	require.Contains(t, stderr, "more than 1,000 years to refill")
+	// A stored key that no key is stored as under the policy's key mode.
+	_, stderr, code = runFn(t, db(s, "override", "set", "tb", "--stored-key", "74656e616e742d39", "--limit", "3")...)
+	require.Equal(t, cli.ExitUsage, code)
+	require.Contains(t, stderr, "--stored-key 74656e616e742d39 is not a stored key of policy tb, whose keys are hashed, so the override would never apply")
+	require.Contains(t, stderr, "give the key itself as the KEY argument")
 	stdout, _, code := runFn(t, jsonDB(s, "override", "set", "missing", "k", "--limit", "3")...)
 	require.Equal(t, cli.ExitError, code)
 	e := oneJSON(t, stdout)
@@ -261,12 +287,37 @@ func TestApply(t *testing.T) {
 	require.Equal(t, cli.ExitOK, code)
 	require.Contains(t, stdout, "nothing to change")
 
+	// A change of the description alone shows in the dry run; one change is
+	// one change.
+	desc := write("desc.json", `{"policies": [
+		{"name": "api", "limit": 200, "window": "1m", "description": "public API, per key"},
+		{"name": "uploads", "algorithm": "token_bucket", "limit": 10, "window": "1s", "burst": 50, "description": "bytes"}]}`)
+	stdout, stderr, code = runFn(t, db(s, "apply", desc, "--dry-run")...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, `update api: description "" -> "public API, per key" (limit unchanged: fixed_window, 200 per 1m0s, hashed keys)`)
+	require.Contains(t, stdout, "dry run: 1 change, none made\n")
+	stdout, stderr, code = runFn(t, db(s, "apply", desc)...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "applied 1 change in one transaction\n")
+	stdout, stderr, code = runFn(t, db(s, "apply", write("two.json", `{"policies": [
+		{"name": "api", "limit": 300, "window": "1m"},
+		{"name": "uploads", "algorithm": "token_bucket", "limit": 20, "window": "1s", "burst": 50, "description": "bytes"}]}`))...)
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, `update api: fixed_window, 200 per 1m0s, hashed keys -> fixed_window, 300 per 1m0s, hashed keys; description "public API, per key" -> ""`)
+	require.Contains(t, stdout, "applied 2 changes in one transaction\n")
+
 	// Bad files: exit 2, nothing written.
 	for _, tc := range []struct{ body, want string }{
+		{`{"policies": [{"name": "api", "limit": 1, "window": "1m", "penalti": true}]}`,
+			`policy 0 ("api"): unknown field "penalti" (did you mean "penalty"?); a policy's fields are name, algorithm, limit, window, burst, penalty, key_mode, description`},
+		{`{"policies": [{"name": "api", "limit": 1, "window": "1m", "owner": "team-a"}]}`, `unknown field "owner"; a policy's fields are`},
+		{`{"policies": [], "prune": true}`, `unknown field "prune" at the top`},
+		{`{"policies": []} {"policies": []}`, "more than one JSON value"},
 		{`{"policies": [{"name": "api", "limit": 0, "window": "1m"}]}`, "the limit must be at least 1"},
 		{`{"policies": [{"name": "x", "limit": 1, "window": "1m"}, {"name": "x", "limit": 2, "window": "1m"}]}`, "given twice"},
 		{`{"policies": [{"name": "x", "limit": 1, "window": "a minute"}]}`, "not a duration"},
-		{`{"policy": []}`, `no "policies" array`},
+		{`{"policy": []}`, `unknown field "policy" at the top (did you mean "policies"?)`},
+		{`{}`, `no "policies" array`},
 		{`not json`, "is not a JSON object"},
 	} {
 		stdout, stderr, code := runFn(t, db(s, "apply", write("bad.json", tc.body), "--prune")...)
