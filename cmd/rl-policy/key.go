@@ -335,7 +335,7 @@ func (a *app) keyGet(ctx context.Context, tx pgx.Tx, t keyTarget, key string) er
 	if rows == 0 {
 		fmt.Fprintln(a.stdout, "rows       none stored: the key is as a key never seen")
 	} else {
-		fmt.Fprintf(a.stdout, "rows       %s stored in %s (`rl-policy key reset` deletes them)\n", plural(rows, "row"), counterTable(cfg.Algorithm))
+		fmt.Fprintf(a.stdout, "rows       %s stored in %s (`rl-policy key reset` deletes them)\n", plural(int(rows), "row", "rows"), counterTable(cfg.Algorithm))
 	}
 	return nil
 }
@@ -373,17 +373,9 @@ func (a *app) keyReset(ctx context.Context, tx pgx.Tx, t keyTarget, key string) 
 		fmt.Fprintln(a.stdout, "reset      nothing to delete: the key had no counter row")
 	} else {
 		fmt.Fprintf(a.stdout, "reset      deleted %s from %s: the next check counts from zero (a denial a process has cached stays until it ends)\n",
-			plural(deleted, "row"), counterTable(cfg.Algorithm))
+			plural(int(deleted), "row", "rows"), counterTable(cfg.Algorithm))
 	}
 	return nil
-}
-
-// plural is "1 row", "2 rows".
-func plural(n int64, noun string) string {
-	if n == 1 {
-		return "1 " + noun
-	}
-	return strconv.FormatInt(n, 10) + " " + noun + "s"
 }
 
 // keyHeader prints the limiter and the key, in text.
@@ -395,7 +387,7 @@ func (a *app) keyHeader(t keyTarget, cfg ratelimit.Config, key string, keys [][]
 	fmt.Fprintf(a.stdout, "limiter    %s, %s: %s\n", cfg.Name, from, shapeText(cfg))
 	switch {
 	case t.override != nil:
-		fmt.Fprintf(a.stdout, "override   %s\n", describeOverride(*t.override))
+		fmt.Fprintf(a.stdout, "override   %s\n", describeOverride(*t.override, *t.policy))
 	case t.ignored != "":
 		fmt.Fprintf(a.stdout, "override   ignored: %s\n", t.ignored)
 	}

@@ -20,6 +20,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/internal/ident"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -496,6 +497,27 @@ func keyArgs(cmd string, pos []string, stored bool) (name, key string, err error
 	return "", "", usagef("%s takes two arguments, the policy's name and the key (or --stored-key HEX instead of the key)", cmd)
 }
 
+// whereNotMigrated replaces a not-migrated error with one that names the
+// database, the user and the schema the command looked in (and says so when
+// no database URL was configured), read on a connection of its own; err
+// as it was when that cannot be read.
+func (a *app) whereNotMigrated(err error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, cerr := a.connect(ctx)
+	if cerr != nil {
+		return err
+	}
+	defer closeConn(conn)
+	var where *notmigrated.Error
+	if !errors.As(notmigrated.At(ctx, conn, "pgrl_policy", "pgrl_policy_override"), &where) {
+		return err
+	}
+	given, _ := cli.ConnString(a.g.databaseURL)
+	where.NoURL = notmigrated.DefaultsOnly(given)
+	return where
+}
+
 // connect opens one connection with search_path set to --schema.
 func (a *app) connect(ctx context.Context) (*pgx.Conn, error) {
 	conn, _ := cli.ConnString(a.g.databaseURL)
@@ -816,6 +838,9 @@ func (a *app) finish(err error) int {
 	var ue usageError
 	if errors.As(err, &ue) || errors.Is(err, policy.ErrInvalid) {
 		code = cli.ExitUsage
+	}
+	if errors.Is(err, policy.ErrNotMigrated) {
+		err = a.whereNotMigrated(err)
 	}
 	var msg string
 	switch {
@@ -1157,7 +1182,7 @@ func explainBurst(x policy.Explanation) any {
 	return x.Rate.Burst
 }
 
-// plural is "1 change" or "n changes".
+// plural is "1 change" or "n changes", "1 row" or "n rows".
 func plural(n int, one, many string) string {
 	if n == 1 {
 		return "1 " + one

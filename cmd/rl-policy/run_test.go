@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -205,6 +206,9 @@ func TestNotMigratedAndUnreachable(t *testing.T) {
 	_, stderr, code := runFn(t, db(s, "list")...)
 	require.Equal(t, cli.ExitError, code)
 	require.Contains(t, stderr, "rl-migrate up")
+	// It names where it looked: the schema, the database and the user.
+	require.Contains(t, stderr, fmt.Sprintf("missing in schema %q of database", s))
+	require.Contains(t, stderr, `(user "`)
 	_, stderr, code = runFn(t, "--database-url", "postgres://postgres@127.0.0.1:1/none?connect_timeout=2", "list")
 	require.Equal(t, cli.ExitError, code)
 	require.Contains(t, stderr, "cannot reach the database")
