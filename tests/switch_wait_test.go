@@ -32,7 +32,10 @@ func TestPartitionSwitchWait(t *testing.T) {
 	require.NoError(t, err)
 
 	pool := dbtest.PoolOn(t, s, dbtest.WithMaxConns(8))
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "w", Limit: 1 << 40, Window: time.Minute, OnFailure: ratelimit.FailError, DisableCoalescing: true, DenyCacheSize: -1})
+	// The checks measure how long the switch holds them: a Timeout longer
+	// than any such wait (by default a check gives up after 500ms).
+	l, err := ratelimit.New(pool, ratelimit.Config{Name: "w", Limit: 1 << 40, Window: time.Minute, OnFailure: ratelimit.FailError, DisableCoalescing: true, DenyCacheSize: -1,
+		Timeout: time.Minute})
 	require.NoError(t, err)
 	// Warm up until the checks answer (a busy machine may be slow to start).
 	for i := 0; ; i++ {
