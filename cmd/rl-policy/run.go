@@ -20,8 +20,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/cli"
-	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/internal/ident"
+	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )

@@ -2,18 +2,14 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"io"
 	"net/http"
-	"net/url"
 	"regexp"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -244,53 +240,11 @@ VALUES ('public-api', pgrl_stored_key('public-api', 'key:' || $1), 10 * (SELECT 
 	}
 }
 
-// freshDatabase creates an empty database, dropped when the test ends, and
-// returns its URL.
-func freshDatabase(t *testing.T) string {
-	t.Helper()
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	name := "pgrl_app_test_" + hex.EncodeToString(b[:])
-	admin := dbtest.Admin(t)
-	if _, err := admin.Exec(context.Background(), "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if _, err := admin.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			t.Logf("drop database %s: %v", name, err)
-		}
-	})
-	u, err := url.Parse(dbtest.URL())
-	if err != nil || u.Scheme == "" {
-		t.Fatalf("this test needs %s in URL form, not %q", dbtest.EnvURL, dbtest.URL())
-	}
-	u.Path = "/" + name
-	return u.String()
-}
-
-// objectsIn counts the relations and functions in a schema of the database
-// at dbURL.
-func objectsIn(t *testing.T, dbURL, schema string) int {
-	t.Helper()
-	conn, err := pgx.Connect(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close(context.Background()) }()
-	var n int
-	if err := conn.QueryRow(context.Background(), `
-		SELECT (SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = $1)
-		     + (SELECT count(*) FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE s.nspname = $1)`, schema).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
 // With DATABASE_URL pointing at a database of the user's own, with a
 // search_path naming the user's schema, the app migrates only its own
 // schema, pgrl_example_app, logs that name, and serves from it.
 func TestAppWritesOnlyIntoItsOwnSchema(t *testing.T) {
-	dbURL := freshDatabase(t)
+	dbURL := dbtest.NewDatabase(t)
 	sep := "?"
 	if strings.Contains(dbURL, "?") {
 		sep = "&"
@@ -301,10 +255,10 @@ func TestAppWritesOnlyIntoItsOwnSchema(t *testing.T) {
 		t.Errorf("GET /api/v1/items: %+v, want 200 under the stored public-api policy", r)
 	}
 	stopApp(t, a)
-	if n := objectsIn(t, dbURL, "public"); n != 0 {
+	if n := dbtest.ObjectsIn(t, dbURL, "public"); n != 0 {
 		t.Errorf("the app created %d objects in public", n)
 	}
-	if objectsIn(t, dbURL, DefaultSchema) == 0 {
+	if dbtest.ObjectsIn(t, dbURL, DefaultSchema) == 0 {
 		t.Errorf("nothing in schema %s", DefaultSchema)
 	}
 	if !strings.Contains(a.log.String(), "msg=\"pgrl schema ready\" schema="+DefaultSchema+" ") {

@@ -3,16 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
-	"net/url"
 	"os"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -145,55 +140,11 @@ func TestDemoSchemaFlagChecked(t *testing.T) {
 	}
 }
 
-// freshDatabase creates an empty database, dropped when the test ends, and
-// returns its URL.
-func freshDatabase(t *testing.T) string {
-	t.Helper()
-	admin := dbtest.Admin(t)
-	var b [6]byte
-	_, _ = rand.Read(b[:])
-	name := "pgrl_demo_test_" + hex.EncodeToString(b[:])
-	ctx := context.Background()
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if _, err := admin.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			t.Logf("drop database %s: %v", name, err)
-		}
-	})
-	u, err := url.Parse(dbtest.URL())
-	if err != nil || u.Scheme == "" {
-		t.Fatalf("this test needs %s in URL form, not %q", dbtest.EnvURL, dbtest.URL())
-	}
-	u.Path = "/" + name
-	return u.String()
-}
-
-// objectsIn counts the tables, sequences, views and functions in a schema
-// of the database at dbURL.
-func objectsIn(t *testing.T, dbURL, schema string) int {
-	t.Helper()
-	conn, err := pgx.Connect(context.Background(), dbURL)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close(context.Background()) }()
-	var n int
-	err = conn.QueryRow(context.Background(), `
-		SELECT (SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = $1)
-		     + (SELECT count(*) FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE s.nspname = $1)`, schema).Scan(&n)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
 // With DATABASE_URL pointing at a database of the user's own, search_path
 // and all, the demo writes only into its own schema, pgrl_demo, and says so;
 // --schema picks another.
 func TestDemoWritesOnlyIntoItsOwnSchema(t *testing.T) {
-	dbURL := freshDatabase(t)
+	dbURL := dbtest.NewDatabase(t)
 	// A user's URL often names the application's schema: the demo leaves it alone too.
 	sep := "?"
 	if strings.Contains(dbURL, "?") {
@@ -204,10 +155,10 @@ func TestDemoWritesOnlyIntoItsOwnSchema(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("exit %d; stderr:\n%s", code, stderr)
 	}
-	if n := objectsIn(t, dbURL, "public"); n != 0 {
+	if n := dbtest.ObjectsIn(t, dbURL, "public"); n != 0 {
 		t.Errorf("the demo created %d objects in public", n)
 	}
-	if n := objectsIn(t, dbURL, DefaultSchema); n == 0 {
+	if n := dbtest.ObjectsIn(t, dbURL, DefaultSchema); n == 0 {
 		t.Errorf("nothing in schema %s", DefaultSchema)
 	}
 	var r Result
@@ -235,7 +186,7 @@ func TestDemoWritesOnlyIntoItsOwnSchema(t *testing.T) {
 	if err := json.Unmarshal([]byte(stdout), &r); err != nil || r.Schema != "Demo Two" || deref(r.PostgresAdmitted) != 1 {
 		t.Errorf("--schema: %v, result %s", err, stdout)
 	}
-	if objectsIn(t, dbURL, "Demo Two") == 0 || objectsIn(t, dbURL, "public") != 0 || objectsIn(t, dbURL, "myapp") != 0 {
+	if dbtest.ObjectsIn(t, dbURL, "Demo Two") == 0 || dbtest.ObjectsIn(t, dbURL, "public") != 0 || dbtest.ObjectsIn(t, dbURL, "myapp") != 0 {
 		t.Error("--schema: the tables are not in the named schema alone")
 	}
 }

@@ -299,3 +299,46 @@ func ForExamples() (*pgxpool.Pool, string, func(), error) {
 	}
 	return pool, name, func() { pool.Close(); drop() }, nil
 }
+
+// NewDatabase creates an empty database on the test server, dropped when
+// the test ends, and returns its URL: for tests of what a command does to a
+// database of the user's own.
+func NewDatabase(t testing.TB) string {
+	t.Helper()
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	name := "pgrl_db_test_" + hex.EncodeToString(b[:])
+	admin := Admin(t)
+	if _, err := admin.Exec(context.Background(), "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := admin.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Logf("drop database %s: %v", name, err)
+		}
+	})
+	u, err := url.Parse(URL())
+	if err != nil || u.Scheme == "" {
+		t.Fatalf("this test needs %s in URL form, not %q", EnvURL, URL())
+	}
+	u.Path = "/" + name
+	return u.String()
+}
+
+// ObjectsIn counts the relations (tables, sequences, views, indexes) and
+// functions in a schema of the database at dbURL.
+func ObjectsIn(t testing.TB, dbURL, schemaName string) int {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), dbURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(context.Background()) }()
+	var n int
+	if err := conn.QueryRow(context.Background(), `
+		SELECT (SELECT count(*) FROM pg_class c JOIN pg_namespace s ON s.oid = c.relnamespace WHERE s.nspname = $1)
+		     + (SELECT count(*) FROM pg_proc p JOIN pg_namespace s ON s.oid = p.pronamespace WHERE s.nspname = $1)`, schemaName).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
