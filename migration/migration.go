@@ -327,16 +327,24 @@ func (m *Migrator) upToDate(ctx context.Context, target uint) (Result, bool, err
 	return Result{Schema: schemaName, From: st.Version, To: st.Version, Applied: []Migration{}, Reverted: []Migration{}}, true, nil
 }
 
+// checkRoleNames refuses a role name PostgreSQL would not take as given.
+func checkRoleNames(roles []string) error {
+	for _, r := range roles {
+		if err := ident.Check("role to grant to", r); err != nil {
+			return invalidConfig("%v", err)
+		}
+	}
+	return nil
+}
+
 // checkRoles returns a *MissingRoleError naming every role of roles that
 // does not exist.
 func (m *Migrator) checkRoles(ctx context.Context, roles []string) error {
 	if len(roles) == 0 {
 		return nil
 	}
-	for _, r := range roles {
-		if err := ident.Check("role to grant to", r); err != nil {
-			return invalidConfig("%v", err)
-		}
+	if err := checkRoleNames(roles); err != nil {
+		return err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -602,10 +610,8 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 	if len(roles) == 0 {
 		return nil
 	}
-	for _, r := range roles {
-		if err := ident.Check("role to grant to", r); err != nil {
-			return invalidConfig("%v", err)
-		}
+	if err := checkRoleNames(roles); err != nil {
+		return err
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
