@@ -71,12 +71,13 @@ BEGIN
             RETURN NULL;
         END IF;
         RAISE EXCEPTION USING ERRCODE = 'check_violation', CONSTRAINT = 'pgrl_policy_override_key_mode_check',
-            MESSAGE = format('the key of an override of policy %s, whose keys are readable, must start with %L: it is not a stored key, and would never apply',
-                             NEW.policy, NEW.policy || ':'),
+            MESSAGE = format('the key of an override of policy %s, whose keys are readable, must start with %L: '
+                             'it is not a stored key, and would never apply', NEW.policy, NEW.policy || ':'),
             HINT = format('write the key as pgrl_policy_key(%L, ''the key'')', NEW.policy);
     ELSIF octet_length(NEW.key) <> 16 THEN
         RAISE EXCEPTION USING ERRCODE = 'check_violation', CONSTRAINT = 'pgrl_policy_override_key_mode_check',
-            MESSAGE = format('the key of an override of policy %s, whose keys are hashed, must be a 16-byte digest, not %s bytes: it is not a stored key, and would never apply',
+            MESSAGE = format('the key of an override of policy %s, whose keys are hashed, must be a 16-byte digest, '
+                             'not %s bytes: it is not a stored key, and would never apply',
                              NEW.policy, octet_length(NEW.key)),
             HINT = format('write the key as pgrl_policy_key(%L, ''the key'')', NEW.policy);
     END IF;
@@ -118,4 +119,5 @@ CREATE TRIGGER pgrl_policy_keep_key_mode BEFORE UPDATE OF key_mode, name ON pgrl
     FOR EACH ROW EXECUTE FUNCTION pgrl_policy_keep_key_mode();
 
 COMMENT ON COLUMN pgrl_policy_override.key IS
-    'the key as the counters store it: pgrl_policy_key(policy, key), that is pgrl_stored_key(policy, key, key_mode = ''readable'')';
+    'the key as the counters store it: pgrl_policy_key(policy, key), '
+    'that is pgrl_stored_key(policy, key, key_mode = ''readable'')';
