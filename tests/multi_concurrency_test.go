@@ -31,6 +31,13 @@ type multiTarget struct {
 	key string
 }
 
+// exactTimeout is the Timeout of the limiters whose tests count exactly
+// under concurrency: what they test is the count, and the default timeout
+// (ratelimit.DefaultTimeout) would hand a check that an overloaded test
+// machine (the race detector, a CPU load beside the suite) answers late to
+// the failure policy, which counts in process memory.
+const exactTimeout = time.Minute
+
 // multiLimiters builds the test's limiters on db.
 func multiLimiters(t *testing.T, db ratelimit.DB) []*ratelimit.Limiter {
 	var ls []*ratelimit.Limiter
@@ -39,6 +46,7 @@ func multiLimiters(t *testing.T, db ratelimit.DB) []*ratelimit.Limiter {
 			Name: fmt.Sprintf("multi-%d", i), Limit: limit, Window: time.Hour,
 			DenyCacheSize: -1, // every decision goes to PostgreSQL and locks its rows
 			Now:           func() time.Time { return multiAt },
+			Timeout:       exactTimeout,
 		})
 		require.NoError(t, err)
 		ls = append(ls, l)
@@ -179,7 +187,7 @@ func TestMultiConcurrentOverlappingNoDeadlock(t *testing.T) {
 // whose checks are all fixed-window limits consumes what it admits.
 func multiSingleAlgorithmConsumes(t *testing.T) bool {
 	pool, _ := dbtest.Pool(t)
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "single", Limit: 2, Window: time.Hour, DenyCacheSize: -1})
+	l, err := ratelimit.New(pool, ratelimit.Config{Name: "single", Limit: 2, Window: time.Hour, DenyCacheSize: -1, Timeout: exactTimeout})
 	require.NoError(t, err)
 	ctx := context.Background()
 	m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: l, Key: "k"})
@@ -211,7 +219,7 @@ func TestMultiBadInputsConsumeNothing(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	mk := func(name string, limit int64) *ratelimit.Limiter {
-		l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: limit, Window: time.Hour})
+		l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: limit, Window: time.Hour, Timeout: exactTimeout})
 		require.NoError(t, err)
 		return l
 	}

@@ -194,7 +194,7 @@ func TestBouncerTransactionModeSuite(t *testing.T) {
 
 			t.Run("exact_under_concurrency", func(t *testing.T) {
 				for _, alg := range ratelimit.Algorithms {
-					l, err := ratelimit.New(via, ratelimit.Config{Name: "conc-" + m.name + string(alg), Algorithm: alg, Limit: 20, Window: time.Hour, DenyCacheSize: -1})
+					l, err := ratelimit.New(via, ratelimit.Config{Name: "conc-" + m.name + string(alg), Algorithm: alg, Limit: 20, Window: time.Hour, DenyCacheSize: -1, Timeout: exactTimeout})
 					require.NoError(t, err)
 					var admitted atomic.Int64
 					var wg sync.WaitGroup
@@ -225,7 +225,7 @@ func TestBouncerTransactionModeSuite(t *testing.T) {
 
 			t.Run("peek_reset", func(t *testing.T) {
 				for _, alg := range ratelimit.Algorithms {
-					l, err := ratelimit.New(via, ratelimit.Config{Name: "pr-" + m.name + string(alg), Algorithm: alg, Limit: 3, Window: time.Hour})
+					l, err := ratelimit.New(via, ratelimit.Config{Name: "pr-" + m.name + string(alg), Algorithm: alg, Limit: 3, Window: time.Hour, Timeout: exactTimeout})
 					require.NoError(t, err)
 					for range 3 {
 						_, err := l.Allow(ctx, "k")
@@ -243,11 +243,11 @@ func TestBouncerTransactionModeSuite(t *testing.T) {
 			})
 
 			t.Run("allow_all", func(t *testing.T) {
-				perIP, err := ratelimit.New(via, ratelimit.Config{Name: "ip-" + m.name, Limit: 2, Window: time.Minute, DenyCacheSize: -1})
+				perIP, err := ratelimit.New(via, ratelimit.Config{Name: "ip-" + m.name, Limit: 2, Window: time.Minute, DenyCacheSize: -1, Timeout: exactTimeout})
 				require.NoError(t, err)
-				perEmail, err := ratelimit.New(via, ratelimit.Config{Name: "email-" + m.name, Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute})
+				perEmail, err := ratelimit.New(via, ratelimit.Config{Name: "email-" + m.name, Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute, Timeout: exactTimeout})
 				require.NoError(t, err)
-				global, err := ratelimit.New(via, ratelimit.Config{Name: "global-" + m.name, Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
+				global, err := ratelimit.New(via, ratelimit.Config{Name: "global-" + m.name, Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Timeout: exactTimeout})
 				require.NoError(t, err)
 				checks := []ratelimit.Check{{Limiter: perIP, Key: "1.2.3.4"}, {Limiter: perEmail, Key: "a@example.com"}, {Limiter: global, Key: "all"}}
 				for i := range 2 {

@@ -58,7 +58,7 @@ func TestPolicyChildProcess(t *testing.T) {
 		defer cancel()
 		require.NoError(t, l.WaitSynced(wctx))
 	}
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{OnFailure: ratelimit.FailError}})
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{OnFailure: ratelimit.FailError, Timeout: exactTimeout}})
 	require.NoError(t, err)
 	fmt.Println("ready")
 	in := bufio.NewScanner(os.Stdin)
