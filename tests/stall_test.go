@@ -120,6 +120,28 @@ func TestStallDefaultConfigBounded(t *testing.T) {
 		}
 	}()
 
+	// How late the scheduler runs a goroutine while the checks run: a
+	// check's answer may be that late past its deadline through no fault
+	// of the limiter's (a busy machine, the race detector).
+	var late atomic.Int64
+	lateDone := make(chan struct{})
+	lateStopped := make(chan struct{})
+	go func() {
+		defer close(lateStopped)
+		for {
+			select {
+			case <-lateDone:
+				return
+			default:
+			}
+			start := time.Now()
+			time.Sleep(time.Millisecond)
+			if l := int64(time.Since(start) - time.Millisecond); l > late.Load() {
+				late.Store(l)
+			}
+		}
+	}()
+
 	const callers = 16 // per kind
 	run := max(time.Second, 4*ratelimit.DefaultTimeout)
 	type result struct {
@@ -172,6 +194,9 @@ func TestStallDefaultConfigBounded(t *testing.T) {
 	}
 	close(sampling)
 	<-sampled
+	close(lateDone)
+	<-lateStopped
+	t.Logf("the scheduler ran a 1ms timer up to %v late during the stall", time.Duration(late.Load()))
 
 	byKind := map[string][]time.Duration{}
 	for _, r := range results {
@@ -179,7 +204,9 @@ func TestStallDefaultConfigBounded(t *testing.T) {
 		require.Equal(t, ratelimit.StoreMemory, r.store, "%s: answered by the memory fallback", r.kind)
 		byKind[r.kind] = append(byKind[r.kind], r.took)
 	}
-	bound := ratelimit.DefaultTimeout + slack
+	// The bound: the default timeout, the slack of the baseline, and how
+	// late the scheduler ran a goroutine meanwhile.
+	bound := ratelimit.DefaultTimeout + slack + time.Duration(late.Load())
 	for _, k := range kinds {
 		lat := byKind[k.name]
 		require.GreaterOrEqual(t, len(lat), callers, "%s: every caller was answered at least once", k.name)
@@ -190,13 +217,13 @@ func TestStallDefaultConfigBounded(t *testing.T) {
 		require.LessOrEqual(t, p99, bound, "%s: p99 of the checks during the stall", k.name)
 		// Most checks are answered at once by the open breaker: hold the
 		// callers' slowest checks to the bound too, half of them (the
-		// median), and every one to the timeout plus four slacks: no check
+		// median), and every one to the bound plus three slacks: no check
 		// waits twice the timeout.
 		worst := slowest[k.name]
 		slices.Sort(worst)
 		t.Logf("%s: callers' slowest checks %v", k.name, worst)
 		require.LessOrEqual(t, worst[len(worst)/2], bound, "%s: the median of the callers' slowest checks", k.name)
-		require.LessOrEqual(t, worst[len(worst)-1], ratelimit.DefaultTimeout+4*slack, "%s: the slowest check", k.name)
+		require.LessOrEqual(t, worst[len(worst)-1], bound+3*slack, "%s: the slowest check", k.name)
 	}
 	t.Logf("the checks held at most %d of the pool's %d connections (share %d)", most.Load(), cfg.MaxConns, share)
 	require.LessOrEqual(t, most.Load(), share, "the limiters hold at most their share of the pool")
