@@ -132,6 +132,15 @@ func (c *coalescer) take(ctx context.Context, l *Limiter, key string, a ask) (De
 	// flight; otherwise queue, for the key's row to be updated once for
 	// every check waiting on it.
 	if c.inFlight < c.maxInFlight && c.busy[id] == 0 {
+		// The key's last round trip may have ended in a denial since the
+		// caller looked in the deny cache: look again before going out
+		// (as a batch does for every check it takes).
+		if deny := l.deny; deny != nil {
+			if d, ok := deny.get(key, a.retryCost(), l.localNow()); ok {
+				c.mu.Unlock()
+				return d, nil
+			}
+		}
 		c.inFlight++
 		c.busy[id]++
 		c.progress = time.Now()

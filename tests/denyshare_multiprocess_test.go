@@ -144,5 +144,8 @@ func TestDenyShareTwoProcesses(t *testing.T) {
 	r = ask("CHECK grace@example.com 1")
 	require.Zero(t, r.FromCache)
 	require.Positive(t, r.Statements, "a key without a mark is asked of PostgreSQL")
+	// A counts a mark as sent once its NOTIFY statement has returned,
+	// which may be after B has received it: wait for that.
+	require.True(t, settleWithin(30*time.Second, func() bool { return a.ShareStats().Sent >= 1 }), "A counts the mark it sent")
 	require.Equal(t, uint64(1), a.ShareStats().Sent)
 }
