@@ -538,30 +538,23 @@ func closeConn(c *pgx.Conn) {
 	_ = c.Close(ctx)
 }
 
-// set reads the policy (if any), applies the flags given, validates and
-// writes it, in one transaction.
+// set reads the policy (if any) with its row locked, applies the flags
+// given, validates and writes it, in one transaction (policy.Update), so
+// that concurrent sets of different fields all apply.
 func (a *app) set(ctx context.Context, name string, given map[string]bool, apply func(*policy.Policy)) error {
 	conn, err := a.connect(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeConn(conn)
-	var out policy.Policy
 	created := false
-	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-		p, err := policy.Get(ctx, tx, name)
-		if errors.Is(err, policy.ErrNotFound) {
-			if !given["limit"] || !given["window"] {
-				return usagef("policy %q does not exist yet: give --limit and --window to create it, e.g. `rl-policy set %s --limit 100 --window 1m`", name, name)
-			}
-			p, created, err = policy.Policy{Name: name}, true, nil
+	out, err := policy.Update(ctx, conn, name, func(p *policy.Policy) error {
+		created = p.CreatedAt.IsZero()
+		if created && (!given["limit"] || !given["window"]) {
+			return usagef("policy %q does not exist yet: give --limit and --window to create it, e.g. `rl-policy set %s --limit 100 --window 1m`", name, name)
 		}
-		if err != nil {
-			return err
-		}
-		apply(&p)
-		out, err = policy.Set(ctx, tx, p)
-		return err
+		apply(p)
+		return nil
 	})
 	if err != nil {
 		return err
@@ -713,6 +706,15 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 	var p policy.Policy
 	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 		var err error
+		if _, err = policy.Get(ctx, tx, o.Policy); err != nil {
+			return err // not found, not migrated, no privilege: in words
+		}
+		// Then the policy's row is held against writers until commit, so
+		// that the key mode the stored key is computed in, and the rate
+		// the override is checked against, are those it is written under.
+		if _, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = $1 FOR SHARE`, o.Policy); err != nil {
+			return err
+		}
 		if p, err = policy.Get(ctx, tx, o.Policy); err != nil {
 			return err
 		}
