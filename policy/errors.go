@@ -41,30 +41,31 @@ func invalid(base error, format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalid, msg)
 }
 
-// constraintFix explains each constraint of migrations 000007 and 000008 in words that
+// constraintFix explains each constraint of migrations 000007 to 000009 in words that
 // name the fix.
 var constraintFix = map[string]string{
-	"pgrl_policy_name_check":               "a policy name is 1 to 128 characters of A-Z a-z 0-9 _ . : / + -, starting with a letter or digit",
-	"pgrl_policy_algorithm_check":          "the algorithm must be fixed_window, token_bucket or sliding_window",
-	"pgrl_policy_limit_check":              "the limit must be at least 1",
-	"pgrl_policy_window_check":             "the window must be from 1 millisecond to 366 days, without months or years (write '30 days', not '1 month')",
-	"pgrl_policy_burst_check":              "the burst must be NULL (the limit) or from 1 to 2^53",
-	"pgrl_policy_token_bucket_check":       "a token bucket holds at most 2^53 tokens and must refill within 1,000 years: lower the burst or raise the limit",
-	"pgrl_policy_key_mode_check":           "key_mode must be hashed or readable",
-	"pgrl_policy_readable_name_check":      "with readable keys a policy name may not contain ':'",
-	"pgrl_policy_description_check":        "a description is at most 1,000 characters",
-	"pgrl_policy_override_key_check":       "an override's key is the stored key, 1 to 2,305 bytes (pgrl_policy_key(policy, key))",
-	"pgrl_policy_override_limit_check":     "an override's limit must be NULL (inherit) or at least 1",
-	"pgrl_policy_override_window_check":    "an override's window must be NULL (inherit) or from 1 millisecond to 366 days, without months or years",
-	"pgrl_policy_override_burst_check":     "an override's burst must be NULL (inherit) or from 1 to 2^53",
-	"pgrl_policy_override_something_check": "an override must set at least one of limit, window and burst",
-	"pgrl_policy_override_note_check":      "a note is at most 1,000 characters",
-	"pgrl_policy_override_policy_fkey":     "the override's policy does not exist: create the policy first (rl-policy set)",
-	"pgrl_policy_override_pkey":            "this key already has an override",
-	"pgrl_policy_pkey":                     "a policy of this name already exists",
-	"pgrl_policy_key_mode_overrides_check": "the policy has overrides, whose keys are stored in its key mode: delete them first, change the key mode, then set them again",
-	"pgrl_policy_name_overrides_check":     "the policy has overrides, whose keys are stored under its name: create a policy of the new name with its own overrides, then delete this one",
-	"pgrl_policy_override_key_mode_check":  "an override's key is the caller's key in its stored form under the policy's key mode: write it as pgrl_policy_key(policy, key) in SQL, or with Policy.StoredKey in Go",
+	"pgrl_policy_name_check":                "a policy name is 1 to 128 characters of A-Z a-z 0-9 _ . : / + -, starting with a letter or digit",
+	"pgrl_policy_algorithm_check":           "the algorithm must be fixed_window, token_bucket or sliding_window",
+	"pgrl_policy_limit_check":               "the limit must be at least 1",
+	"pgrl_policy_window_check":              "the window must be from 1 millisecond to 366 days, without months or years (write '30 days', not '1 month')",
+	"pgrl_policy_burst_check":               "the burst must be NULL (the limit) or from 1 to 2^53",
+	"pgrl_policy_token_bucket_check":        "a token bucket holds at most 2^53 tokens and must refill within 1,000 years: lower the burst or raise the limit",
+	"pgrl_policy_key_mode_check":            "key_mode must be hashed or readable",
+	"pgrl_policy_readable_name_check":       "with readable keys a policy name may not contain ':'",
+	"pgrl_policy_description_check":         "a description is at most 1,000 characters",
+	"pgrl_policy_override_key_check":        "an override's key is the stored key, 1 to 2,305 bytes (pgrl_policy_key(policy, key))",
+	"pgrl_policy_override_limit_check":      "an override's limit must be NULL (inherit) or at least 1",
+	"pgrl_policy_override_window_check":     "an override's window must be NULL (inherit) or from 1 millisecond to 366 days, without months or years",
+	"pgrl_policy_override_burst_check":      "an override's burst must be NULL (inherit) or from 1 to 2^53",
+	"pgrl_policy_override_something_check":  "an override must set at least one of limit, window and burst",
+	"pgrl_policy_override_note_check":       "a note is at most 1,000 characters",
+	"pgrl_policy_override_policy_fkey":      "the override's policy does not exist: create the policy first (rl-policy set)",
+	"pgrl_policy_override_pkey":             "this key already has an override",
+	"pgrl_policy_pkey":                      "a policy of this name already exists",
+	"pgrl_policy_key_mode_overrides_check":  "the policy has overrides, whose keys are stored in its key mode: delete them first, change the key mode, then set them again",
+	"pgrl_policy_name_overrides_check":      "the policy has overrides, whose keys are stored under its name: create a policy of the new name with its own overrides, then delete this one",
+	"pgrl_policy_override_key_length_check": "an override's key under readable keys holds at most 2,048 bytes after the policy's name and ':', the longest key a check takes: shorten the key, or use hashed keys",
+	"pgrl_policy_override_key_mode_check":   "an override's key is the caller's key in its stored form under the policy's key mode: write it as pgrl_policy_key(policy, key) in SQL, or with Policy.StoredKey in Go",
 }
 
 // mapErr turns database errors into this package's errors, keeping the

@@ -195,15 +195,22 @@ func (o Override) Validate(p Policy) error {
 }
 
 // CheckStoredKey returns ErrInvalid when key cannot be the stored form of
-// any caller's key under p's key mode (what the table's trigger
-// pgrl_policy_override_key_mode_check refuses): under hashed keys anything
-// but 16 bytes, under readable keys anything that does not start with p's
-// name and ':'. Such a key, usually the caller's key given as is, would
+// any key a check accepts under p's key mode (what the table's trigger
+// pgrl_policy_override_key_mode_check refuses, migrations 000008 and
+// 000009): under hashed keys anything but 16 bytes; under readable keys
+// anything that does not start with p's name and ':', and (also
+// ratelimit.ErrKeyTooLong) anything holding more than
+// ratelimit.MaxReadableKeyBytes after it, since a check refuses a longer
+// caller's key. Such a key, usually the caller's key given as is, would
 // never match a check.
 func (p Policy) CheckStoredKey(key []byte) error {
 	if p.KeyMode == ratelimit.ReadableKeys {
-		if !bytes.HasPrefix(key, []byte(p.Name+":")) {
-			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, p.Name+":", quoteSQL(p.Name))
+		prefix := p.Name + ":"
+		if !bytes.HasPrefix(key, []byte(prefix)) {
+			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, prefix, quoteSQL(p.Name))
+		}
+		if n := len(key) - len(prefix); n > ratelimit.MaxReadableKeyBytes {
+			return invalid(ratelimit.ErrKeyTooLong, "override key of %q, whose keys are readable, holds %d bytes after %q: a check refuses keys of more than %d bytes, so it would never apply; shorten the key, or use a policy with hashed keys, which take keys of any length", p.Name, n, prefix, ratelimit.MaxReadableKeyBytes)
 		}
 		return nil
 	}

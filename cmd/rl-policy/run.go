@@ -720,7 +720,9 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 		}
 		if !stored {
 			o.Key = p.StoredKey(key)
-		} else if p.CheckStoredKey(o.Key) != nil {
+		} else if err := p.CheckStoredKey(o.Key); errors.Is(err, ratelimit.ErrKeyTooLong) {
+			return err
+		} else if err != nil {
 			return usagef("--stored-key %x is not a stored key of policy %s, whose keys are %s, so the override would never apply: copy key_hex from `rl-policy override list %s`, or give the key itself as the KEY argument instead of --stored-key",
 				o.Key, p.Name, keyModeText(p.KeyMode), p.Name)
 		}
