@@ -25,30 +25,39 @@ type rlPolicyRun struct {
 	output string
 }
 
+// startRLPolicy starts the rl-policy binary with args against schemaName,
+// and returns a function that waits for it.
+func startRLPolicy(t *testing.T, bin, schemaName string, args []string) func() rlPolicyRun {
+	t.Helper()
+	cmd := exec.Command(bin, append([]string{"--database-url", dbtest.URL(), "--schema", schemaName,
+		"--lock-timeout", "30s"}, args...)...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	require.NoError(t, cmd.Start())
+	return func() rlPolicyRun {
+		err := cmd.Wait()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else if err != nil {
+			code = -1
+		}
+		return rlPolicyRun{args: args, code: code, output: out.String()}
+	}
+}
+
 // runTogether starts one rl-policy process per argument list, all at once,
 // and waits for every one.
 func runTogether(t *testing.T, bin, schemaName string, argLists ...[]string) []rlPolicyRun {
 	t.Helper()
+	waits := make([]func() rlPolicyRun, len(argLists))
+	for i, args := range argLists {
+		waits[i] = startRLPolicy(t, bin, schemaName, args)
+	}
 	runs := make([]rlPolicyRun, len(argLists))
 	var wg sync.WaitGroup
-	for i, args := range argLists {
-		cmd := exec.Command(bin, append([]string{"--database-url", dbtest.URL(), "--schema", schemaName,
-			"--lock-timeout", "30s"}, args...)...)
-		var out bytes.Buffer
-		cmd.Stdout, cmd.Stderr = &out, &out
-		require.NoError(t, cmd.Start())
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			err := cmd.Wait()
-			code := 0
-			if ee, ok := err.(*exec.ExitError); ok {
-				code = ee.ExitCode()
-			} else if err != nil {
-				code = -1
-			}
-			runs[i] = rlPolicyRun{args: args, code: code, output: out.String()}
-		}()
+	for i, wait := range waits {
+		wg.Go(func() { runs[i] = wait() })
 	}
 	wg.Wait()
 	return runs
@@ -141,4 +150,58 @@ func TestPolicyApplyAndSetConcurrentProcesses(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, int64(round), o.Limit, "round %d", round)
 	}
+}
+
+// An override writer holds its policy's row from its check to its write
+// (policy.SetOverride). An apply that changes another policy's key mode
+// (which locks the override table) and then this policy waits for it before
+// it writes anything, rather than deadlocking with its insert: both apply.
+func TestPolicyApplyWaitsForOverrideWriter(t *testing.T) {
+	t.Parallel()
+	bin := buildCommand(t, "github.com/pgrl/pgrl/cmd/rl-policy")
+	schemaName := dbtest.NewSchema(t)
+	dbtest.Migrate(t, schemaName)
+	pool := dbtest.PoolOn(t, schemaName)
+	ctx := context.Background()
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "a", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+	b, err := policy.Set(ctx, pool, policy.Policy{Name: "b", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+	file := filepath.Join(t.TempDir(), "policies.json")
+	require.NoError(t, os.WriteFile(file, []byte(`{"policies": [
+		{"name": "a", "limit": 10, "window": "1m", "key_mode": "readable"},
+		{"name": "b", "limit": 20, "window": "1m"}]}`), 0o600))
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	var pid int32
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
+	// SetOverride's first step, on its own: b's row, held.
+	_, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = 'b' FOR SHARE`)
+	require.NoError(t, err)
+
+	wait := startRLPolicy(t, bin, schemaName, []string{"apply", file})
+	done := make(chan rlPolicyRun, 1)
+	go func() { done <- wait() }()
+	require.Eventually(t, func() bool {
+		var n int
+		err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))`, pid).Scan(&n)
+		return err == nil && n > 0
+	}, 10*time.Second, 5*time.Millisecond, "apply waits for the override writer")
+	// The rest of SetOverride: its write, then the commit.
+	_, err = policy.SetOverride(ctx, tx, policy.Override{Policy: "b", Key: b.StoredKey("tenant-1"), Limit: 5})
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	r := <-done
+	require.Equal(t, 0, r.code, r.output)
+
+	p, err := policy.Get(ctx, pool, "a")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.ReadableKeys, p.KeyMode)
+	x, err := policy.Explain(ctx, pool, "b", "tenant-1")
+	require.NoError(t, err)
+	require.Equal(t, int64(20), x.Policy.Limit)
+	require.NotNil(t, x.Override)
+	require.Equal(t, int64(5), x.Rate.Limit)
 }

@@ -1111,7 +1111,9 @@ func readPolicies(path string, stdin io.Reader) ([]policy.Policy, error) {
 }
 
 // apply plans and, unless dry, makes the changes in one transaction, which
-// also holds the policies' rows so that the plan stays true until commit.
+// holds the policy table (SHARE ROW EXCLUSIVE: no other writer, and
+// policy.Update waits before it reads) and every policy's row, so that the
+// plan stays true until commit.
 func (a *app) apply(ctx context.Context, want []policy.Policy, prune, dry bool) error {
 	conn, err := a.connect(ctx)
 	if err != nil {
@@ -1121,6 +1123,13 @@ func (a *app) apply(ctx context.Context, want []policy.Policy, prune, dry bool) 
 	var changes []policy.Change
 	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `LOCK TABLE pgrl_policy IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		// Every row too, before anything is written: an override writer
+		// holding a policy's row (policy.SetOverride) finishes first,
+		// instead of deadlocking with a key-mode change below, which locks
+		// the override table.
+		if _, err := tx.Exec(ctx, `SELECT FROM pgrl_policy ORDER BY name FOR UPDATE`); err != nil {
 			return err
 		}
 		stored, err := policy.List(ctx, tx)
