@@ -384,6 +384,9 @@ const updateAttempts = 5
 // set fields; an error it returns ends Update with nothing written, and is
 // returned as is. change may not rename the policy (ErrInvalid).
 //
+// On a pgx.Tx the locks last until that transaction ends, so other writers
+// of the policy wait until then.
+//
 // Under REPEATABLE READ or SERIALIZABLE (db a pgx.Tx of that level), a
 // concurrent change makes PostgreSQL refuse the read with a serialization
 // failure (SQLSTATE 40001): retry the transaction. Waits for the lock are

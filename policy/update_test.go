@@ -122,44 +122,5 @@ func TestUpdateRefusals(t *testing.T) {
 	require.Equal(t, int64(11), p.Limit)
 }
 
-// SetOverride holds the policy's row from its check to its write: a key
-// mode change started meanwhile waits for it and is then refused (the
-// policy has an override now), so the override is never left under a key
-// mode it was not checked in.
-func TestSetOverrideHoldsPolicy(t *testing.T) {
-	t.Parallel()
-	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
-	ctx := context.Background()
-	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
-	require.NoError(t, err)
-	tx, err := pool.Begin(ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(ctx) }()
-	_, err = policy.SetOverride(ctx, tx, policy.Override{Policy: "api", Key: p.StoredKey("tenant-1"), Limit: 50})
-	require.NoError(t, err)
-
-	done := make(chan error, 1)
-	go func() {
-		_, err := policy.Update(ctx, pool, "api", func(p *policy.Policy) error { p.KeyMode = ratelimit.ReadableKeys; return nil })
-		done <- err
-	}()
-	// The Update waits on the row SetOverride holds (seen in pg_locks
-	// rather than by a sleep).
-	require.Eventually(t, func() bool {
-		var waiting bool
-		err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted AND locktype IN ('tuple', 'transactionid'))
-			AND EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%FOR UPDATE%')`).Scan(&waiting)
-		return err == nil && waiting
-	}, 10*time.Second, 5*time.Millisecond)
-	require.NoError(t, tx.Commit(ctx))
-	err = <-done
-	require.ErrorIs(t, err, policy.ErrInvalid)
-	require.ErrorContains(t, err, "has overrides")
-	x, err := policy.Explain(ctx, pool, "api", "tenant-1")
-	require.NoError(t, err)
-	require.NotNil(t, x.Override)
-	require.Equal(t, int64(50), x.Rate.Limit)
-}
-
 // noBegin is a DB that cannot begin a transaction.
 type noBegin struct{ policy.DB }
