@@ -53,8 +53,11 @@ type ListenerOptions struct {
 	// can connect may send): at most one per MinResyncInterval, the first
 	// at once, and the requests that arrive meanwhile merged into one
 	// reload at the end of the interval. Changes of one policy or override
-	// are applied at once all the same. The reloads of a (re)connection
-	// and of ResyncInterval are not delayed. Defaults to
+	// are applied at once all the same, except that a policy with more
+	// than 1,000 overrides is reloaded whole at most once per interval
+	// too (a change of it that comes sooner goes to the next full
+	// reload). The reloads of a (re)connection and of ResyncInterval are
+	// not delayed. Defaults to
 	// DefaultMinResyncInterval; negative turns the bound off.
 	MinResyncInterval time.Duration
 	// PingInterval is how long the connection may stay silent before the
@@ -99,9 +102,13 @@ type Stats struct {
 	// Resyncs is the full reloads done (the first one included).
 	Resyncs uint64
 	// ResyncsMerged is the requests for a full reload (a TRUNCATE, an
-	// unreadable payload) that waited for MinResyncInterval and were
-	// answered by a reload done for another.
+	// unreadable payload, a change of a large policy too soon after the
+	// last) that waited for MinResyncInterval and were answered by a
+	// reload done for another.
 	ResyncsMerged uint64
+	// PolicyReloads is the reloads of one whole policy with its overrides
+	// (after a change of the policy's row).
+	PolicyReloads uint64
 	// Connected reports whether the listener is connected and listening.
 	Connected bool
 	// LastError is the last connection or reload error, "" when none.
@@ -131,11 +138,11 @@ type Listener struct {
 	synced chan struct{}
 	once   sync.Once
 
-	received, applied, ignored, dropped, reconnects, resyncs, merged atomic.Uint64
-	connected                                                        atomic.Bool
-	pid                                                              atomic.Uint32
-	lastErr                                                          atomic.Pointer[string]
-	den                                                              *denials // nil without ListenerOptions.Denials
+	received, applied, ignored, dropped, reconnects, resyncs, merged, policyReloads atomic.Uint64
+	connected                                                                       atomic.Bool
+	pid                                                                             atomic.Uint32
+	lastErr                                                                         atomic.Pointer[string]
+	den                                                                             *denials // nil without ListenerOptions.Denials
 }
 
 // Watch starts a Listener on connString (a URL or keyword/value string
@@ -216,7 +223,8 @@ func (l *Listener) Stats() Stats {
 	s := Stats{
 		Received: l.received.Load(), Applied: l.applied.Load(), Ignored: l.ignored.Load(),
 		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(), ResyncsMerged: l.merged.Load(),
-		Connected: l.connected.Load(), Denials: l.den.stats(),
+		PolicyReloads: l.policyReloads.Load(),
+		Connected:     l.connected.Load(), Denials: l.den.stats(),
 	}
 	if e := l.lastErr.Load(); e != nil {
 		s.LastError = *e
@@ -316,7 +324,10 @@ func (l *Listener) session(ctx context.Context) bool {
 	}
 	// Full reloads asked for by notifications wait for MinResyncInterval
 	// after the last one: requests meanwhile are merged into one.
-	r := resyncs{last: time.Now()}
+	r := resyncs{last: time.Now(), whole: map[string]time.Time{}}
+	// Notifications still waiting for a full reload when the session ends
+	// are dropped: the next session's reload covers them.
+	defer func() { l.dropped.Add(r.notes) }()
 	nextResync := time.Now().Add(l.opts.ResyncInterval)
 	for {
 		if l.opts.ResyncInterval > 0 && !time.Now().Before(nextResync) {
@@ -411,6 +422,10 @@ type resyncs struct {
 	last   time.Time // the last full reload ended
 	asked  uint64    // requests since the last reload
 	notes  uint64    // readable notifications it answers (TRUNCATE)
+	// whole is when each large policy (more than maxKeys overrides) was
+	// last reloaded whole: a notification can name one as often as it
+	// likes, and its reload costs nearly a full one.
+	whole map[string]time.Time
 }
 
 // want records asked requests for a full reload, notes of them readable
@@ -432,15 +447,14 @@ func (l *Listener) want(r *resyncs, asked, notes uint64) {
 // returns false when the session must end.
 func (l *Listener) resync(ctx context.Context, r *resyncs) bool {
 	if err := l.cache.Reload(ctx); err != nil {
-		l.dropped.Add(r.notes)
-		return l.reloadFailed(ctx, err)
+		return l.reloadFailed(ctx, err) // r.notes are dropped as the session ends
 	}
 	l.resyncs.Add(1)
 	l.applied.Add(r.notes)
 	if r.asked > 1 {
 		l.merged.Add(r.asked - 1)
 	}
-	*r = resyncs{last: time.Now()}
+	*r = resyncs{last: time.Now(), whole: r.whole}
 	return true
 }
 
@@ -493,7 +507,8 @@ type change struct {
 // apply reloads what a batch of notifications names: per policy the whole
 // policy or the overrides named, at once; a TRUNCATE or an unreadable
 // payload asks r for a full reload, which the session does when
-// MinResyncInterval allows. It returns false when the session must end (a
+// MinResyncInterval allows, and so does the whole reload of a large policy
+// done less than MinResyncInterval after its last. It returns false when the session must end (a
 // reload failed): the next one resynchronises.
 func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) bool {
 	schema := l.cache.Schema()
@@ -546,7 +561,21 @@ func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) boo
 		c := changes[name]
 		var err error
 		if c.whole {
+			if l.large(name) && l.opts.MinResyncInterval > 0 && time.Since(r.whole[name]) < l.opts.MinResyncInterval {
+				// Reloaded whole less than MinResyncInterval ago: a full
+				// reload answers this one, at the bounded rate.
+				l.want(r, 1, c.n)
+				continue
+			}
 			err = l.cache.ReloadPolicy(ctx, name)
+			if err == nil {
+				l.policyReloads.Add(1)
+				if l.large(name) {
+					r.whole[name] = time.Now()
+				} else {
+					delete(r.whole, name)
+				}
+			}
 		} else {
 			err = l.cache.ReloadOverrides(ctx, name, c.keys)
 		}
@@ -559,6 +588,13 @@ func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) boo
 		l.applied.Add(c.n)
 	}
 	return true
+}
+
+// large reports whether the cached policy named name has more than
+// maxKeys overrides: its whole reload costs about as much as a full one.
+func (l *Listener) large(name string) bool {
+	e := l.cache.lookup(name)
+	return e != nil && len(e.overrides) > maxKeys
 }
 
 func (l *Listener) reloadFailed(ctx context.Context, err error) bool {

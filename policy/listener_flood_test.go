@@ -14,16 +14,12 @@ import (
 	"github.com/pgrl/pgrl/policy"
 )
 
-// Any role that can connect may NOTIFY pgrl_policy with a payload that is
-// not a change, or one that looks like a TRUNCATE. A flood of them costs at most one full reload per
-// MinResyncInterval (the others merged into it), never a reconnection,
-// while a real change is still applied at once: a FromCache limiter obeys
-// it during the flood.
-func TestListenerUnreadableFloodBounded(t *testing.T) {
-	t.Parallel()
+// floodDatabase returns a pool on a migrated database of the test's own, and
+// its URL: NOTIFY reaches every listener of a database, whatever its schema,
+// and a flood must not reach other tests'.
+func floodDatabase(t *testing.T) (*pgxpool.Pool, string) {
+	t.Helper()
 	ctx := context.Background()
-	// A database of its own: NOTIFY reaches every listener of a database,
-	// whatever its schema, and this flood must not reach other tests'.
 	dbURL := dbtest.NewDatabase(t)
 	conn, err := pgx.Connect(ctx, dbURL)
 	require.NoError(t, err)
@@ -32,7 +28,19 @@ func TestListenerUnreadableFloodBounded(t *testing.T) {
 	pool, err := pgxpool.New(ctx, dbURL)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	_, err = policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
+	return pool, dbURL
+}
+
+// Any role that can connect may NOTIFY pgrl_policy with a payload that is
+// not a change, or one that looks like a TRUNCATE. A flood of them costs at most one full reload per
+// MinResyncInterval (the others merged into it), never a reconnection,
+// while a real change is still applied at once: a FromCache limiter obeys
+// it during the flood.
+func TestListenerUnreadableFloodBounded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, dbURL := floodDatabase(t)
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 10, Window: time.Minute})
 	require.NoError(t, err)
 	cache := policy.NewCache(pool)
 	const interval = 200 * time.Millisecond
@@ -105,4 +113,74 @@ func TestListenerUnreadableFloodBounded(t *testing.T) {
 		return st.Dropped-before.Dropped == uint64(sent.Load()) && st.ResyncsMerged > before.ResyncsMerged &&
 			st.Applied-before.Applied >= uint64(sent.Load()/2)
 	}, 5*time.Second, 5*time.Millisecond, "every unreadable payload is counted, every TRUNCATE applied")
+}
+
+// A notification may also name a policy as changed, as often as its sender
+// likes; the whole reload of a policy with thousands of overrides costs
+// about what a full one does, so it too is bounded: at most one per
+// MinResyncInterval per policy, the rest merged into a full reload at the
+// same bounded rate. A real change of the policy is applied all the same.
+func TestListenerPolicyFloodBounded(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, dbURL := floodDatabase(t)
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "big", Limit: 10, Window: time.Minute})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit")
+		SELECT 'big', pgrl_policy_key('big', 't' || i), 100 + i FROM generate_series(1, 1500) i`)
+	require.NoError(t, err)
+	cache := policy.NewCache(pool)
+	const interval = 200 * time.Millisecond
+	l, err := policy.Watch(ctx, dbURL, cache, policy.ListenerOptions{MinResyncInterval: interval})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	require.NoError(t, l.WaitSynced(wctx))
+	before := l.Stats()
+
+	var sent atomic.Int64
+	stop, flooded := make(chan struct{}), make(chan error, 1)
+	start := time.Now()
+	go func() {
+		for {
+			select {
+			case <-stop:
+				flooded <- nil
+				return
+			default:
+			}
+			if _, err := pool.Exec(ctx, `SELECT pg_notify('pgrl_policy',
+				'{"schema": "public", "table": "pgrl_policy", "op": "UPDATE", "policy": "big"}')`); err != nil {
+				flooded <- err
+				return
+			}
+			sent.Add(1)
+			time.Sleep(2 * time.Millisecond)
+		}
+	}()
+	require.Eventually(t, func() bool { return l.Stats().Received >= before.Received+50 }, 10*time.Second, time.Millisecond,
+		"the listener reads the flood")
+	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 20 WHERE name = 'big'`)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return limitOf(cache, "big") == 20 }, 5*time.Second, 5*time.Millisecond,
+		"the change is applied during the flood")
+	for time.Since(start) < 10*interval {
+		time.Sleep(interval / 4)
+	}
+	close(stop)
+	require.NoError(t, <-flooded)
+	elapsed := time.Since(start)
+	st := l.Stats()
+	policyReloads, resyncs := st.PolicyReloads-before.PolicyReloads, st.Resyncs-before.Resyncs
+	bound := uint64(elapsed/interval) + 1
+	t.Logf("%d notifications of a policy with 1,500 overrides in %v: %d reloads of it and %d full ones (bound %d each)",
+		sent.Load(), elapsed.Round(time.Millisecond), policyReloads, resyncs, bound)
+	require.LessOrEqual(t, policyReloads, bound, "at most one whole reload of the policy per MinResyncInterval")
+	require.LessOrEqual(t, resyncs, bound, "at most one full reload per MinResyncInterval")
+	require.Equal(t, before.Reconnects, st.Reconnects)
+	require.Eventually(t, func() bool {
+		st := l.Stats()
+		return st.Applied-before.Applied == uint64(sent.Load())+1
+	}, 5*time.Second, 5*time.Millisecond, "every notification is applied, by one reload or another")
 }
