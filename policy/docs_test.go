@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // docSQL returns the SQL blocks of the section of docs/POLICIES.md whose
@@ -58,7 +59,7 @@ func TestDocsKeyRecipe(t *testing.T) {
 	_, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 2, Window: time.Hour})
 	require.NoError(t, err)
 	blocks := docSQL(t, "### Keys: write them with `pgrl_policy_key`")
-	require.Len(t, blocks, 2)
+	require.Len(t, blocks, 3)
 	require.Len(t, blocks[0], 2, "the refused INSERT and the recipe")
 
 	_, err = pool.Exec(ctx, blocks[0][0])
@@ -98,6 +99,33 @@ func TestDocsKeyRecipe(t *testing.T) {
 	require.NoError(t, err)
 	require.NotNil(t, x.Override, "the rewritten row applies")
 	require.Equal(t, int64(4), x.Rate.Limit)
+
+	// A readable key too long to apply, from before migration 000009.
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "login", Limit: 2, Window: time.Hour, KeyMode: ratelimit.ReadableKeys})
+	require.NoError(t, err)
+	_, err = pool.Exec(ctx, `ALTER TABLE pgrl_policy_override DISABLE TRIGGER pgrl_policy_override_key_mode_check`)
+	require.NoError(t, err)
+	for _, n := range []int{ratelimit.MaxReadableKeyBytes, ratelimit.MaxReadableKeyBytes + 1} {
+		_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit") VALUES ('login', pgrl_policy_key('login', $1), 4)`,
+			strings.Repeat("k", n))
+		require.NoError(t, err)
+	}
+	_, err = pool.Exec(ctx, `ALTER TABLE pgrl_policy_override ENABLE TRIGGER pgrl_policy_override_key_mode_check`)
+	require.NoError(t, err)
+	require.Len(t, blocks[2], 1, "the SELECT of readable keys too long to apply")
+	var policies []string
+	var lengths []int32
+	rows, err = pool.Query(ctx, blocks[2][0])
+	require.NoError(t, err)
+	for rows.Next() {
+		var name string
+		var n int32
+		require.NoError(t, rows.Scan(&name, &n))
+		policies, lengths = append(policies, name), append(lengths, n)
+	}
+	require.NoError(t, rows.Err())
+	require.Equal(t, []string{"login"}, policies)
+	require.Equal(t, []int32{ratelimit.MaxReadableKeyBytes + 1}, lengths)
 }
 
 // The package doc describes the default: checks read the policy tables in

@@ -41,7 +41,7 @@ func invalid(base error, format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrInvalid, msg)
 }
 
-// constraintFix explains each constraint of migrations 000007 and 000008 in words that
+// constraintFix explains each constraint of migrations 000007 to 000009 in words that
 // name the fix.
 var constraintFix = map[string]string{
 	"pgrl_policy_name_check":               "a policy name is 1 to 128 characters of A-Z a-z 0-9 _ . : / + -, starting with a letter or digit",
@@ -65,6 +65,9 @@ var constraintFix = map[string]string{
 	"pgrl_policy_key_mode_overrides_check": "the policy has overrides, whose keys are stored in its key mode: delete them first, change the key mode, then set them again",
 	"pgrl_policy_name_overrides_check":     "the policy has overrides, whose keys are stored under its name: create a policy of the new name with its own overrides, then delete this one",
 	"pgrl_policy_override_key_mode_check":  "an override's key is the caller's key in its stored form under the policy's key mode: write it as pgrl_policy_key(policy, key) in SQL, or with Policy.StoredKey in Go",
+
+	// Migration 000009.
+	"pgrl_policy_override_key_length_check": "an override's key under readable keys holds at most 2,048 bytes after the policy's name and ':', the longest key a check takes: shorten the key, or use hashed keys",
 }
 
 // mapErr turns database errors into this package's errors, keeping the

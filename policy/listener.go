@@ -29,6 +29,9 @@ const (
 	DefaultMaxBackoff   = 10 * time.Second
 	DefaultPingInterval = 30 * time.Second
 	DefaultPingTimeout  = 5 * time.Second
+	// DefaultMinResyncInterval is ListenerOptions.MinResyncInterval's
+	// default.
+	DefaultMinResyncInterval = time.Second
 )
 
 // ListenerOptions configures Watch.
@@ -45,6 +48,18 @@ type ListenerOptions struct {
 	// without its NOTIFY (a trigger disabled for a bulk load, a restore).
 	// Each reload reads every policy and override. Defaults to 0 (off).
 	ResyncInterval time.Duration
+	// MinResyncInterval bounds the full reloads that notifications ask
+	// for (a TRUNCATE's, and an unreadable payload's, which any role that
+	// can connect may send): at most one per MinResyncInterval, the first
+	// at once, and the requests that arrive meanwhile merged into one
+	// reload at the end of the interval. Changes of one policy or override
+	// are applied at once all the same, except that a policy with more
+	// than 1,000 overrides is reloaded whole at most once per interval
+	// too (a change of it that comes sooner goes to the next full
+	// reload). The reloads of a (re)connection and of ResyncInterval are
+	// not delayed. Defaults to
+	// DefaultMinResyncInterval; negative turns the bound off.
+	MinResyncInterval time.Duration
 	// PingInterval is how long the connection may stay silent before the
 	// listener checks it with a query (answered within PingTimeout), so
 	// that a connection lost without a word (a failover that moved the
@@ -76,15 +91,24 @@ type Stats struct {
 	// Received is the notifications of the cache's schema; Applied those
 	// whose reload succeeded; Ignored those of another schema.
 	Received, Applied, Ignored uint64
-	// Dropped is the notifications that could not be applied (a reload
-	// failed, or a payload was unreadable). Each drop closes the
-	// connection, and the next connection resynchronises the whole cache.
+	// Dropped is the notifications that could not be applied: a reload
+	// failed (which closes the connection; the next one resynchronises
+	// the whole cache), or a payload was unreadable (which asks for a full
+	// reload, bounded by ListenerOptions.MinResyncInterval).
 	Dropped uint64
 	// Reconnects is the connections made after the first; each may have
 	// missed notifications, so each is followed by a full reload.
 	Reconnects uint64
 	// Resyncs is the full reloads done (the first one included).
 	Resyncs uint64
+	// ResyncsMerged is the requests for a full reload (a TRUNCATE, an
+	// unreadable payload, a change of a large policy too soon after the
+	// last) that waited for MinResyncInterval and were answered by a
+	// reload done for another.
+	ResyncsMerged uint64
+	// PolicyReloads is the reloads of one whole policy with its overrides
+	// (after a change of the policy's row).
+	PolicyReloads uint64
 	// Connected reports whether the listener is connected and listening.
 	Connected bool
 	// LastError is the last connection or reload error, "" when none.
@@ -114,11 +138,11 @@ type Listener struct {
 	synced chan struct{}
 	once   sync.Once
 
-	received, applied, ignored, dropped, reconnects, resyncs atomic.Uint64
-	connected                                                atomic.Bool
-	pid                                                      atomic.Uint32
-	lastErr                                                  atomic.Pointer[string]
-	den                                                      *denials // nil without ListenerOptions.Denials
+	received, applied, ignored, dropped, reconnects, resyncs, merged, policyReloads atomic.Uint64
+	connected                                                                       atomic.Bool
+	pid                                                                             atomic.Uint32
+	lastErr                                                                         atomic.Pointer[string]
+	den                                                                             *denials // nil without ListenerOptions.Denials
 }
 
 // Watch starts a Listener on connString (a URL or keyword/value string
@@ -152,6 +176,9 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 	}
 	if opts.PingTimeout <= 0 {
 		opts.PingTimeout = DefaultPingTimeout
+	}
+	if opts.MinResyncInterval == 0 {
+		opts.MinResyncInterval = DefaultMinResyncInterval
 	}
 	if cfg.ConnectTimeout == 0 {
 		cfg.ConnectTimeout = opts.PingTimeout
@@ -195,8 +222,9 @@ func (l *Listener) PID() uint32 { return l.pid.Load() }
 func (l *Listener) Stats() Stats {
 	s := Stats{
 		Received: l.received.Load(), Applied: l.applied.Load(), Ignored: l.ignored.Load(),
-		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(),
-		Connected: l.connected.Load(), Denials: l.den.stats(),
+		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(), ResyncsMerged: l.merged.Load(),
+		PolicyReloads: l.policyReloads.Load(),
+		Connected:     l.connected.Load(), Denials: l.den.stats(),
 	}
 	if e := l.lastErr.Load(); e != nil {
 		s.LastError = *e
@@ -294,12 +322,32 @@ func (l *Listener) session(ctx context.Context) bool {
 	if l.reconnects.Load() > 0 {
 		l.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", l.reconnects.Load())
 	}
+	// Full reloads asked for by notifications wait for MinResyncInterval
+	// after the last one: requests meanwhile are merged into one.
+	r := resyncs{last: time.Now(), whole: map[string]time.Time{}}
+	// Notifications still waiting for a full reload when the session ends
+	// are dropped: the next session's reload covers them.
+	defer func() { l.dropped.Add(r.notes) }()
 	nextResync := time.Now().Add(l.opts.ResyncInterval)
 	for {
+		if l.opts.ResyncInterval > 0 && !time.Now().Before(nextResync) {
+			r.wanted = true
+			r.due = time.Time{} // the periodic reload is not delayed
+		}
+		if r.wanted && !time.Now().Before(r.due) {
+			if !l.resync(ctx, &r) {
+				return true
+			}
+			nextResync = time.Now().Add(l.opts.ResyncInterval)
+			continue
+		}
 		// Wait for a notification until the next resync or ping is due.
 		var due time.Time
 		if l.opts.ResyncInterval > 0 {
 			due = nextResync
+		}
+		if r.wanted && (due.IsZero() || r.due.Before(due)) {
+			due = r.due
 		}
 		if l.opts.PingInterval > 0 {
 			if p := time.Now().Add(l.opts.PingInterval); due.IsZero() || p.Before(due) {
@@ -315,14 +363,9 @@ func (l *Listener) session(ctx context.Context) bool {
 		if err != nil && ctx.Err() == nil && wctx.Err() != nil && !conn.IsClosed() {
 			// A timer, not a failure: pgx leaves the connection usable
 			// when only the wait was cancelled.
-			if l.opts.ResyncInterval > 0 && !time.Now().Before(nextResync) {
-				nextResync = time.Now().Add(l.opts.ResyncInterval)
-				if err := l.cache.Reload(ctx); err != nil {
-					l.fail(err)
-					return true
-				}
-				l.resyncs.Add(1)
-				continue
+			now := time.Now()
+			if (l.opts.ResyncInterval > 0 && !now.Before(nextResync)) || (r.wanted && !now.Before(r.due)) {
+				continue // a reload is due: done at the top
 			}
 			pctx, cancel := context.WithTimeout(ctx, l.opts.PingTimeout)
 			var err error
@@ -365,10 +408,54 @@ func (l *Listener) session(ctx context.Context) bool {
 				batch = append(batch, n.Payload)
 			}
 		}
-		if !l.apply(ctx, batch) {
+		if !l.apply(ctx, batch, &r) {
 			return true
 		}
 	}
+}
+
+// resyncs is a session's state of the full reloads that notifications ask
+// for.
+type resyncs struct {
+	wanted bool      // a full reload is asked for
+	due    time.Time // not before then
+	last   time.Time // the last full reload ended
+	asked  uint64    // requests since the last reload
+	notes  uint64    // readable notifications it answers (TRUNCATE)
+	// whole is when each large policy (more than maxKeys overrides) was
+	// last reloaded whole: a notification can name one as often as it
+	// likes, and its reload costs nearly a full one.
+	whole map[string]time.Time
+}
+
+// want records asked requests for a full reload, notes of them readable
+// notifications: due at once when the last reload is MinResyncInterval
+// old, else at the end of that interval.
+func (l *Listener) want(r *resyncs, asked, notes uint64) {
+	if !r.wanted {
+		r.wanted = true
+		r.due = time.Time{}
+		if l.opts.MinResyncInterval > 0 {
+			r.due = r.last.Add(l.opts.MinResyncInterval)
+		}
+	}
+	r.asked += asked
+	r.notes += notes
+}
+
+// resync reloads everything, answering every request recorded in r. It
+// returns false when the session must end.
+func (l *Listener) resync(ctx context.Context, r *resyncs) bool {
+	if err := l.cache.Reload(ctx); err != nil {
+		return l.reloadFailed(ctx, err) // r.notes are dropped as the session ends
+	}
+	l.resyncs.Add(1)
+	l.applied.Add(r.notes)
+	if r.asked > 1 {
+		l.merged.Add(r.asked - 1)
+	}
+	*r = resyncs{last: time.Now(), whole: r.whole}
+	return true
 }
 
 // Batching of notifications.
@@ -417,30 +504,37 @@ type change struct {
 	n     uint64   // notifications
 }
 
-// apply reloads what a batch of notifications names: everything after a
-// TRUNCATE, else per policy the whole policy or the overrides named. It
-// returns false when the session must end (a reload failed, a payload was
-// unreadable): the next one resynchronises.
-func (l *Listener) apply(ctx context.Context, payloads []string) bool {
+// apply reloads what a batch of notifications names: per policy the whole
+// policy or the overrides named, at once; a TRUNCATE or an unreadable
+// payload asks r for a full reload, which the session does when
+// MinResyncInterval allows, and so does the whole reload of a large policy
+// done less than MinResyncInterval after its last. It returns false when the session must end (a
+// reload failed): the next one resynchronises.
+func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) bool {
 	schema := l.cache.Schema()
-	all, total := false, uint64(0)
+	all, unreadable := uint64(0), uint64(0)
 	changes := map[string]*change{}
 	var order []string
 	for _, p := range payloads {
 		var n notice
 		if err := json.Unmarshal([]byte(p), &n); err != nil {
+			// Any role that can connect may send one: a full reload
+			// catches up with whatever it stood for, at a bounded rate.
 			l.dropped.Add(1)
+			unreadable++
+			if len(p) > 200 {
+				p = p[:200] + "..."
+			}
 			l.fail(fmt.Errorf("unreadable notification %q: %w", p, err))
-			return false
+			continue
 		}
 		if n.Schema != schema {
 			l.ignored.Add(1)
 			continue
 		}
 		l.received.Add(1)
-		total++
 		if n.Policy == nil {
-			all = true
+			all++
 			continue
 		}
 		c := changes[*n.Policy]
@@ -457,22 +551,31 @@ func (l *Listener) apply(ctx context.Context, payloads []string) bool {
 			c.keys = append(c.keys, k)
 		}
 	}
-	if total == 0 {
-		return true
+	if unreadable > 0 {
+		l.want(r, unreadable, 0)
 	}
-	if all {
-		if err := l.cache.Reload(ctx); err != nil {
-			l.dropped.Add(total)
-			return l.reloadFailed(ctx, err)
-		}
-		l.applied.Add(total)
-		return true
+	if all > 0 {
+		l.want(r, all, all)
 	}
 	for i, name := range order {
 		c := changes[name]
 		var err error
 		if c.whole {
+			if l.large(name) && l.opts.MinResyncInterval > 0 && time.Since(r.whole[name]) < l.opts.MinResyncInterval {
+				// Reloaded whole less than MinResyncInterval ago: a full
+				// reload answers this one, at the bounded rate.
+				l.want(r, 1, c.n)
+				continue
+			}
 			err = l.cache.ReloadPolicy(ctx, name)
+			if err == nil {
+				l.policyReloads.Add(1)
+				if l.large(name) {
+					r.whole[name] = time.Now()
+				} else {
+					delete(r.whole, name)
+				}
+			}
 		} else {
 			err = l.cache.ReloadOverrides(ctx, name, c.keys)
 		}
@@ -485,6 +588,13 @@ func (l *Listener) apply(ctx context.Context, payloads []string) bool {
 		l.applied.Add(c.n)
 	}
 	return true
+}
+
+// large reports whether the cached policy named name has more than
+// maxKeys overrides: its whole reload costs about as much as a full one.
+func (l *Listener) large(name string) bool {
+	e := l.cache.lookup(name)
+	return e != nil && len(e.overrides) > maxKeys
 }
 
 func (l *Listener) reloadFailed(ctx context.Context, err error) bool {

@@ -3,7 +3,9 @@
 // 000007), so that operations can change a limit with one UPDATE, or with
 // rl-policy, and every instance of the application follows within a second.
 //
-// Set, Get, List and Delete manage policies; SetOverride, ListOverrides and
+// Set, Update, Get, List and Delete manage policies (Update changes some
+// fields under the row's lock, so concurrent writers never lose each other's
+// changes); SetOverride, ListOverrides and
 // DeleteOverride the overrides of one key; Explain says which limit applies
 // to a key and what it has used. NewLimiter builds a limiter from a stored
 // policy. By default each check reads the policy and the key's override in
@@ -193,15 +195,22 @@ func (o Override) Validate(p Policy) error {
 }
 
 // CheckStoredKey returns ErrInvalid when key cannot be the stored form of
-// any caller's key under p's key mode (what the table's trigger
-// pgrl_policy_override_key_mode_check refuses): under hashed keys anything
-// but 16 bytes, under readable keys anything that does not start with p's
-// name and ':'. Such a key, usually the caller's key given as is, would
+// any key a check accepts under p's key mode (what the table's trigger
+// pgrl_policy_override_key_mode_check refuses, migrations 000008 and
+// 000009): under hashed keys anything but 16 bytes; under readable keys
+// anything that does not start with p's name and ':', and (also
+// ratelimit.ErrKeyTooLong) anything holding more than
+// ratelimit.MaxReadableKeyBytes after it, since a check refuses a longer
+// caller's key. Such a key, usually the caller's key given as is, would
 // never match a check.
 func (p Policy) CheckStoredKey(key []byte) error {
 	if p.KeyMode == ratelimit.ReadableKeys {
-		if !bytes.HasPrefix(key, []byte(p.Name+":")) {
-			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, p.Name+":", quoteSQL(p.Name))
+		prefix := p.Name + ":"
+		if !bytes.HasPrefix(key, []byte(prefix)) {
+			return invalid(nil, "override key of %q, whose keys are readable, does not start with %q: it is not a stored key and would never apply; give the caller's key to Policy.StoredKey (in SQL, pgrl_policy_key(%s, key))", p.Name, prefix, quoteSQL(p.Name))
+		}
+		if n := len(key) - len(prefix); n > ratelimit.MaxReadableKeyBytes {
+			return invalid(ratelimit.ErrKeyTooLong, "override key of %q, whose keys are readable, holds %d bytes after %q: a check refuses keys of more than %d bytes, so it would never apply; shorten the key, or use a policy with hashed keys, which take keys of any length", p.Name, n, prefix, ratelimit.MaxReadableKeyBytes)
 		}
 		return nil
 	}
@@ -292,7 +301,19 @@ func scanOverride(row pgx.Row) (Override, error) {
 // burst too large for a new algorithm, say) is ignored by limiters, which
 // then apply the policy and log a warning. The key mode of a policy with
 // overrides cannot change (their keys are stored in it): ErrInvalid.
+//
+// Set writes every field as p holds it: to change some fields of a stored
+// policy and keep the others, use Update, which reads and writes under the
+// row's lock. A Get followed by a Set loses the changes that other writers
+// make in between.
 func Set(ctx context.Context, db DB, p Policy) (Policy, error) {
+	return write(ctx, db, p, false)
+}
+
+// write validates p and stores it: with create, only when no policy has its
+// name (ErrNoRows otherwise, the caller retries); without, creating it or
+// replacing the stored one.
+func write(ctx context.Context, db DB, p Policy, create bool) (Policy, error) {
 	if p.Algorithm == "" {
 		p.Algorithm = ratelimit.DefaultAlgorithm
 	}
@@ -303,31 +324,122 @@ func Set(ctx context.Context, db DB, p Policy) (Policy, error) {
 	if p.Burst != 0 {
 		burst = &p.Burst
 	}
-	row := db.QueryRow(ctx, `
-INSERT INTO pgrl_policy AS t (name, algorithm, "limit", "window", burst, penalty, key_mode, description)
-VALUES ($1, $2, $3, $4, $5, $6, $7, nullif($8, ''))
-ON CONFLICT (name) DO UPDATE
+	conflict := `ON CONFLICT (name) DO UPDATE
    SET algorithm = excluded.algorithm, "limit" = excluded."limit", "window" = excluded."window",
        burst = excluded.burst, penalty = excluded.penalty, key_mode = excluded.key_mode,
        description = excluded.description
  WHERE t.key_mode = excluded.key_mode
-    OR NOT EXISTS (SELECT 1 FROM pgrl_policy_override AS o WHERE o.policy = t.name)
+    OR NOT EXISTS (SELECT 1 FROM pgrl_policy_override AS o WHERE o.policy = t.name)`
+	if create {
+		conflict = `ON CONFLICT (name) DO NOTHING`
+	}
+	row := db.QueryRow(ctx, `
+INSERT INTO pgrl_policy AS t (name, algorithm, "limit", "window", burst, penalty, key_mode, description)
+VALUES ($1, $2, $3, $4, $5, $6, $7, nullif($8, ''))
+`+conflict+`
 RETURNING `+policyColumns,
 		p.Name, string(p.Algorithm), p.Limit, interval(p.Window), burst, p.Penalty, keyModeName(p.KeyMode), p.Description)
 	out, err := scanPolicy(row)
 	if errors.Is(err, pgx.ErrNoRows) {
+		if create {
+			return Policy{}, err
+		}
 		return Policy{}, invalid(nil, "policy %q has overrides, whose keys are stored in its current key mode; changing it to %s would orphan them: delete them first (rl-policy override list %s), then set them again", p.Name, keyModeName(p.KeyMode), p.Name)
 	}
 	return out, mapErr(err)
+}
+
+// beginner is a DB that can start a transaction (or, on a pgx.Tx, a
+// savepoint): *pgxpool.Pool, *pgx.Conn and pgx.Tx all can.
+type beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// inTx runs fn in a transaction of db (a savepoint when db is a pgx.Tx).
+func inTx(ctx context.Context, db DB, what string, fn func(tx pgx.Tx) error) error {
+	b, ok := db.(beginner)
+	if !ok {
+		return fmt.Errorf("%w: %s reads and writes in one transaction, and %T cannot begin one: pass a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx", ErrInvalid, what, db)
+	}
+	return pgx.BeginFunc(ctx, b, fn)
+}
+
+// updateAttempts bounds how often Update starts over when the policy it
+// was about to create was created, or the one it read deleted, meanwhile.
+const updateAttempts = 5
+
+// Update changes the policy named name atomically and returns it as stored:
+// in one transaction (a savepoint when db is a pgx.Tx) it reads the policy
+// with its row locked (SELECT ... FOR UPDATE, after taking pgrl_policy in
+// ROW EXCLUSIVE mode, so that rl-policy apply, which holds the table, is
+// waited for before the read), calls change with it, validates the result
+// and writes it. So concurrent Updates of different fields all apply, each
+// on the result of the one before, and an UPDATE by plain SQL is never
+// overwritten with what was read before it.
+//
+// When no policy is named name, change gets a Policy with only Name set
+// (CreatedAt zero: test that to tell a creation) and the result is
+// inserted; if another writer creates the policy first, Update starts over
+// on the stored one. change may be called more than once, so it must only
+// set fields; an error it returns ends Update with nothing written, and is
+// returned as is. change may not rename the policy (ErrInvalid).
+//
+// On a pgx.Tx the locks last until that transaction ends, so other writers
+// of the policy wait until then.
+//
+// Under REPEATABLE READ or SERIALIZABLE (db a pgx.Tx of that level), a
+// concurrent change makes PostgreSQL refuse the read with a serialization
+// failure (SQLSTATE 40001): retry the transaction. Waits for the lock are
+// bounded by the session's lock_timeout, if any.
+func Update(ctx context.Context, db DB, name string, change func(p *Policy) error) (Policy, error) {
+	var out Policy
+	for attempt := 1; ; attempt++ {
+		retry := false
+		err := inTx(ctx, db, "policy.Update", func(tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `LOCK TABLE pgrl_policy IN ROW EXCLUSIVE MODE`); err != nil {
+				return mapErr(err)
+			}
+			p, err := scanPolicy(tx.QueryRow(ctx, `SELECT `+policyColumns+` FROM pgrl_policy WHERE name = $1 FOR UPDATE`, name))
+			exists := true
+			if errors.Is(err, pgx.ErrNoRows) {
+				p, exists, err = Policy{Name: name}, false, nil
+			}
+			if err != nil {
+				return mapErr(err)
+			}
+			if err := change(&p); err != nil {
+				return err
+			}
+			if p.Name != name {
+				return invalid(nil, "policy.Update of %q renamed it to %q; a policy keeps its name: Set a policy of the new name, then Delete this one", name, p.Name)
+			}
+			out, err = write(ctx, tx, p, !exists)
+			if !exists && errors.Is(err, pgx.ErrNoRows) {
+				retry = true // created meanwhile: read it, locked
+			}
+			return err
+		})
+		if !retry {
+			return out, err
+		}
+		if attempt == updateAttempts {
+			return Policy{}, fmt.Errorf("policy: Update of %q: the policy was created and deleted again by other writers %d times while this one tried to change it; try again", name, attempt)
+		}
+	}
 }
 
 // Get returns the policy named name, or ErrNotFound.
 func Get(ctx context.Context, db DB, name string) (Policy, error) {
 	p, err := scanPolicy(db.QueryRow(ctx, `SELECT `+policyColumns+` FROM pgrl_policy WHERE name = $1`, name))
 	if errors.Is(err, pgx.ErrNoRows) {
-		return Policy{}, fmt.Errorf("%w: no policy is named %q; list them with `rl-policy list`, create it with `rl-policy set %s --limit N --window D`", ErrNotFound, name, name)
+		return Policy{}, notFound(name)
 	}
 	return p, mapErr(err)
+}
+
+// notFound is ErrNotFound for the policy named name.
+func notFound(name string) error {
+	return fmt.Errorf("%w: no policy is named %q; list them with `rl-policy list`, create it with `rl-policy set %s --limit N --window D`", ErrNotFound, name, name)
 }
 
 // List returns every policy, by name.
@@ -358,16 +470,33 @@ func Delete(ctx context.Context, db DB, name string) error {
 }
 
 // SetOverride creates or replaces the override of o.Key under o.Policy and
-// returns it as stored. It reads the policy to validate the rate the key
-// would get; an override of a policy that does not exist is ErrNotFound.
-// An ExpiresAt that is not after the database's now() is ErrInvalid: such
-// an override would never apply (delete an override to end it). Nothing is
-// written when it fails.
+// returns it as stored. In one transaction (a savepoint when db is a
+// pgx.Tx) it reads the policy with its row locked against writers (SELECT
+// ... FOR SHARE), validates the rate the key would get under it, and writes
+// the override, so that a change of the policy made meanwhile (a new key
+// mode, algorithm or burst) waits for it instead of slipping between the
+// check and the write. An override of a policy that does not exist is
+// ErrNotFound. An ExpiresAt that is not after the database's now() is
+// ErrInvalid: such an override would never apply (delete an override to
+// end it). Nothing is written when it fails.
 func SetOverride(ctx context.Context, db DB, o Override) (Override, error) {
-	p, err := Get(ctx, db, o.Policy)
-	if err != nil {
-		return Override{}, err
-	}
+	var out Override
+	err := inTx(ctx, db, "policy.SetOverride", func(tx pgx.Tx) error {
+		p, err := scanPolicy(tx.QueryRow(ctx, `SELECT `+policyColumns+` FROM pgrl_policy WHERE name = $1 FOR SHARE`, o.Policy))
+		if errors.Is(err, pgx.ErrNoRows) {
+			return notFound(o.Policy)
+		}
+		if err != nil {
+			return mapErr(err)
+		}
+		out, err = writeOverride(ctx, tx, p, o)
+		return err
+	})
+	return out, err
+}
+
+// writeOverride validates o against p and writes it.
+func writeOverride(ctx context.Context, db DB, p Policy, o Override) (Override, error) {
 	if err := o.Validate(p); err != nil {
 		return Override{}, err
 	}

@@ -538,30 +538,23 @@ func closeConn(c *pgx.Conn) {
 	_ = c.Close(ctx)
 }
 
-// set reads the policy (if any), applies the flags given, validates and
-// writes it, in one transaction.
+// set reads the policy (if any) with its row locked, applies the flags
+// given, validates and writes it, in one transaction (policy.Update), so
+// that concurrent sets of different fields all apply.
 func (a *app) set(ctx context.Context, name string, given map[string]bool, apply func(*policy.Policy)) error {
 	conn, err := a.connect(ctx)
 	if err != nil {
 		return err
 	}
 	defer closeConn(conn)
-	var out policy.Policy
 	created := false
-	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-		p, err := policy.Get(ctx, tx, name)
-		if errors.Is(err, policy.ErrNotFound) {
-			if !given["limit"] || !given["window"] {
-				return usagef("policy %q does not exist yet: give --limit and --window to create it, e.g. `rl-policy set %s --limit 100 --window 1m`", name, name)
-			}
-			p, created, err = policy.Policy{Name: name}, true, nil
+	out, err := policy.Update(ctx, conn, name, func(p *policy.Policy) error {
+		created = p.CreatedAt.IsZero()
+		if created && (!given["limit"] || !given["window"]) {
+			return usagef("policy %q does not exist yet: give --limit and --window to create it, e.g. `rl-policy set %s --limit 100 --window 1m`", name, name)
 		}
-		if err != nil {
-			return err
-		}
-		apply(&p)
-		out, err = policy.Set(ctx, tx, p)
-		return err
+		apply(p)
+		return nil
 	})
 	if err != nil {
 		return err
@@ -713,12 +706,23 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 	var p policy.Policy
 	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 		var err error
+		if _, err = policy.Get(ctx, tx, o.Policy); err != nil {
+			return err // not found, not migrated, no privilege: in words
+		}
+		// Then the policy's row is held against writers until commit, so
+		// that the key mode the stored key is computed in, and the rate
+		// the override is checked against, are those it is written under.
+		if _, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = $1 FOR SHARE`, o.Policy); err != nil {
+			return err
+		}
 		if p, err = policy.Get(ctx, tx, o.Policy); err != nil {
 			return err
 		}
 		if !stored {
 			o.Key = p.StoredKey(key)
-		} else if p.CheckStoredKey(o.Key) != nil {
+		} else if err := p.CheckStoredKey(o.Key); errors.Is(err, ratelimit.ErrKeyTooLong) {
+			return err
+		} else if err != nil {
 			return usagef("--stored-key %x is not a stored key of policy %s, whose keys are %s, so the override would never apply: copy key_hex from `rl-policy override list %s`, or give the key itself as the KEY argument instead of --stored-key",
 				o.Key, p.Name, keyModeText(p.KeyMode), p.Name)
 		}
@@ -1107,7 +1111,9 @@ func readPolicies(path string, stdin io.Reader) ([]policy.Policy, error) {
 }
 
 // apply plans and, unless dry, makes the changes in one transaction, which
-// also holds the policies' rows so that the plan stays true until commit.
+// holds the policy table (SHARE ROW EXCLUSIVE: no other writer, and
+// policy.Update waits before it reads) and every policy's row, so that the
+// plan stays true until commit.
 func (a *app) apply(ctx context.Context, want []policy.Policy, prune, dry bool) error {
 	conn, err := a.connect(ctx)
 	if err != nil {
@@ -1117,6 +1123,13 @@ func (a *app) apply(ctx context.Context, want []policy.Policy, prune, dry bool) 
 	var changes []policy.Change
 	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `LOCK TABLE pgrl_policy IN SHARE ROW EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		// Every row too, before anything is written: an override writer
+		// holding a policy's row (policy.SetOverride) finishes first,
+		// instead of deadlocking with a key-mode change below, which locks
+		// the override table.
+		if _, err := tx.Exec(ctx, `SELECT FROM pgrl_policy ORDER BY name FOR UPDATE`); err != nil {
 			return err
 		}
 		stored, err := policy.List(ctx, tx)
