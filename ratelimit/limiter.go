@@ -70,6 +70,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
+	fb.Shadow = false // and applies shadow mode to them
 	fb = l.alg.fallbackConfig(cfg, fb)
 	if l.memory, err = NewMemory(fb, MemoryOptions{}); err != nil {
 		return nil, err
@@ -346,7 +347,10 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, a ask) (D
 		}
 		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
 	}
-	return d, l.explain(ctx, err)
+	if err != nil {
+		return Decision{}, l.explain(ctx, err)
+	}
+	return l.shadow(key, d), nil
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,

@@ -8,6 +8,7 @@ import (
 	"math/bits"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -61,8 +62,8 @@ func ownedKey(key, k string) string {
 }
 
 // MemoryLimiter is one limit kept in process memory: the same three
-// algorithms, the same arithmetic and the same penalty semantics as Limiter,
-// without a database. Use it alone for high-volume, low-stakes limits that
+// algorithms, the same arithmetic, the same penalty semantics and the same
+// shadow mode (Config.Shadow) as Limiter, without a database. Use it alone for high-volume, low-stakes limits that
 // must never write to the database (an analytics beacon), or as the fallback
 // of a limiter whose database is down. Each process counts on its own, so a
 // limit of N per instance admits up to N times the instance count in all.
@@ -87,6 +88,8 @@ type MemoryLimiter struct {
 	start    time.Time // wall and monotonic reading at creation
 	startUs  int64     // start in microseconds since the Unix epoch
 	keys     shardedLRU[memState]
+	// shadowLogged is when a shadow denial was last logged (Config.Shadow).
+	shadowLogged atomic.Int64
 }
 
 // memState is one key's counter. The fields mean, per algorithm:
@@ -187,7 +190,7 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 		st, allowed = m.alg.takeMemory(m, st, now, n)
 		node.val = st
 		sh.mu.Unlock()
-		return a.settle(m.decide(allowed, st, now, n)), nil
+		return a.settle(shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, n))), nil
 	}
 	// A partial grant takes what a check would find left (Remaining, which
 	// the SQL computes the same way), or under Penalty is charged all n.
@@ -201,7 +204,7 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 	}
 	node.val = st
 	sh.mu.Unlock()
-	return m.decide(got > 0, st, now, 1).granting(got), nil
+	return shadowed(&m.cfg, &m.shadowLogged, m.decide(got > 0, st, now, 1).granting(got)), nil
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,
