@@ -485,6 +485,32 @@ func (c Config) checkKey(key string) error {
 	return nil
 }
 
+// checkAsk validates one check's ask: an all-or-nothing check's cost by
+// checkCost; a partial grant's by its floor only, since its ask is a
+// ceiling, not a cost: any n of at least 1, however far above the limit,
+// is taken as the most it may get (see ceiling).
+func (c Config) checkAsk(a ask) error {
+	if !a.upTo {
+		return c.checkCost(a.n)
+	}
+	if a.n <= 0 {
+		return invalid(ErrInvalidCost, "%d for %q; a partial grant asks for at least 1 unit", a.n, c.Name)
+	}
+	return nil
+}
+
+// ceiling caps a partial grant's ask at the capacity, the most any check
+// can take at once: an ask above it is an ask of the capacity in every
+// respect (the grant, the Penalty charge, what FailOpen grants), and no
+// figure derived from it can overflow. An all-or-nothing ask is returned
+// as is.
+func (c Config) ceiling(a ask) ask {
+	if a.upTo {
+		a.n = min(a.n, c.capacity())
+	}
+	return a
+}
+
 // checkCost validates one check's cost.
 func (c Config) checkCost(n int64) error {
 	if n <= 0 {

@@ -151,7 +151,9 @@ func (m *MemoryLimiter) AllowN(_ context.Context, key string, n int64) (Decision
 
 // AllowUpTo is a partial grant, as Limiter.AllowUpTo: it takes as many of
 // n units as key has left, possibly none, and reports how many in
-// Decision.Granted. Under Penalty all n are counted.
+// Decision.Granted. n is a ceiling: any n >= 1, an n above the capacity
+// being an ask of the capacity. Under Penalty the ask (at most the
+// capacity) is counted whatever is granted.
 func (m *MemoryLimiter) AllowUpTo(_ context.Context, key string, n int64) (Decision, error) {
 	return m.observe(key, ask{n: n, upTo: true})
 }
@@ -168,10 +170,11 @@ func (m *MemoryLimiter) observe(key string, a ask) (Decision, error) {
 }
 
 func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
-	n := a.n
-	if err := m.cfg.checkCost(n); err != nil {
+	if err := m.cfg.checkAsk(a); err != nil {
 		return Decision{}, err
 	}
+	a = m.cfg.ceiling(a)
+	n := a.n
 	now := m.nowUs()
 	k := lookupKey(key)
 	sh := m.keys.shard(k)

@@ -80,7 +80,9 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 			q.limiters = append(q.limiters, r.l)
 			q.keys = append(q.keys, r.skey)
 		}
-		q.costs[j], q.upTo[j] = r.ask.n, r.ask.upTo
+		// A partial grant asks for at most its row's capacity (a spread
+		// row's is its share).
+		q.costs[j], q.upTo[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo
 	}
 	if len(order) > 0 {
 		q.ends = append(q.ends, int32(len(order)))

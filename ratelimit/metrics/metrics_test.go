@@ -272,9 +272,10 @@ func TestShadowDenialsCountedAsShadowDenied(t *testing.T) {
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()
 	shadow, err := ratelimit.New(pool, ratelimit.Config{Name: "shadow", Limit: 5, Window: time.Hour, Now: at,
-		Shadow: true, Logger: quiet, Observer: col})
+		Shadow: true, Logger: quiet, Observer: col, Timeout: time.Minute})
 	require.NoError(t, err)
-	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at, Observer: col})
+	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at,
+		Observer: col, Timeout: time.Minute})
 	require.NoError(t, err)
 	mem, err := ratelimit.NewMemory(ratelimit.Config{Name: "shadow-memory", Limit: 5, Window: time.Hour, Now: at,
 		Shadow: true, Logger: quiet, Observer: col}, ratelimit.MemoryOptions{})
