@@ -211,8 +211,10 @@ type Config struct {
 
 	// FallbackLimit is the limit of the in-process limiter that answers
 	// under FailToMemory, per process. Set it to Limit divided by the
-	// number of instances you run to keep the total near Limit. Defaults
-	// to Limit.
+	// number of instances you run to keep the total near Limit. A check
+	// costing more than the in-process limiter can ever admit (but no more
+	// than Limit) is denied by it, counting nothing, with RetryAfter the
+	// BreakerCooldown. Defaults to Limit.
 	FallbackLimit int64
 
 	// Timeout bounds each check's wait for PostgreSQL (a connection, the

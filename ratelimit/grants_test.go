@@ -424,3 +424,37 @@ func TestPartialGrantStatementsCapTheAsk(t *testing.T) {
 		}
 	}
 }
+
+// TestFallbackDeniesACostAboveItsLimit: with FallbackLimit below Limit (as
+// its doc recommends: Limit divided by the instances), a check the limiter
+// accepts but the memory tier can never admit is a denial from the memory
+// tier during an outage, not ErrCostExceedsLimit: a valid request gets an
+// answer from the failure policy. Single checks and AllowAll alike.
+func TestFallbackDeniesACostAboveItsLimit(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dead := testkit.DeadPool(t)
+	for _, alg := range ratelimit.Algorithms {
+		for _, penalty := range []bool{false, true} {
+			what := fmt.Sprintf("%s/penalty=%v", alg, penalty)
+			l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "fb-" + what, Algorithm: alg, Limit: 10, FallbackLimit: 5,
+				Window: time.Hour, Penalty: penalty, Timeout: 200 * time.Millisecond, BreakerCooldown: time.Second,
+				Logger: quiet, Now: testkit.Pinned(base)})
+			d, err := l.AllowN(ctx, "k", 8)
+			require.NoError(t, err, what)
+			require.False(t, d.Allowed, what)
+			require.Zero(t, d.Granted, what)
+			require.Equal(t, ratelimit.StoreMemory, d.Store, what)
+			require.Equal(t, time.Second, d.RetryAfter, "%s: retry when the database may be back", what)
+			m, err := ratelimit.AllowAll(ctx, ratelimit.ConsumeAll, ratelimit.Check{Limiter: l, Key: "k", Cost: 8})
+			require.NoError(t, err, what)
+			require.False(t, m.Allowed, what)
+			d, err = l.AllowN(ctx, "k", 5)
+			require.NoError(t, err, what)
+			require.True(t, d.Allowed, "%s: nothing was counted for the costs it could not admit", what)
+			require.Equal(t, int64(5), d.Granted, what)
+			_, err = l.AllowN(ctx, "k", 11)
+			require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit, "%s: above the limit itself, still refused", what)
+		}
+	}
+}

@@ -210,6 +210,25 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 	return shadowed(&m.cfg, &m.shadowLogged, m.decide(got > 0, st, now, 1).granting(got)), nil
 }
 
+// fallbackAsk is allowAsk for the limiter m answers for under
+// FailToMemory, which has checked a against its own capacity: that can
+// exceed m's (FallbackLimit below Limit, as Config.FallbackLimit
+// recommends). A cost m can never admit is then a denial that counts
+// nothing, to be retried after the breaker's cooldown (when the database
+// may answer again), not an error: the request is valid.
+func (m *MemoryLimiter) fallbackAsk(key string, a ask) (Decision, error) {
+	if a.upTo || a.n <= m.cfg.capacity() {
+		return m.allowAsk(key, a)
+	}
+	d, err := m.Peek(context.Background(), key)
+	if err != nil {
+		return Decision{}, err
+	}
+	d.Allowed = false
+	d.RetryAfter = m.cfg.BreakerCooldown
+	return d, nil
+}
+
 // Peek reports the key's state, as a check costing one unit would see it,
 // without counting anything. It does not make the key more recently used.
 func (m *MemoryLimiter) Peek(_ context.Context, key string) (Decision, error) {

@@ -204,7 +204,7 @@ func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) 
 	case FailError:
 		return Decision{}, cause
 	default:
-		d, err := l.memory.allowAsk(key, a)
+		d, err := l.memory.fallbackAsk(key, a)
 		if err != nil {
 			return Decision{}, err
 		}
