@@ -63,10 +63,11 @@ func ownedKey(key, k string) string {
 
 // MemoryLimiter is one limit kept in process memory: the same three
 // algorithms, the same arithmetic, the same penalty semantics and the same
-// shadow mode (Config.Shadow) as Limiter, without a database. Use it alone for high-volume, low-stakes limits that
-// must never write to the database (an analytics beacon), or as the fallback
-// of a limiter whose database is down. Each process counts on its own, so a
-// limit of N per instance admits up to N times the instance count in all.
+// shadow mode (Config.Shadow) as Limiter, without a database. Use it alone
+// for high-volume, low-stakes limits that must never write to the database
+// (an analytics beacon), or as the fallback of a limiter whose database is
+// down. Each process counts on its own, so a limit of N per instance
+// admits up to N times the instance count in all.
 //
 // Memory is bounded: at most MaxKeys keys are kept, the least recently
 // checked key being evicted first (it starts afresh if it returns), and
@@ -196,7 +197,8 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 		return a.settle(shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, n))), nil
 	}
 	// A partial grant takes what a check would find left (Remaining, which
-	// the SQL computes the same way), or under Penalty is charged all n.
+	// the SQL computes the same way), or under Penalty is charged its whole
+	// ask, n (at most the capacity, see ceiling).
 	got := min(n, m.alg.peekMemory(m, m.alg.roll(m, st, now), now).Remaining)
 	charge := got
 	if m.cfg.Penalty {
