@@ -275,8 +275,10 @@ type Config struct {
 
 	// Shadow makes the limiter decide, report and log, but never deny: a
 	// check the limit would deny is allowed, with Decision.ShadowDenied
-	// set. Use it to roll out a new limit and watch what it would do.
-	// Defaults to false.
+	// set and Decision.Granted 0 (the limit took nothing for it), on every
+	// path: checks in the caller's transaction, AllowAll, the failure
+	// policies and a MemoryLimiter too. Use it to roll out a new limit and
+	// watch what it would do. Defaults to false.
 	Shadow bool
 
 	// BreakerThreshold is how many consecutive failed checks open the
