@@ -341,7 +341,7 @@ type FixedWindowTakeQueueRow struct {
 // also for what penalty charges. keys are sorted; ends[i] is the 1-based
 // position in costs of key i's last check; the limit's figures come one per
 // key, so that the keys of several limiters share one statement. See
-// pgrl_fixed_window_take_queue (migrations 000006 and 000009). check_index
+// pgrl_fixed_window_take_queue (migrations 000006 and 000010). check_index
 // is the check's position in costs.
 func (q *Queries) FixedWindowTakeQueue(ctx context.Context, db DBTX, arg FixedWindowTakeQueueParams) ([]FixedWindowTakeQueueRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeQueue,
@@ -408,7 +408,7 @@ type FixedWindowTakeUpToRow struct {
 // the key's window has left (possibly none, which is a denial) and returns
 // that number as granted, with the window's state after it. n is a ceiling,
 // not a cost: any n >= 1 is valid, and an n above max_count is taken as
-// max_count (migration 000009). Under penalty the ask is counted whatever is
+// max_count (migration 000010). Under penalty the ask is counted whatever is
 // granted: n, or max_count when n is above it.
 func (q *Queries) FixedWindowTakeUpTo(ctx context.Context, db DBTX, arg FixedWindowTakeUpToParams) (FixedWindowTakeUpToRow, error) {
 	row := db.QueryRow(ctx, fixedWindowTakeUpTo,

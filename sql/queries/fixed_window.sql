@@ -103,7 +103,7 @@ DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
 -- also for what penalty charges. keys are sorted; ends[i] is the 1-based
 -- position in costs of key i's last check; the limit's figures come one per
 -- key, so that the keys of several limiters share one statement. See
--- pgrl_fixed_window_take_queue (migrations 000006 and 000009). check_index
+-- pgrl_fixed_window_take_queue (migrations 000006 and 000010). check_index
 -- is the check's position in costs.
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
@@ -117,7 +117,7 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.co
 -- the key's window has left (possibly none, which is a denial) and returns
 -- that number as granted, with the window's state after it. n is a ceiling,
 -- not a cost: any n >= 1 is valid, and an n above max_count is taken as
--- max_count (migration 000009). Under penalty the ask is counted whatever is
+-- max_count (migration 000010). Under penalty the ask is counted whatever is
 -- granted: n, or max_count when n is above it.
 SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
        q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
