@@ -408,7 +408,7 @@ type SlidingWindowTakeQueueRow struct {
 // FixedWindowTakeQueue: every check gets the row's state right after it, as
 // SlidingWindowTake would return it at the same instant. A partial grant
 // takes the most units the weighted estimate still admits, at most its
-// cost. See pgrl_sliding_window_take_queue (migration 000006).
+// cost. See pgrl_sliding_window_take_queue (migrations 000006 and 000010).
 func (q *Queries) SlidingWindowTakeQueue(ctx context.Context, db DBTX, arg SlidingWindowTakeQueueParams) ([]SlidingWindowTakeQueueRow, error) {
 	rows, err := db.Query(ctx, slidingWindowTakeQueue,
 		arg.Keys,
@@ -474,7 +474,9 @@ type SlidingWindowTakeUpToRow struct {
 
 // SlidingWindowTakeUpTo is a partial grant: it counts as many of n units as
 // the weighted estimate admits (possibly none, which is a denial) and
-// returns that number as granted. Under penalty all n are counted.
+// returns that number as granted. n is a ceiling, not a cost: an n above
+// max_count is taken as max_count (migration 000010). Under penalty the ask
+// (n, at most max_count) is counted.
 func (q *Queries) SlidingWindowTakeUpTo(ctx context.Context, db DBTX, arg SlidingWindowTakeUpToParams) (SlidingWindowTakeUpToRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTakeUpTo,
 		arg.Key,

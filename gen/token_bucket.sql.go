@@ -385,7 +385,7 @@ type TokenBucketTakeQueueRow struct {
 // FixedWindowTakeQueue: every check gets the bucket's state right after it,
 // as TokenBucketTake would return it at the same instant. A partial grant
 // takes the whole tokens left, at most its cost. See
-// pgrl_token_bucket_take_queue (migration 000006).
+// pgrl_token_bucket_take_queue (migrations 000006 and 000010).
 func (q *Queries) TokenBucketTakeQueue(ctx context.Context, db DBTX, arg TokenBucketTakeQueueParams) ([]TokenBucketTakeQueueRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeQueue,
 		arg.Keys,
@@ -450,8 +450,9 @@ type TokenBucketTakeUpToRow struct {
 
 // TokenBucketTakeUpTo is a partial grant: it spends as many of n tokens as
 // the refilled bucket holds whole (possibly none, which is a denial) and
-// returns that number as granted. Under penalty all n are charged, the
-// balance stopping at -capacity.
+// returns that number as granted. n is a ceiling, not a cost: an n above
+// capacity is taken as capacity (migration 000010). Under penalty the ask
+// (n, at most capacity) is charged, the balance stopping at -capacity.
 func (q *Queries) TokenBucketTakeUpTo(ctx context.Context, db DBTX, arg TokenBucketTakeUpToParams) (TokenBucketTakeUpToRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTakeUpTo,
 		arg.Key,

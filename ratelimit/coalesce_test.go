@@ -39,8 +39,10 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 			pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(8))
 			ctx := context.Background()
 			at := base.Add(30 * time.Second) // pinned: no refill, no window change
+			// A long Timeout: on a busy machine no check may be answered by
+			// the memory fallback, which the replay would not match.
 			cfg := ratelimit.Config{Name: "coalesce", Algorithm: alg, Limit: 40, Window: time.Hour,
-				DenyCacheSize: -1, Now: func() time.Time { return at }}
+				DenyCacheSize: -1, Now: func() time.Time { return at }, Timeout: time.Minute}
 			l := testkit.NewLimiter(t, pool, cfg)
 
 			var mu sync.Mutex

@@ -211,8 +211,10 @@ type Config struct {
 
 	// FallbackLimit is the limit of the in-process limiter that answers
 	// under FailToMemory, per process. Set it to Limit divided by the
-	// number of instances you run to keep the total near Limit. Defaults
-	// to Limit.
+	// number of instances you run to keep the total near Limit. A check
+	// costing more than the in-process limiter can ever admit (but no more
+	// than Limit) is denied by it, counting nothing, with RetryAfter the
+	// BreakerCooldown. Defaults to Limit.
 	FallbackLimit int64
 
 	// Timeout bounds each check's wait for PostgreSQL (a connection, the
@@ -273,8 +275,10 @@ type Config struct {
 
 	// Shadow makes the limiter decide, report and log, but never deny: a
 	// check the limit would deny is allowed, with Decision.ShadowDenied
-	// set. Use it to roll out a new limit and watch what it would do.
-	// Defaults to false.
+	// set and Decision.Granted 0 (the limit took nothing for it), on every
+	// path: checks in the caller's transaction, AllowAll, the failure
+	// policies and a MemoryLimiter too. Use it to roll out a new limit and
+	// watch what it would do. Defaults to false.
 	Shadow bool
 
 	// BreakerThreshold is how many consecutive failed checks open the
@@ -483,6 +487,32 @@ func (c Config) checkKey(key string) error {
 		return invalid(ErrKeyTooLong, "%d bytes for %q; readable keys hold at most %d bytes: shorten the key, or use HashedKeys (the default), which takes keys of any length", len(key), c.Name, MaxReadableKeyBytes)
 	}
 	return nil
+}
+
+// checkAsk validates one check's ask: an all-or-nothing check's cost by
+// checkCost; a partial grant's by its floor only, since its ask is a
+// ceiling, not a cost: any n of at least 1, however far above the limit,
+// is taken as the most it may get (see ceiling).
+func (c Config) checkAsk(a ask) error {
+	if !a.upTo {
+		return c.checkCost(a.n)
+	}
+	if a.n <= 0 {
+		return invalid(ErrInvalidCost, "%d for %q; a partial grant asks for at least 1 unit", a.n, c.Name)
+	}
+	return nil
+}
+
+// ceiling caps a partial grant's ask at the capacity, the most any check
+// can take at once: an ask above it is an ask of the capacity in every
+// respect (the grant, the Penalty charge, what FailOpen grants), and no
+// figure derived from it can overflow. An all-or-nothing ask is returned
+// as is.
+func (c Config) ceiling(a ask) ask {
+	if a.upTo {
+		a.n = min(a.n, c.capacity())
+	}
+	return a
 }
 
 // checkCost validates one check's cost.

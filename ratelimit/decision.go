@@ -29,9 +29,10 @@ type Decision struct {
 	Allowed bool
 	// Granted is how many units the check took: for AllowN, n when
 	// Allowed and 0 when not; for AllowUpTo, what was left of n (0 to n,
-	// Allowed when more than 0). Under Penalty a check is charged its whole
-	// cost whatever it was granted. A shadow-mode denial reports what a
-	// check would have been granted (0 for AllowN), though it proceeds.
+	// never more than Limit, Allowed when more than 0). Under Penalty a
+	// check is charged its whole cost whatever it was granted (a partial
+	// grant its ask, at most Limit). A shadow-mode denial reports what the
+	// check was granted, 0, though it proceeds.
 	Granted int64
 	// Limit is the most units the limit admits at once: the window's quota,
 	// or the token bucket's capacity.

@@ -46,8 +46,13 @@
 //
 // AllowUpTo takes as many of n units as the key has left and reports how
 // many in Decision.Granted: the bytes an upload may still send, the rows a
-// batch job may still process. Under Penalty all n are counted, as for any
-// denied check.
+// batch job may still process. n is a ceiling, not a cost: any n >= 1 is
+// valid, and an n above the limit's capacity (Limit, or Burst for the token
+// bucket) is an ask of the capacity on every path (single and coalesced
+// checks, transactions, the memory tier, Spread rows, FailOpen), so
+// math.MaxInt64 asks for all that is left. Under Penalty the ask is counted,
+// as for any denied check: n, at most the capacity. A shadow-mode denial
+// proceeds with Granted 0, what the limit took.
 //
 // # Time
 //

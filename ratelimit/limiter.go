@@ -70,6 +70,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
+	fb.Shadow = false // and applies shadow mode to them
 	fb = l.alg.fallbackConfig(cfg, fb)
 	if l.memory, err = NewMemory(fb, MemoryOptions{}); err != nil {
 		return nil, err
@@ -163,18 +164,28 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, er
 // AllowUpTo is a partial grant: it takes as many of n units as key has
 // left, possibly none, and reports how many in Decision.Granted (Allowed
 // when at least one). Use it to hand out what is left of a quota: the bytes
-// an upload may still send, the rows a batch job may still process. Under
-// Penalty all n units are counted, whatever is granted, as for any denied
-// check. Concurrent AllowUpTo and AllowN checks of one key are decided one
-// after another, as AllowN checks are. The failure policy answers as for
-// AllowN: the memory tier grants from its own count, FailOpen grants all
-// n, FailClosed none.
+// an upload may still send, the rows a batch job may still process.
+//
+// n is a ceiling, not a cost: any n of at least 1 is valid (0 or less is
+// ErrInvalidCost), and an n above what the limit holds at once (Limit, or
+// Burst for the token bucket; a row's share with Spread) is an ask of that
+// capacity in every respect, so AllowUpTo(ctx, key, math.MaxInt64) takes
+// all that is left. Under Penalty the ask is counted whatever is granted,
+// as for any denied check: n, or the capacity when n is above it (as an
+// AllowN of the whole capacity would be), so one huge ask cannot push a
+// count further than the largest valid AllowN. Concurrent AllowUpTo and
+// AllowN checks of one key are decided one after another, as AllowN checks
+// are. The failure policy answers as for AllowN: the memory tier grants
+// from its own count (its capacity is FallbackLimit's), FailOpen grants the
+// whole ask (at most the capacity), FailClosed none. A shadow-mode denial
+// proceeds with Granted 0.
 func (l *Limiter) AllowUpTo(ctx context.Context, key string, n int64) (Decision, error) {
 	return l.observe(ctx, key, ask{n: n, upTo: true})
 }
 
 // observe runs allowN and reports it to the Observer.
 func (l *Limiter) observe(ctx context.Context, key string, a ask) (Decision, error) {
+	a = l.cfg.ceiling(a)
 	if l.cfg.Observer == nil {
 		d, err := l.allowN(ctx, key, a)
 		return a.settle(d), err
@@ -187,8 +198,7 @@ func (l *Limiter) observe(ctx context.Context, key string, a ask) (Decision, err
 }
 
 func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, error) {
-	n := a.n
-	if err := l.cfg.checkCost(n); err != nil {
+	if err := l.cfg.checkAsk(a); err != nil {
 		return Decision{}, err
 	}
 	if err := l.cfg.checkKey(key); err != nil {
@@ -316,6 +326,7 @@ func (l *Limiter) AllowUpToTx(ctx context.Context, tx pgx.Tx, key string, n int6
 
 // observeTx runs allowNTx and reports it to the Observer.
 func (l *Limiter) observeTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
+	a = l.cfg.ceiling(a)
 	if l.cfg.Observer == nil {
 		d, err := l.allowNTx(ctx, tx, key, a)
 		return a.settle(d), err
@@ -331,7 +342,7 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, a ask) (D
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	if err := l.cfg.checkCost(a.n); err != nil {
+	if err := l.cfg.checkAsk(a); err != nil {
 		return Decision{}, err
 	}
 	if err := l.cfg.checkKey(key); err != nil {
@@ -346,7 +357,10 @@ func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, a ask) (D
 		}
 		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
 	}
-	return d, l.explain(ctx, err)
+	if err != nil {
+		return Decision{}, l.explain(ctx, err)
+	}
+	return l.shadow(key, d), nil
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,
@@ -500,7 +514,8 @@ func keyModeText(m KeyMode) string {
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
 	if a.upTo {
-		return l.alg.takeUpTo(ctx, l, db, k, a.n)
+		// l may be one row of a spread limit, whose capacity is its share.
+		return l.alg.takeUpTo(ctx, l, db, k, l.cfg.ceiling(a).n)
 	}
 	return l.alg.take(ctx, l, db, k, a.n)
 }

@@ -8,6 +8,7 @@ import (
 	"math/bits"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -61,11 +62,12 @@ func ownedKey(key, k string) string {
 }
 
 // MemoryLimiter is one limit kept in process memory: the same three
-// algorithms, the same arithmetic and the same penalty semantics as Limiter,
-// without a database. Use it alone for high-volume, low-stakes limits that
-// must never write to the database (an analytics beacon), or as the fallback
-// of a limiter whose database is down. Each process counts on its own, so a
-// limit of N per instance admits up to N times the instance count in all.
+// algorithms, the same arithmetic, the same penalty semantics and the same
+// shadow mode (Config.Shadow) as Limiter, without a database. Use it alone
+// for high-volume, low-stakes limits that must never write to the database
+// (an analytics beacon), or as the fallback of a limiter whose database is
+// down. Each process counts on its own, so a limit of N per instance
+// admits up to N times the instance count in all.
 //
 // Memory is bounded: at most MaxKeys keys are kept, the least recently
 // checked key being evicted first (it starts afresh if it returns), and
@@ -87,6 +89,8 @@ type MemoryLimiter struct {
 	start    time.Time // wall and monotonic reading at creation
 	startUs  int64     // start in microseconds since the Unix epoch
 	keys     shardedLRU[memState]
+	// shadowLogged is when a shadow denial was last logged (Config.Shadow).
+	shadowLogged atomic.Int64
 }
 
 // memState is one key's counter. The fields mean, per algorithm:
@@ -148,7 +152,9 @@ func (m *MemoryLimiter) AllowN(_ context.Context, key string, n int64) (Decision
 
 // AllowUpTo is a partial grant, as Limiter.AllowUpTo: it takes as many of
 // n units as key has left, possibly none, and reports how many in
-// Decision.Granted. Under Penalty all n are counted.
+// Decision.Granted. n is a ceiling: any n >= 1, an n above the capacity
+// being an ask of the capacity. Under Penalty the ask (at most the
+// capacity) is counted whatever is granted.
 func (m *MemoryLimiter) AllowUpTo(_ context.Context, key string, n int64) (Decision, error) {
 	return m.observe(key, ask{n: n, upTo: true})
 }
@@ -165,10 +171,11 @@ func (m *MemoryLimiter) observe(key string, a ask) (Decision, error) {
 }
 
 func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
-	n := a.n
-	if err := m.cfg.checkCost(n); err != nil {
+	if err := m.cfg.checkAsk(a); err != nil {
 		return Decision{}, err
 	}
+	a = m.cfg.ceiling(a)
+	n := a.n
 	now := m.nowUs()
 	k := lookupKey(key)
 	sh := m.keys.shard(k)
@@ -187,10 +194,11 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 		st, allowed = m.alg.takeMemory(m, st, now, n)
 		node.val = st
 		sh.mu.Unlock()
-		return a.settle(m.decide(allowed, st, now, n)), nil
+		return a.settle(shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, n))), nil
 	}
 	// A partial grant takes what a check would find left (Remaining, which
-	// the SQL computes the same way), or under Penalty is charged all n.
+	// the SQL computes the same way), or under Penalty is charged its whole
+	// ask, n (at most the capacity, see ceiling).
 	got := min(n, m.alg.peekMemory(m, m.alg.roll(m, st, now), now).Remaining)
 	charge := got
 	if m.cfg.Penalty {
@@ -201,7 +209,26 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 	}
 	node.val = st
 	sh.mu.Unlock()
-	return m.decide(got > 0, st, now, 1).granting(got), nil
+	return shadowed(&m.cfg, &m.shadowLogged, m.decide(got > 0, st, now, 1).granting(got)), nil
+}
+
+// fallbackAsk is allowAsk for the limiter m answers for under
+// FailToMemory, which has checked a against its own capacity: that can
+// exceed m's (FallbackLimit below Limit, as Config.FallbackLimit
+// recommends). A cost m can never admit is then a denial that counts
+// nothing, to be retried after the breaker's cooldown (when the database
+// may answer again), not an error: the request is valid.
+func (m *MemoryLimiter) fallbackAsk(key string, a ask) (Decision, error) {
+	if a.upTo || a.n <= m.cfg.capacity() {
+		return m.allowAsk(key, a)
+	}
+	d, err := m.Peek(context.Background(), key)
+	if err != nil {
+		return Decision{}, err
+	}
+	d.Allowed = false
+	d.RetryAfter = m.cfg.BreakerCooldown
+	return d, nil
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,

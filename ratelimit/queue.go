@@ -25,15 +25,20 @@ func (a ask) retryCost() int64 {
 
 // settle sets d.Granted for a decision no statement granted units in: an
 // all-or-nothing check is granted its whole cost when allowed (by the
-// store, the failure policy or shadow mode), and a partial grant that is
-// allowed without a count (fail open, shadow mode) its whole cost too.
+// store or the failure policy), and a partial grant that is allowed without
+// a count (fail open) its whole ask (a.n is at most the capacity: see
+// Config.ceiling). A shadow-mode denial reports what the limit granted,
+// which is nothing: the check proceeds, but nothing was taken for it (a
+// partial grant is denied only when nothing was left).
 func (a ask) settle(d Decision) Decision {
 	switch {
+	case d.ShadowDenied:
+		d.Granted = 0
 	case !a.upTo && d.Allowed:
 		d.Granted = a.n
 	case !a.upTo:
 		d.Granted = 0
-	case d.Allowed && (d.ShadowDenied || d.Store == StorePolicy):
+	case d.Allowed && d.Store == StorePolicy:
 		d.Granted = a.n
 	}
 	return d
@@ -75,7 +80,9 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 			q.limiters = append(q.limiters, r.l)
 			q.keys = append(q.keys, r.skey)
 		}
-		q.costs[j], q.upTo[j] = r.ask.n, r.ask.upTo
+		// A partial grant asks for at most its row's capacity (a spread
+		// row's is its share).
+		q.costs[j], q.upTo[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo
 	}
 	if len(order) > 0 {
 		q.ends = append(q.ends, int32(len(order)))

@@ -35,8 +35,10 @@ func TestBatchesMatchSingleChecks(t *testing.T) {
 				var mu sync.Mutex
 				at := base.Add(17 * time.Second)
 				clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return at }
+				// A long Timeout: on a busy machine a single check must not
+				// be answered by the memory fallback.
 				cfg := ratelimit.Config{Algorithm: alg, Limit: 10, Window: time.Minute, Penalty: penalty,
-					DenyCacheSize: -1, Now: clock}
+					DenyCacheSize: -1, Now: clock, Timeout: time.Minute}
 				bcfg, scfg := cfg, cfg
 				bcfg.Name = fmt.Sprintf("prop-batch-%v", penalty) // the subtests share a schema
 				scfg.Name = fmt.Sprintf("prop-single-%v", penalty)

@@ -204,7 +204,7 @@ func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) 
 	case FailError:
 		return Decision{}, cause
 	default:
-		d, err := l.memory.allowAsk(key, a)
+		d, err := l.memory.fallbackAsk(key, a)
 		if err != nil {
 			return Decision{}, err
 		}
@@ -215,17 +215,25 @@ func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) 
 
 // shadow applies shadow mode: a denial is reported, logged and allowed.
 func (l *Limiter) shadow(key string, d Decision) Decision {
-	if !l.cfg.Shadow || d.Allowed {
+	return shadowed(&l.cfg, &l.shadowLogged, d)
+}
+
+// shadowed applies cfg's shadow mode to d: a denial is reported, logged (at
+// most once a second, logged holding the last time) and allowed. Granted
+// stays what the limit granted, nothing (see ask.settle).
+func shadowed(cfg *Config, logged *atomic.Int64, d Decision) Decision {
+	if !cfg.Shadow || d.Allowed {
 		return d
 	}
 	d.Allowed = true
 	d.ShadowDenied = true
 	d.RetryAfter = 0
+	d.Granted = 0
 	now := time.Now().UnixNano()
-	last := l.shadowLogged.Load()
-	if now-last >= int64(time.Second) && l.shadowLogged.CompareAndSwap(last, now) {
-		l.cfg.Logger.Info("pgrl: shadow limit would have denied a check (logged at most once a second)",
-			"limiter", l.cfg.Name, "store", string(d.Store), "limit", d.Limit)
+	last := logged.Load()
+	if now-last >= int64(time.Second) && logged.CompareAndSwap(last, now) {
+		cfg.Logger.Info("pgrl: shadow limit would have denied a check (logged at most once a second)",
+			"limiter", cfg.Name, "store", string(d.Store), "limit", d.Limit)
 	}
 	return d
 }

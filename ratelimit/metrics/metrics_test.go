@@ -256,3 +256,72 @@ func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
 		}
 	}
 }
+
+// TestShadowDenialsCountedAsShadowDenied: a shadow-mode denial grants
+// nothing (Granted 0) yet proceeds; it is counted as shadow_denied, never as
+// not_counted or denied, whether the database, the deny cache, the memory
+// tier of a MemoryLimiter or an all-or-nothing decision refused by another
+// limit answered it, for single checks and partial grants alike.
+func TestShadowDenialsCountedAsShadowDenied(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	reg := prometheus.NewRegistry()
+	col, err := metrics.New(reg)
+	require.NoError(t, err)
+	at := func() time.Time { return base }
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	ctx := context.Background()
+	shadow, err := ratelimit.New(pool, ratelimit.Config{Name: "shadow", Limit: 5, Window: time.Hour, Now: at,
+		Shadow: true, Logger: quiet, Observer: col, Timeout: time.Minute})
+	require.NoError(t, err)
+	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at,
+		Observer: col, Timeout: time.Minute})
+	require.NoError(t, err)
+	mem, err := ratelimit.NewMemory(ratelimit.Config{Name: "shadow-memory", Limit: 5, Window: time.Hour, Now: at,
+		Shadow: true, Logger: quiet, Observer: col}, ratelimit.MemoryOptions{})
+	require.NoError(t, err)
+
+	d, err := shadow.AllowN(ctx, "k", 5)
+	require.NoError(t, err)
+	require.Equal(t, int64(5), d.Granted)
+	for range 2 { // PostgreSQL, then the deny cache
+		d, err = shadow.AllowN(ctx, "k", 2)
+		require.NoError(t, err)
+		require.True(t, d.ShadowDenied)
+		require.Zero(t, d.Granted)
+	}
+	d, err = shadow.AllowUpTo(ctx, "k", 4)
+	require.NoError(t, err)
+	require.True(t, d.ShadowDenied)
+	require.Zero(t, d.Granted)
+	_, err = strict.Allow(ctx, "k")
+	require.NoError(t, err)
+	m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
+		ratelimit.Check{Limiter: shadow, Key: "k"}, ratelimit.Check{Limiter: strict, Key: "k"})
+	require.NoError(t, err)
+	require.False(t, m.Allowed)
+	require.True(t, m.Decisions[0].ShadowDenied)
+	require.Zero(t, m.Decisions[0].Granted)
+	for _, n := range []int64{5, 2, 2} {
+		_, err = mem.AllowN(ctx, "k", n)
+		require.NoError(t, err)
+	}
+	d, err = mem.AllowUpTo(ctx, "k", 4)
+	require.NoError(t, err)
+	require.True(t, d.ShadowDenied)
+
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	defer srv.Close()
+	samples, _ := scrape(t, srv.URL)
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="shadow",outcome="allowed",store="postgres"}`])
+	require.Equal(t, "3", samples[`pgrl_decisions_total{limiter="shadow",outcome="shadow_denied",store="postgres"}`])
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="shadow",outcome="shadow_denied",store="deny_cache"}`])
+	require.Equal(t, "1", samples[`pgrl_decisions_total{limiter="shadow-memory",outcome="allowed",store="memory"}`])
+	require.Equal(t, "3", samples[`pgrl_decisions_total{limiter="shadow-memory",outcome="shadow_denied",store="memory"}`])
+	for k := range samples {
+		if strings.Contains(k, `limiter="shadow`) {
+			require.NotContains(t, k, `outcome="not_counted"`, "a shadow denial is a shadow denial")
+			require.NotContains(t, k, `outcome="denied"`, "shadow mode never denies")
+		}
+	}
+}

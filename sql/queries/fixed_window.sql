@@ -99,10 +99,12 @@ DELETE FROM pgrl_fixed_window WHERE key = sqlc.arg(key)::bytea;
 -- with the window's state right after it. A check with up_to set is a
 -- partial grant: it takes what is left of its cost, possibly nothing, and
 -- reports it in granted (an all-or-nothing check's granted is its cost or
--- 0). keys are sorted; ends[i] is the 1-based position in costs of key i's
--- last check; the limit's figures come one per key, so that the keys of
--- several limiters share one statement. See pgrl_fixed_window_take_queue
--- (migration 000006). check_index is the check's position in costs.
+-- 0); its cost is a ceiling, taken as the key's max_count when above it,
+-- also for what penalty charges. keys are sorted; ends[i] is the 1-based
+-- position in costs of key i's last check; the limit's figures come one per
+-- key, so that the keys of several limiters share one statement. See
+-- pgrl_fixed_window_take_queue (migrations 000006 and 000010). check_index
+-- is the check's position in costs.
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
@@ -113,8 +115,10 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.co
 -- name: FixedWindowTakeUpTo :one
 -- FixedWindowTakeUpTo is a partial grant: it takes as many of n units as
 -- the key's window has left (possibly none, which is a denial) and returns
--- that number as granted, with the window's state after it. Under penalty
--- all n are counted whatever is granted.
+-- that number as granted, with the window's state after it. n is a ceiling,
+-- not a cost: any n >= 1 is valid, and an n above max_count is taken as
+-- max_count (migration 000010). Under penalty the ask is counted whatever is
+-- granted: n, or max_count when n is above it.
 SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
        q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],

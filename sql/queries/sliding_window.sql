@@ -150,7 +150,7 @@ DELETE FROM pgrl_sliding_window WHERE key = sqlc.arg(key)::bytea;
 -- FixedWindowTakeQueue: every check gets the row's state right after it, as
 -- SlidingWindowTake would return it at the same instant. A partial grant
 -- takes the most units the weighted estimate still admits, at most its
--- cost. See pgrl_sliding_window_take_queue (migration 000006).
+-- cost. See pgrl_sliding_window_take_queue (migrations 000006 and 000010).
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
        q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
@@ -162,7 +162,9 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
 -- name: SlidingWindowTakeUpTo :one
 -- SlidingWindowTakeUpTo is a partial grant: it counts as many of n units as
 -- the weighted estimate admits (possibly none, which is a denial) and
--- returns that number as granted. Under penalty all n are counted.
+-- returns that number as granted. n is a ceiling, not a cost: an n above
+-- max_count is taken as max_count (migration 000010). Under penalty the ask
+-- (n, at most max_count) is counted.
 SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],

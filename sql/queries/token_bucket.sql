@@ -116,7 +116,7 @@ DELETE FROM pgrl_token_bucket WHERE key = sqlc.arg(key)::bytea;
 -- FixedWindowTakeQueue: every check gets the bucket's state right after it,
 -- as TokenBucketTake would return it at the same instant. A partial grant
 -- takes the whole tokens left, at most its cost. See
--- pgrl_token_bucket_take_queue (migration 000006).
+-- pgrl_token_bucket_take_queue (migrations 000006 and 000010).
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_queue(sqlc.arg(keys)::bytea[], sqlc.arg(costs)::bigint[],
@@ -127,8 +127,9 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.to
 -- name: TokenBucketTakeUpTo :one
 -- TokenBucketTakeUpTo is a partial grant: it spends as many of n tokens as
 -- the refilled bucket holds whole (possibly none, which is a denial) and
--- returns that number as granted. Under penalty all n are charged, the
--- balance stopping at -capacity.
+-- returns that number as granted. n is a ceiling, not a cost: an n above
+-- capacity is taken as capacity (migration 000010). Under penalty the ask
+-- (n, at most capacity) is charged, the balance stopping at -capacity.
 SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
        q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_queue(ARRAY[sqlc.arg(key)::bytea], ARRAY[sqlc.arg(n)::bigint], ARRAY[true],

@@ -1,0 +1,59 @@
+package policy_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// TestPolicyLimiterGrants: a policy's limiter in shadow mode reports a
+// denial as granting nothing, whether its checks read the policy in their
+// statement or from the cache (and are coalesced), for every algorithm; and
+// the limiter For a key takes a partial grant's ask as a ceiling.
+func TestPolicyLimiterGrants(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	for _, alg := range ratelimit.Algorithms {
+		for _, fromCache := range []bool{false, true} {
+			name := fmt.Sprintf("shadow-%s-%v", alg, fromCache)
+			_, err := policy.Set(ctx, pool, policy.Policy{Name: name, Algorithm: alg, Limit: 5, Window: time.Hour})
+			require.NoError(t, err)
+			lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
+				Config: ratelimit.Config{Shadow: true, Logger: quiet, Now: testkit.Pinned(time.Date(2031, 1, 1, 0, 10, 0, 0, time.UTC)),
+					Timeout: time.Minute}})
+			require.NoError(t, err)
+			d, err := lim.AllowN(ctx, "k", 5)
+			require.NoError(t, err)
+			require.Equal(t, int64(5), d.Granted, name)
+			for range 2 {
+				d, err = lim.AllowN(ctx, "k", 2)
+				require.NoError(t, err)
+				require.True(t, d.Allowed, name)
+				require.True(t, d.ShadowDenied, name)
+				require.Zero(t, d.Granted, "%s: the limit granted nothing", name)
+			}
+			l, err := lim.For("k")
+			require.NoError(t, err)
+			d, err = l.AllowUpTo(ctx, "k", 4)
+			require.NoError(t, err)
+			require.True(t, d.ShadowDenied, name)
+			require.Zero(t, d.Granted, name)
+			d, err = l.AllowUpTo(ctx, "fresh", math.MaxInt64)
+			require.NoError(t, err, "%s: an ask above the limit is a ceiling", name)
+			require.Equal(t, int64(5), d.Granted, name)
+		}
+	}
+}
