@@ -16,6 +16,11 @@
 // touch the policy tables. A Listener keeps the Cache current from the
 // NOTIFY that every change of either table sends.
 //
+// Every statement works in each pgx exec mode (the simple protocol and exec
+// modes included, for PgBouncer) and reads and passes instants and windows
+// as whole microseconds, so no session setting (DateStyle, IntervalStyle,
+// TimeZone) changes what it reads.
+//
 // The tables are described, with plain SQL for a DBA, in docs/POLICIES.md.
 package policy
 
