@@ -6,8 +6,12 @@ package tests
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"sort"
 	"strings"
 	"testing"
@@ -304,6 +308,64 @@ func TestSessionSettingsEveryPackage(t *testing.T) {
 				s := dbtest.NewSchema(t)
 				got := sessionScript(t, s, sessionURL(s, dbtest.NewSchema(t), mode, settings))
 				require.Equal(t, strings.Join(want, "\n"), strings.Join(got, "\n"))
+			})
+		}
+	}
+}
+
+// TestSessionSettingsCommands: rl-migrate, rl-policy and rl-cleanup, given a
+// DATABASE_URL with a hostile exec mode and session settings, do what they
+// do in a clean session.
+func TestSessionSettingsCommands(t *testing.T) {
+	t.Parallel()
+	migrate := buildCommand(t, "github.com/pgrl/pgrl/cmd/rl-migrate")
+	pol := buildCommand(t, "github.com/pgrl/pgrl/cmd/rl-policy")
+	clean := buildCommand(t, "github.com/pgrl/pgrl/cmd/rl-cleanup")
+	script := func(t *testing.T, connURL, schemaName string) []string {
+		var out []string
+		run := func(bin string, args ...string) string {
+			args = append([]string{"--database-url", connURL, "--schema", schemaName}, args...)
+			cmd := exec.Command(bin, args...)
+			cmd.Env = append(os.Environ(), "DATABASE_URL=", "PGHOST=")
+			b, err := cmd.CombinedOutput()
+			require.NoError(t, err, "%s %s:\n%s", filepath.Base(bin), strings.Join(args[4:], " "), b)
+			return string(b)
+		}
+		var res struct {
+			Policies []struct {
+				Name   string `json:"name"`
+				Limit  int64  `json:"limit"`
+				Window string `json:"window"`
+			} `json:"policies"`
+		}
+		run(migrate, "up")
+		run(pol, "set", "api", "--limit", "5", "--window", "90s")
+		run(pol, "override", "set", "api", "k1", "--limit", "7", "--window", "2h", "--expires-in", "1h")
+		require.NoError(t, json.Unmarshal([]byte(run(pol, "--output", "json", "list")), &res))
+		out = append(out, fmt.Sprintf("list: %+v", res.Policies))
+		var ovs struct {
+			Overrides []struct {
+				Limit  int64  `json:"limit"`
+				Window string `json:"window"`
+			} `json:"overrides"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(run(pol, "--output", "json", "override", "list")), &ovs))
+		out = append(out, fmt.Sprintf("overrides: %+v", ovs.Overrides))
+		run(pol, "explain", "api", "k1")
+		run(migrate, "layout", "partitioned", "--partition-width", "1h", "--lookahead", "3h")
+		run(clean, "--mode", "partitions", "--horizon", "5h")
+		run(migrate, "layout", "plain")
+		run(clean, "--dry-run")
+		return out
+	}
+	s := dbtest.NewSchema(t)
+	want := script(t, dbtest.URL(), s)
+	for si, settings := range sessionHostile {
+		for _, mode := range sessionExecModes {
+			t.Run(fmt.Sprintf("settings%d/%v", si, mode), func(t *testing.T) {
+				s := dbtest.NewSchema(t)
+				got := script(t, sessionURL(s, dbtest.NewSchema(t), mode, settings), s)
+				require.Equal(t, want, got)
 			})
 		}
 	}
