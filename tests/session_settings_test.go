@@ -48,7 +48,7 @@ var sessionExecModes = []pgx.QueryExecMode{
 // carry), and a search_path on which an empty decoy schema comes before
 // schemaName.
 func sessionURL(schemaName, decoy string, mode pgx.QueryExecMode, settings map[string]string) string {
-	u := dbtest.URLWithSchema(decoy+", "+schemaName)
+	u := dbtest.URLWithSchema(decoy + ", " + schemaName)
 	u = strings.ReplaceAll(u, ", ", "%2C%20") + "&default_query_exec_mode=" + strings.ReplaceAll(mode.String(), " ", "_")
 	keys := make([]string, 0, len(settings))
 	for k := range settings {
