@@ -252,7 +252,8 @@ func (q *Queries) CleanupUnlock(ctx context.Context, db DBTX) (bool, error) {
 const fixedWindowCountExpired = `-- name: FixedWindowCountExpired :one
 SELECT count(*)::bigint AS expired
   FROM pgrl_fixed_window AS t
- WHERE t.expires_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 // FixedWindowCountExpired counts the fixed-window rows whose window has ended.
@@ -267,9 +268,11 @@ const fixedWindowDeleteExpiredBatch = `-- name: FixedWindowDeleteExpiredBatch :e
 DELETE FROM pgrl_fixed_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_fixed_window AS x
-            WHERE x.expires_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT $2::integer))
-   AND d.expires_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 type FixedWindowDeleteExpiredBatchParams struct {
@@ -428,7 +431,8 @@ func (q *Queries) FixedWindowPartitions(ctx context.Context, db DBTX) ([]FixedWi
 const slidingWindowCountExpired = `-- name: SlidingWindowCountExpired :one
 SELECT count(*)::bigint AS expired
   FROM pgrl_sliding_window AS t
- WHERE t.expires_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 // SlidingWindowCountExpired counts the sliding-window rows older than two
@@ -444,9 +448,11 @@ const slidingWindowDeleteExpiredBatch = `-- name: SlidingWindowDeleteExpiredBatc
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_sliding_window AS x
-            WHERE x.expires_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT $2::integer))
-   AND d.expires_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 type SlidingWindowDeleteExpiredBatchParams struct {
@@ -468,7 +474,8 @@ func (q *Queries) SlidingWindowDeleteExpiredBatch(ctx context.Context, db DBTX, 
 const tokenBucketCountFull = `-- name: TokenBucketCountFull :one
 SELECT count(*)::bigint AS full_buckets
   FROM pgrl_token_bucket AS t
- WHERE t.full_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+ WHERE t.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                             statement_timestamp())
 `
 
 // TokenBucketCountFull counts the token buckets that are full again.
@@ -483,9 +490,11 @@ const tokenBucketDeleteFullBatch = `-- name: TokenBucketDeleteFullBatch :execrow
 DELETE FROM pgrl_token_bucket AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_token_bucket AS x
-            WHERE x.full_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+            WHERE x.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                        statement_timestamp())
             LIMIT $2::integer))
-   AND d.full_at <= coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
+   AND d.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                             statement_timestamp())
 `
 
 type TokenBucketDeleteFullBatchParams struct {

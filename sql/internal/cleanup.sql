@@ -74,7 +74,8 @@ SELECT pg_advisory_unlock(
 -- FixedWindowCountExpired counts the fixed-window rows whose window has ended.
 SELECT count(*)::bigint AS expired
   FROM pgrl_fixed_window AS t
- WHERE t.expires_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp());
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: FixedWindowDeleteExpiredBatch :execrows
 -- FixedWindowDeleteExpiredBatch deletes up to batch_size fixed-window rows
@@ -84,15 +85,18 @@ SELECT count(*)::bigint AS expired
 DELETE FROM pgrl_fixed_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_fixed_window AS x
-            WHERE x.expires_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT sqlc.arg(batch_size)::integer))
-   AND d.expires_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp());
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: TokenBucketCountFull :one
 -- TokenBucketCountFull counts the token buckets that are full again.
 SELECT count(*)::bigint AS full_buckets
   FROM pgrl_token_bucket AS t
- WHERE t.full_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp());
+ WHERE t.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                             statement_timestamp());
 
 -- name: TokenBucketDeleteFullBatch :execrows
 -- TokenBucketDeleteFullBatch deletes up to batch_size token buckets that are
@@ -102,16 +106,19 @@ SELECT count(*)::bigint AS full_buckets
 DELETE FROM pgrl_token_bucket AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_token_bucket AS x
-            WHERE x.full_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp())
+            WHERE x.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                        statement_timestamp())
             LIMIT sqlc.arg(batch_size)::integer))
-   AND d.full_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp());
+   AND d.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                             statement_timestamp());
 
 -- name: SlidingWindowCountExpired :one
 -- SlidingWindowCountExpired counts the sliding-window rows older than two
 -- windows.
 SELECT count(*)::bigint AS expired
   FROM pgrl_sliding_window AS t
- WHERE t.expires_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp());
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: SlidingWindowDeleteExpiredBatch :execrows
 -- SlidingWindowDeleteExpiredBatch deletes up to batch_size sliding-window
@@ -120,9 +127,11 @@ SELECT count(*)::bigint AS expired
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_sliding_window AS x
-            WHERE x.expires_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT sqlc.arg(batch_size)::integer))
-   AND d.expires_at <= coalesce(pgrl_from_epoch_us(sqlc.narg(at_us)::bigint), statement_timestamp());
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: FixedWindowPartitions :many
 -- FixedWindowPartitions lists the partitions of pgrl_fixed_window, oldest
