@@ -21,7 +21,7 @@
 // one check in N, for applications that have no cron.
 //
 // Its statements read and pass instants as microseconds since the Unix
-// epoch, and the partition functions of migration 000009 run with fixed
+// epoch, and the partition functions of migration 000011 run with fixed
 // text settings, so no DateStyle, TimeZone or pgx exec mode of the session
 // changes what a run judges dead.
 package cleanup
