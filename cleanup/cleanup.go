@@ -19,6 +19,11 @@
 //
 // Opportunistic runs a small cleanup from inside the request path, on about
 // one check in N, for applications that have no cron.
+//
+// Its statements read and pass instants as microseconds since the Unix
+// epoch, and the partition functions of migration 000011 run with fixed
+// text settings, so no DateStyle, TimeZone or pgx exec mode of the session
+// changes what a run judges dead.
 package cleanup
 
 import (
@@ -32,6 +37,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
@@ -563,8 +569,12 @@ type runner struct {
 	res    *Result
 	log    *slog.Logger
 	tables sqlops.CleanupTablesRow
-	cutoff *time.Time // rows and partitions dead at or before it go
-	halted bool       // cancelled or out of time: do nothing more
+	cutoff time.Time // rows and partitions dead at or before it go
+	// cutoffUs is cutoff in microseconds since the Unix epoch, as the
+	// statements take it: instants go in and out of them as integers,
+	// which no DateStyle or TimeZone of the session reads otherwise.
+	cutoffUs pgtype.Int8
+	halted   bool // cancelled or out of time: do nothing more
 }
 
 // computeCutoff sets r.cutoff, the instant up to which rows are dead: the
@@ -572,7 +582,7 @@ type runner struct {
 // the database (it still decides at its start), by at most MaxGrace.
 func (r *runner) computeCutoff() error {
 	if r.opts.At != nil {
-		r.cutoff = r.opts.At
+		r.setCutoff(*r.opts.At)
 		r.res.Cutoff = *r.opts.At
 		return nil
 	}
@@ -580,11 +590,12 @@ func (r *runner) computeCutoff() error {
 	if err != nil {
 		return fmt.Errorf("find the oldest open transaction: %w", err)
 	}
-	floor := h.Now.Add(-r.opts.MaxGrace)
-	cutoff, heldBy := h.Now, ""
-	if h.OldestXactStart.Before(cutoff) {
-		cutoff = h.OldestXactStart
-		heldBy = fmt.Sprintf("transaction of pid %d open since %s", h.OldestPid, h.OldestXactStart.UTC().Format(time.RFC3339Nano))
+	now, oldestXact, oldestPrepared := time.UnixMicro(h.NowUs), time.UnixMicro(h.OldestXactStartUs), time.UnixMicro(h.OldestPreparedUs)
+	floor := now.Add(-r.opts.MaxGrace)
+	cutoff, heldBy := now, ""
+	if oldestXact.Before(cutoff) {
+		cutoff = oldestXact
+		heldBy = fmt.Sprintf("transaction of pid %d open since %s", h.OldestPid, oldestXact.UTC().Format(time.RFC3339Nano))
 	}
 	if h.HiddenOpen > 0 && floor.Before(cutoff) {
 		cutoff = floor
@@ -594,20 +605,25 @@ func (r *runner) computeCutoff() error {
 	}
 	if cutoff.Before(floor) {
 		r.log.Warn("an open transaction is older than the cleanup's max grace; rows it may still read are removed",
-			"pid", h.OldestPid, "xact_start", h.OldestXactStart, "max_grace", r.opts.MaxGrace,
+			"pid", h.OldestPid, "xact_start", oldestXact, "max_grace", r.opts.MaxGrace,
 			"fix", "end that transaction (pg_stat_activity shows it), or raise --max-grace")
 		cutoff = floor
 		heldBy = fmt.Sprintf("transaction of pid %d open since %s, capped at the max grace of %s",
-			h.OldestPid, h.OldestXactStart.UTC().Format(time.RFC3339Nano), r.opts.MaxGrace)
+			h.OldestPid, oldestXact.UTC().Format(time.RFC3339Nano), r.opts.MaxGrace)
 	}
-	if h.OldestPrepared.Before(floor) {
+	if oldestPrepared.Before(floor) {
 		r.log.Warn("a prepared transaction is older than the cleanup's max grace; a row it locked makes the run wait for --lock-timeout",
-			"prepared", h.OldestPrepared, "fix", "COMMIT PREPARED or ROLLBACK PREPARED it (see pg_prepared_xacts)")
+			"prepared", oldestPrepared, "fix", "COMMIT PREPARED or ROLLBACK PREPARED it (see pg_prepared_xacts)")
 	}
-	r.cutoff = &cutoff
+	r.setCutoff(cutoff)
 	r.res.Cutoff = cutoff
 	r.res.CutoffHeldBy = heldBy
 	return nil
+}
+
+// setCutoff sets the instant up to which rows and partitions are dead.
+func (r *runner) setCutoff(t time.Time) {
+	r.cutoff, r.cutoffUs = t, pgtype.Int8{Int64: t.UnixMicro(), Valid: true}
 }
 
 // stopped reports whether the run must stop now, and records why.
@@ -652,11 +668,11 @@ func (r *runner) table(name string, tr *TableResult) error {
 		var err error
 		switch name {
 		case TableFixedWindow:
-			n, err = r.q.FixedWindowCountExpired(r.ctx, r.conn, r.cutoff)
+			n, err = r.q.FixedWindowCountExpired(r.ctx, r.conn, r.cutoffUs)
 		case TableTokenBucket:
-			n, err = r.q.TokenBucketCountFull(r.ctx, r.conn, r.cutoff)
+			n, err = r.q.TokenBucketCountFull(r.ctx, r.conn, r.cutoffUs)
 		case TableSlidingWindow:
-			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.cutoff)
+			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.cutoffUs)
 		}
 		if err != nil {
 			return fmt.Errorf("count dead rows of %s: %w", name, err)
@@ -688,11 +704,11 @@ func (r *runner) table(name string, tr *TableResult) error {
 		var err error
 		switch name {
 		case TableFixedWindow:
-			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
+			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		case TableTokenBucket:
-			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchParams{At: r.cutoff, BatchSize: size})
+			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		case TableSlidingWindow:
-			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchParams{At: r.cutoff, BatchSize: size})
+			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		}
 		if err != nil {
 			return fmt.Errorf("delete dead rows of %s (batch %d): %w", name, tr.Batches+1, err)
@@ -783,7 +799,7 @@ func (r *runner) partitions() error {
 	}
 
 	for _, part := range parts {
-		if part.IsDefault || part.UpperBound.After(*r.cutoff) {
+		if part.IsDefault || time.UnixMicro(part.UpperBoundUs).After(r.cutoff) {
 			continue // it can hold a row a check can still read
 		}
 		if r.stopped() {
@@ -806,7 +822,7 @@ func (r *runner) partitions() error {
 		p.Dropped = append(p.Dropped, part.PartitionName)
 		p.RowsDropped += rows
 		r.log.Debug("cleanup partition", "partition", part.PartitionName, "rows", rows,
-			"upper_bound", part.UpperBound, "dry_run", r.opts.DryRun, "took", time.Since(t0))
+			"upper_bound", time.UnixMicro(part.UpperBoundUs), "dry_run", r.opts.DryRun, "took", time.Since(t0))
 		r.progress(TableFixedWindow, nil)
 	}
 
@@ -860,14 +876,16 @@ func (r *runner) missingAhead() (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("list partitions: %w", err)
 	}
-	to := r.tables.Now.Add(r.opts.Horizon)
-	s := time.Unix(floorDiv(r.tables.Now.Unix(), step)*step, 0)
+	now := time.UnixMicro(r.tables.NowUs)
+	to := now.Add(r.opts.Horizon)
+	s := time.Unix(floorDiv(now.Unix(), step)*step, 0)
 	n := 0
 	for !s.After(to) {
 		covered := false
 		for _, p := range parts {
-			if !p.IsDefault && !p.LowerBound.After(s) && p.UpperBound.After(s) {
-				s, covered = p.UpperBound, true
+			lower, upper := time.UnixMicro(p.LowerBoundUs), time.UnixMicro(p.UpperBoundUs)
+			if !p.IsDefault && !lower.After(s) && upper.After(s) {
+				s, covered = upper, true
 				break
 			}
 		}
@@ -876,8 +894,8 @@ func (r *runner) missingAhead() (int, error) {
 		}
 		e := time.Unix((floorDiv(s.Unix(), step)+1)*step, 0)
 		for _, p := range parts {
-			if !p.IsDefault && p.LowerBound.After(s) && p.LowerBound.Before(e) {
-				e = p.LowerBound
+			if lower := time.UnixMicro(p.LowerBoundUs); !p.IsDefault && lower.After(s) && lower.Before(e) {
+				e = lower
 			}
 		}
 		n++

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -57,7 +58,11 @@ func takeHealing(ctx context.Context, db gen.DBTX, p gen.FixedWindowTakeParams) 
 	row, err := q.FixedWindowTake(ctx, db, p)
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == "23514" {
-		if _, err := ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{At: p.At, WindowUs: p.WindowUs}); err != nil {
+		var at pgtype.Int8
+		if p.At != nil {
+			at = pgtype.Int8{Int64: p.At.UnixMicro(), Valid: true}
+		}
+		if _, err := ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: at, WindowUs: p.WindowUs}); err != nil {
 			return row, err
 		}
 		row, err = q.FixedWindowTake(ctx, db, p)
@@ -180,7 +185,7 @@ func TestPartitionModeDropsPastPartitionWhileChecksRun(t *testing.T) {
 	var pgErr *pgconn.PgError
 	require.ErrorAs(t, err, &pgErr)
 	require.Equal(t, "23514", pgErr.Code)
-	created, err := ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{At: &at, WindowUs: hourUs})
+	created, err := ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: pgtype.Int8{Int64: at.UnixMicro(), Valid: true}, WindowUs: hourUs})
 	require.NoError(t, err)
 	require.Equal(t, int32(1), created)
 	row, err := q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{Key: liveKey(0), Cost: 1, MaxCount: 10, At: &at, WindowUs: hourUs})

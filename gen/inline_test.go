@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -81,6 +82,7 @@ func everyQuery(ctx context.Context, db DBTX) {
 	keys, costs, fcosts := [][]byte{[]byte("a"), []byte("b")}, []int64{1, 2}, []float64{1, 2}
 	for i := range 2 {
 		ts := at.Add(time.Duration(i) * 1500 * time.Millisecond)
+		tsUs := pgtype.Int8{Int64: ts.UnixMicro(), Valid: true}
 		_, _ = q.FixedWindowTake(ctx, db, FixedWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.FixedWindowTakeMany(ctx, db, FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.FixedWindowPeek(ctx, db, FixedWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
@@ -90,10 +92,10 @@ func everyQuery(ctx context.Context, db DBTX) {
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowTakeMany(ctx, db, SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
-		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{At: &ts, WindowUs: 1e6})
+		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: tsUs, WindowUs: 1e6})
 		_, _ = ops.MultiRequireAllowed(ctx, db, sqlops.MultiRequireAllowedParams{
 			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
-			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{}, At: &ts,
+			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{}, AtUs: tsUs,
 		})
 	}
 }

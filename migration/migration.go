@@ -524,8 +524,10 @@ func (m *Migrator) SetLayout(ctx context.Context, layout Layout, width time.Dura
 			if _, err := tx.Exec(ctx, "SET LOCAL search_path TO "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
 				return err
 			}
-			return tx.QueryRow(ctx, "SELECT pgrl_fixed_window_set_layout($1, make_interval(secs => $2), make_interval(secs => $3))",
-				string(layout), width.Seconds(), lookahead.Seconds()).Scan(&out)
+			// Durations as whole microseconds: no session setting reads them.
+			return tx.QueryRow(ctx, `SELECT pgrl_fixed_window_set_layout($1,
+				$2::bigint * interval '1 microsecond', $3::bigint * interval '1 microsecond')`,
+				string(layout), width.Microseconds(), lookahead.Microseconds()).Scan(&out)
 		})
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "22023" && strings.Contains(pgErr.Message, "partitions") {

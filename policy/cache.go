@@ -175,10 +175,10 @@ func (c *Cache) refreshKey(ctx context.Context, name string, sk []byte, seen *en
 // one statement, hence one snapshot. Expired overrides are left out.
 func load(ctx context.Context, db DB, name string, sk []byte) (map[string]*entry, error) {
 	rows, err := db.Query(ctx, `
-SELECT p.name, p.algorithm, p."limit", p."window", coalesce(p.burst, 0), p.penalty, p.key_mode,
-       coalesce(p.description, ''), p.created_at, p.updated_at,
-       o.policy, o.key, coalesce(o."limit", 0), o."window", coalesce(o.burst, 0), o.expires_at,
-       coalesce(o.note, ''), o.created_at, o.updated_at
+SELECT p.name, p.algorithm, p."limit", `+windowUS(`p."window"`)+`, coalesce(p.burst, 0), p.penalty, p.key_mode,
+       coalesce(p.description, ''), `+instantUS("p.created_at")+`, `+instantUS("p.updated_at")+`,
+       o.policy, o.key, coalesce(o."limit", 0), `+windowUS(`o."window"`)+`, coalesce(o.burst, 0),
+       `+instantUS("o.expires_at")+`, coalesce(o.note, ''), `+instantUS("o.created_at")+`, `+instantUS("o.updated_at")+`
   FROM pgrl_policy AS p
   LEFT JOIN pgrl_policy_override AS o
     ON o.policy = p.name AND (o.expires_at IS NULL OR o.expires_at > now())
@@ -192,29 +192,18 @@ SELECT p.name, p.algorithm, p."limit", p."window", coalesce(p.burst, 0), p.penal
 	for rows.Next() {
 		var p Policy
 		var o Override
-		var alg, mode string
-		var pw, ow = newInterval(), newInterval()
-		var opolicy *string
-		var exp, ocreated, oupdated *time.Time
-		if err := rows.Scan(&p.Name, &alg, &p.Limit, pw, &p.Burst, &p.Penalty, &mode, &p.Description, &p.CreatedAt, &p.UpdatedAt,
-			&opolicy, &o.Key, &o.Limit, ow, &o.Burst, &exp, &o.Note, &ocreated, &oupdated); err != nil {
+		pdest, pdone := policyFields(&p)
+		odest, odone := overrideFields(&o)
+		if err := rows.Scan(append(pdest, odest...)...); err != nil {
 			return nil, mapErr(err)
 		}
-		p.Algorithm, p.Window = algorithmOf(alg), duration(*pw)
-		p.KeyMode, _ = ParseKeyMode(mode)
+		pdone()
 		e := m[p.Name]
 		if e == nil {
 			e = &entry{policy: p, overrides: map[string]Override{}}
 			m[p.Name] = e
 		}
-		if opolicy != nil {
-			o.Policy, o.Window = *opolicy, duration(*ow)
-			if exp != nil {
-				o.ExpiresAt = *exp
-			}
-			if ocreated != nil {
-				o.CreatedAt, o.UpdatedAt = *ocreated, *oupdated
-			}
+		if odone() {
 			e.overrides[string(o.Key)] = o
 		}
 	}

@@ -197,11 +197,13 @@ func (l *Listener) applyDenials(payload string, now time.Time) {
 // local instant the query was sent at: what converts the deadlines of
 // received marks (denywire.LocalDeadline).
 func (l *Listener) compareClocks(ctx context.Context, conn *pgx.Conn) error {
-	var db time.Time
+	var us int64
 	sent := time.Now()
-	if err := conn.QueryRow(ctx, "SELECT pg_catalog.clock_timestamp()").Scan(&db); err != nil {
+	// As microseconds: a timestamptz in text (the exec and simple-protocol
+	// modes) would follow the session's DateStyle and TimeZone.
+	if err := conn.QueryRow(ctx, "SELECT "+instantUS("pg_catalog.clock_timestamp()")).Scan(&us); err != nil {
 		return err
 	}
-	l.den.clock.Store(&clockSample{db: db, local: sent})
+	l.den.clock.Store(&clockSample{db: time.UnixMicro(us), local: sent})
 	return nil
 }

@@ -3,7 +3,6 @@ package policy
 import (
 	"context"
 	"errors"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -82,14 +81,10 @@ func Explain(ctx context.Context, db DB, name, key string) (Explanation, error) 
 // scanOverrideWith is scanOverride with one more boolean column.
 func scanOverrideWith(row pgx.Row, extra *bool) (Override, error) {
 	var o Override
-	var exp = new(*time.Time)
-	w := newInterval()
-	if err := row.Scan(&o.Policy, &o.Key, &o.Limit, w, &o.Burst, exp, &o.Note, &o.CreatedAt, &o.UpdatedAt, extra); err != nil {
-		return o, err
+	dest, done := overrideFields(&o)
+	if err := row.Scan(append(dest, extra)...); err != nil {
+		return Override{}, err
 	}
-	o.Window = duration(*w)
-	if *exp != nil {
-		o.ExpiresAt = **exp
-	}
+	done()
 	return o, nil
 }

@@ -18,6 +18,11 @@
 // touch the policy tables. A Listener keeps the Cache current from the
 // NOTIFY that every change of either table sends.
 //
+// Every statement works in each pgx exec mode (the simple protocol and exec
+// modes included, for PgBouncer) and reads and passes instants and windows
+// as whole microseconds, so no session setting (DateStyle, IntervalStyle,
+// TimeZone) changes what it reads.
+//
 // The tables are described, with plain SQL for a DBA, in docs/POLICIES.md.
 package policy
 
@@ -31,7 +36,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -230,18 +234,61 @@ func quoteSQL(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") +
 // separator.
 const maxStoredKey = ratelimit.MaxReadableNameBytes + 1 + ratelimit.MaxReadableKeyBytes
 
-func interval(d time.Duration) pgtype.Interval {
-	if d == 0 {
-		return pgtype.Interval{}
-	}
-	return pgtype.Interval{Microseconds: d.Microseconds(), Valid: true}
+// The statements of this package exchange instants and durations with the
+// database as whole microseconds (bigint), never as timestamptz or interval
+// text: in the exec and simple-protocol modes pgx reads and writes text,
+// whose form follows the session's DateStyle, IntervalStyle and TimeZone.
+
+// instantUS is the SQL expression of the microseconds since the Unix epoch
+// of expr, a timestamptz; NULL stays NULL. It is exact also where extract
+// returns float8 (PostgreSQL 13): the whole seconds and the microseconds
+// within the second are taken apart.
+func instantUS(expr string) string {
+	return fmt.Sprintf("(extract(epoch FROM date_trunc('second', %[1]s))::bigint * 1000000"+
+		" + extract(microseconds FROM %[1]s)::bigint %% 1000000)", expr)
 }
 
-func duration(iv pgtype.Interval) time.Duration {
-	if !iv.Valid {
+// windowUS is the SQL expression of the microseconds in expr, an interval
+// without months (a window: at most 366 days, so that float8 rounds it
+// exactly on PostgreSQL 13); NULL stays NULL.
+func windowUS(expr string) string {
+	return fmt.Sprintf("round(extract(epoch FROM %s) * 1000000)::bigint", expr)
+}
+
+// intervalOf is the SQL expression of the interval of the microseconds in
+// the bigint expr.
+func intervalOf(expr string) string { return "(" + expr + " * interval '1 microsecond')" }
+
+// instantOf is the SQL expression of the timestamptz the microseconds since
+// the Unix epoch in the bigint expr name.
+func instantOf(expr string) string {
+	return "(timestamptz 'epoch' + " + expr + " * interval '1 microsecond')"
+}
+
+// micros is d in whole microseconds, nil for 0 (no window: inherit).
+func micros(d time.Duration) *int64 {
+	if d == 0 {
+		return nil
+	}
+	us := d.Microseconds()
+	return &us
+}
+
+// duration is a window read as microseconds; NULL is 0.
+func duration(us *int64) time.Duration {
+	if us == nil {
 		return 0
 	}
-	return time.Duration(iv.Days)*24*time.Hour + time.Duration(iv.Microseconds)*time.Microsecond
+	return time.Duration(*us) * time.Microsecond
+}
+
+// instant is an instant read as microseconds since the Unix epoch; NULL is
+// the zero time.
+func instant(us *int64) time.Time {
+	if us == nil {
+		return time.Time{}
+	}
+	return time.UnixMicro(*us)
 }
 
 func keyModeName(m ratelimit.KeyMode) string {
@@ -262,35 +309,62 @@ func ParseKeyMode(s string) (ratelimit.KeyMode, error) {
 	return 0, invalid(nil, "key mode %q; use hashed or readable", s)
 }
 
-const policyColumns = `name, algorithm, "limit", "window", coalesce(burst, 0), penalty, key_mode, coalesce(description, ''), created_at, updated_at`
+// policyColumns are the columns scanPolicy reads, in its order.
+var policyColumns = `name, algorithm, "limit", ` + windowUS(`"window"`) + `, coalesce(burst, 0), penalty, key_mode,
+       coalesce(description, ''), ` + instantUS("created_at") + `, ` + instantUS("updated_at")
+
+// policyFields returns scan destinations for policyColumns and a function
+// that completes p from them once scanned.
+func policyFields(p *Policy) ([]any, func()) {
+	var alg, mode string
+	var w, created, updated *int64
+	dest := []any{&p.Name, &alg, &p.Limit, &w, &p.Burst, &p.Penalty, &mode, &p.Description, &created, &updated}
+	return dest, func() {
+		p.Algorithm, p.Window = ratelimit.Algorithm(alg), duration(w)
+		p.KeyMode, _ = ParseKeyMode(mode)
+		p.CreatedAt, p.UpdatedAt = instant(created), instant(updated)
+	}
+}
 
 func scanPolicy(row pgx.Row) (Policy, error) {
 	var p Policy
-	var alg, mode string
-	var w pgtype.Interval
-	if err := row.Scan(&p.Name, &alg, &p.Limit, &w, &p.Burst, &p.Penalty, &mode, &p.Description, &p.CreatedAt, &p.UpdatedAt); err != nil {
-		return p, err
+	dest, done := policyFields(&p)
+	if err := row.Scan(dest...); err != nil {
+		return Policy{}, err
 	}
-	p.Algorithm, p.Window = ratelimit.Algorithm(alg), duration(w)
-	if mode == "readable" {
-		p.KeyMode = ratelimit.ReadableKeys
-	}
+	done()
 	return p, nil
 }
 
-const overrideColumns = `policy, key, coalesce("limit", 0), "window", coalesce(burst, 0), expires_at, coalesce(note, ''), created_at, updated_at`
+// overrideColumns are the columns scanOverride reads, in its order.
+var overrideColumns = `policy, key, coalesce("limit", 0), ` + windowUS(`"window"`) + `, coalesce(burst, 0), ` +
+	instantUS("expires_at") + `, coalesce(note, ''), ` + instantUS("created_at") + `, ` + instantUS("updated_at")
+
+// overrideFields returns scan destinations for overrideColumns (each of
+// the override's columns may be NULL, as in an outer join) and a function
+// that completes o from them once scanned and reports whether there was an
+// override.
+func overrideFields(o *Override) ([]any, func() bool) {
+	var policy *string
+	var w, exp, created, updated *int64
+	dest := []any{&policy, &o.Key, &o.Limit, &w, &o.Burst, &exp, &o.Note, &created, &updated}
+	return dest, func() bool {
+		if policy == nil {
+			return false
+		}
+		o.Policy, o.Window, o.ExpiresAt = *policy, duration(w), instant(exp)
+		o.CreatedAt, o.UpdatedAt = instant(created), instant(updated)
+		return true
+	}
+}
 
 func scanOverride(row pgx.Row) (Override, error) {
 	var o Override
-	var w pgtype.Interval
-	var exp *time.Time
-	if err := row.Scan(&o.Policy, &o.Key, &o.Limit, &w, &o.Burst, &exp, &o.Note, &o.CreatedAt, &o.UpdatedAt); err != nil {
-		return o, err
+	dest, done := overrideFields(&o)
+	if err := row.Scan(dest...); err != nil {
+		return Override{}, err
 	}
-	o.Window = duration(w)
-	if exp != nil {
-		o.ExpiresAt = *exp
-	}
+	done()
 	return o, nil
 }
 
@@ -335,10 +409,10 @@ func write(ctx context.Context, db DB, p Policy, create bool) (Policy, error) {
 	}
 	row := db.QueryRow(ctx, `
 INSERT INTO pgrl_policy AS t (name, algorithm, "limit", "window", burst, penalty, key_mode, description)
-VALUES ($1, $2, $3, $4, $5, $6, $7, nullif($8, ''))
+VALUES ($1, $2, $3, `+intervalOf("$4::bigint")+`, $5, $6, $7, nullif($8, ''))
 `+conflict+`
 RETURNING `+policyColumns,
-		p.Name, string(p.Algorithm), p.Limit, interval(p.Window), burst, p.Penalty, keyModeName(p.KeyMode), p.Description)
+		p.Name, string(p.Algorithm), p.Limit, p.Window.Microseconds(), burst, p.Penalty, keyModeName(p.KeyMode), p.Description)
 	out, err := scanPolicy(row)
 	if errors.Is(err, pgx.ErrNoRows) {
 		if create {
@@ -506,19 +580,21 @@ func writeOverride(ctx context.Context, db DB, p Policy, o Override) (Override, 
 		}
 		return &v
 	}
-	var exp *time.Time
+	var exp *int64
 	if !o.ExpiresAt.IsZero() {
-		exp = &o.ExpiresAt
+		us := o.ExpiresAt.UnixMicro()
+		exp = &us
 	}
 	row := db.QueryRow(ctx, `
 INSERT INTO pgrl_policy_override AS t (policy, key, "limit", "window", burst, expires_at, note)
-SELECT $1::text, $2::bytea, $3::bigint, $4::interval, $5::bigint, $6::timestamptz, nullif($7::text, '')
- WHERE $6::timestamptz IS NULL OR $6::timestamptz > now()
+SELECT $1::text, $2::bytea, $3::bigint, `+intervalOf("$4::bigint")+`, $5::bigint, `+instantOf("$6::bigint")+`,
+       nullif($7::text, '')
+ WHERE $6::bigint IS NULL OR `+instantOf("$6::bigint")+` > now()
 ON CONFLICT (policy, key) DO UPDATE
    SET "limit" = excluded."limit", "window" = excluded."window", burst = excluded.burst,
        expires_at = excluded.expires_at, note = excluded.note
 RETURNING `+overrideColumns,
-		o.Policy, o.Key, nz(o.Limit), interval(o.Window), nz(o.Burst), exp, o.Note)
+		o.Policy, o.Key, nz(o.Limit), micros(o.Window), nz(o.Burst), exp, o.Note)
 	out, err := scanOverride(row)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Override{}, invalid(nil, "override of %q expires at %s, which is not in the future on the database's clock: give a later ExpiresAt (or none, for never); to end an override now, delete it (DeleteOverride, rl-policy override delete)", o.Policy, o.ExpiresAt.UTC().Format(time.RFC3339Nano))
@@ -554,7 +630,3 @@ func DeleteOverride(ctx context.Context, db DB, policyName string, key []byte) e
 	}
 	return nil
 }
-
-func newInterval() *pgtype.Interval { return &pgtype.Interval{} }
-
-func algorithmOf(s string) ratelimit.Algorithm { return ratelimit.Algorithm(s) }

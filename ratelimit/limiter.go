@@ -13,6 +13,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/gen"
@@ -446,6 +447,16 @@ func (l *Limiter) at() *time.Time {
 	return &t
 }
 
+// atUs is at in microseconds since the Unix epoch, NULL for the database's
+// clock: for the internal statements, which take instants as integers (a
+// timestamptz in text would be read by the session's DateStyle).
+func (l *Limiter) atUs() pgtype.Int8 {
+	if l.cfg.Now == nil {
+		return pgtype.Int8{}
+	}
+	return pgtype.Int8{Int64: l.cfg.Now().UnixMicro(), Valid: true}
+}
+
 func (l *Limiter) key(key string) []byte { return StoredKey(l.cfg.KeyMode, l.counterName(), key) }
 
 // counterName is the name the limiter's counters are stored under: Name,
@@ -558,7 +569,7 @@ func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
 
 func (l *Limiter) heal(ctx context.Context, db DB) error {
 	_, err := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{
-		At: l.at(), WindowUs: l.windowUs,
+		AtUs: l.atUs(), WindowUs: l.windowUs,
 	})
 	return err
 }

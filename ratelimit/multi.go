@@ -300,7 +300,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		p := sqlops.MultiRequireAllowedParams{
 			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
 			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{},
-			At: first.at(),
+			AtUs: first.atUs(),
 		}
 		for _, it := range order {
 			l := it.c.Limiter

@@ -59,7 +59,7 @@ func EnsurePartitions(ctx context.Context, db DB, limiters ...*Limiter) error {
 		}
 		for {
 			created, err := q.FixedWindowEnsurePartitionsFrom(ctx, db, sqlops.FixedWindowEnsurePartitionsFromParams{
-				At: l.at(), AheadUs: l.cfg.Window.Microseconds(),
+				AtUs: l.atUs(), AheadUs: l.cfg.Window.Microseconds(),
 			})
 			if err != nil {
 				return mapErr(err)

@@ -7,7 +7,8 @@ package sqlops
 
 import (
 	"context"
-	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 const cleanupHorizon = `-- name: CleanupHorizon :one
@@ -20,9 +21,9 @@ WITH sessions AS (
        AND a.usesysid IS NOT NULL
        AND a.pid <> pg_backend_pid()
 )
-SELECT statement_timestamp()::timestamptz AS now,
-       coalesce((SELECT min(s.xact_start) FROM sessions AS s WHERE NOT s.hidden),
-                statement_timestamp())::timestamptz AS oldest_xact_start,
+SELECT (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us,
+       (extract(epoch FROM coalesce((SELECT min(s.xact_start) FROM sessions AS s WHERE NOT s.hidden),
+                                    statement_timestamp())) * 1000000)::bigint AS oldest_xact_start_us,
        coalesce((SELECT s.pid FROM sessions AS s
                   WHERE NOT s.hidden AND s.xact_start IS NOT NULL
                   ORDER BY s.xact_start LIMIT 1), 0)::integer AS oldest_pid,
@@ -30,17 +31,17 @@ SELECT statement_timestamp()::timestamptz AS now,
          WHERE s.hidden
            AND EXISTS (SELECT 1 FROM pg_catalog.pg_locks AS l
                         WHERE l.pid = s.pid AND l.locktype = 'virtualxid' AND l.granted))::bigint AS hidden_open,
-       coalesce((SELECT min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
-                  WHERE p.database = current_database()),
-                statement_timestamp())::timestamptz AS oldest_prepared
+       (extract(epoch FROM coalesce((SELECT min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
+                                     WHERE p.database = current_database()),
+                                    statement_timestamp())) * 1000000)::bigint AS oldest_prepared_us
 `
 
 type CleanupHorizonRow struct {
-	Now             time.Time
-	OldestXactStart time.Time
-	OldestPid       int32
-	HiddenOpen      int64
-	OldestPrepared  time.Time
+	NowUs             int64
+	OldestXactStartUs int64
+	OldestPid         int32
+	HiddenOpen        int64
+	OldestPreparedUs  int64
 }
 
 // CleanupHorizon reports what holds back the instant up to which rows are
@@ -48,7 +49,8 @@ type CleanupHorizonRow struct {
 // transaction of this database can still read must survive until that
 // transaction ends. It returns the database clock, the start of the oldest
 // open transaction it can see in this database (other than its own session)
-// and that session's pid (the clock and 0 when there is none), how many sessions of this database have an open
+// and that session's pid (the clock and 0 when there is none; instants in
+// microseconds since the Unix epoch), how many sessions of this database have an open
 // transaction whose start it cannot see (sessions of other roles, without
 // pg_read_all_stats: pg_stat_activity hides their xact_start, while pg_locks
 // still shows each transaction's lock on its own virtual transaction id), and
@@ -58,11 +60,11 @@ func (q *Queries) CleanupHorizon(ctx context.Context, db DBTX) (CleanupHorizonRo
 	row := db.QueryRow(ctx, cleanupHorizon)
 	var i CleanupHorizonRow
 	err := row.Scan(
-		&i.Now,
-		&i.OldestXactStart,
+		&i.NowUs,
+		&i.OldestXactStartUs,
 		&i.OldestPid,
 		&i.HiddenOpen,
-		&i.OldestPrepared,
+		&i.OldestPreparedUs,
 	)
 	return i, err
 }
@@ -147,7 +149,7 @@ SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_wi
                    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS schema_name,
        current_setting('server_version_num')::integer AS server_version_num,
-       statement_timestamp()::timestamptz AS now
+       (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us
 `
 
 type CleanupTablesRow struct {
@@ -158,7 +160,7 @@ type CleanupTablesRow struct {
 	FixedWindowPartitioned  bool
 	SchemaName              string
 	ServerVersionNum        int32
-	Now                     time.Time
+	NowUs                   int64
 }
 
 // Queries behind rl-cleanup and package cleanup.
@@ -169,8 +171,8 @@ type CleanupTablesRow struct {
 //	pgrl_token_bucket    full_at    <= now (the bucket would be full again)
 //	pgrl_sliding_window  expires_at <= now (two windows have passed)
 //
-// "now" is the database clock, statement_timestamp(), unless at pins it (tests
-// only; production leaves at nil). A check never writes a dead row: it only
+// "now" is the database clock, statement_timestamp(), unless at_us pins it
+// (tests only; production leaves it nil). A check never writes a dead row: it only
 // touches the current window, whose end lies after its own clock.
 //
 // Deletion runs in bounded batches, one statement and one short transaction
@@ -186,9 +188,15 @@ type CleanupTablesRow struct {
 // scan stopped. Measured on 1,000,000 dead rows (PG 15, 2 cores): 201 batches
 // of 5,000 in 0.65 s, slowest batch 68 ms; a keyset walk in primary-key order
 // took 6.1 s for the same work (random heap reads), so it is not used.
+//
+// Instants go in and out as microseconds since the Unix epoch (bigint, the
+// columns and parameters named ..._us), never as timestamptz: in the exec and
+// simple-protocol modes pgx exchanges text, whose form follows the session's
+// DateStyle and TimeZone.
 // CleanupTables reports which pgrl tables exist in the search_path, whether
 // pgrl_fixed_window is partitioned, its partition width (0 when plain), the
-// schema it lives in, the server's version number and the database clock.
+// schema it lives in, the server's version number and the database clock
+// (microseconds since the Unix epoch).
 func (q *Queries) CleanupTables(ctx context.Context, db DBTX) (CleanupTablesRow, error) {
 	row := db.QueryRow(ctx, cleanupTables)
 	var i CleanupTablesRow
@@ -200,7 +208,7 @@ func (q *Queries) CleanupTables(ctx context.Context, db DBTX) (CleanupTablesRow,
 		&i.FixedWindowPartitioned,
 		&i.SchemaName,
 		&i.ServerVersionNum,
-		&i.Now,
+		&i.NowUs,
 	)
 	return i, err
 }
@@ -244,12 +252,13 @@ func (q *Queries) CleanupUnlock(ctx context.Context, db DBTX) (bool, error) {
 const fixedWindowCountExpired = `-- name: FixedWindowCountExpired :one
 SELECT count(*)::bigint AS expired
   FROM pgrl_fixed_window AS t
- WHERE t.expires_at <= coalesce($1::timestamptz, statement_timestamp())
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 // FixedWindowCountExpired counts the fixed-window rows whose window has ended.
-func (q *Queries) FixedWindowCountExpired(ctx context.Context, db DBTX, at *time.Time) (int64, error) {
-	row := db.QueryRow(ctx, fixedWindowCountExpired, at)
+func (q *Queries) FixedWindowCountExpired(ctx context.Context, db DBTX, atUs pgtype.Int8) (int64, error) {
+	row := db.QueryRow(ctx, fixedWindowCountExpired, atUs)
 	var expired int64
 	err := row.Scan(&expired)
 	return expired, err
@@ -259,13 +268,15 @@ const fixedWindowDeleteExpiredBatch = `-- name: FixedWindowDeleteExpiredBatch :e
 DELETE FROM pgrl_fixed_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_fixed_window AS x
-            WHERE x.expires_at <= coalesce($1::timestamptz, statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT $2::integer))
-   AND d.expires_at <= coalesce($1::timestamptz, statement_timestamp())
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 type FixedWindowDeleteExpiredBatchParams struct {
-	At        *time.Time
+	AtUs      pgtype.Int8
 	BatchSize int32
 }
 
@@ -274,7 +285,7 @@ type FixedWindowDeleteExpiredBatchParams struct {
 // batch's ctids are matched in every partition, but only ever dead rows). It
 // returns how many it deleted; fewer than batch_size means none are left.
 func (q *Queries) FixedWindowDeleteExpiredBatch(ctx context.Context, db DBTX, arg FixedWindowDeleteExpiredBatchParams) (int64, error) {
-	result, err := db.Exec(ctx, fixedWindowDeleteExpiredBatch, arg.At, arg.BatchSize)
+	result, err := db.Exec(ctx, fixedWindowDeleteExpiredBatch, arg.AtUs, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
@@ -357,37 +368,38 @@ func (q *Queries) FixedWindowPartitionSeconds(ctx context.Context, db DBTX) (int
 const fixedWindowPartitions = `-- name: FixedWindowPartitions :many
 SELECT n.nspname::text AS schema_name,
        c.relname::text AS partition_name,
-       coalesce(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \(''([^'']*)''\)')::timestamptz,
-                '-infinity'::timestamptz)::timestamptz AS lower_bound,
-       coalesce(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \(''([^'']*)''\)')::timestamptz,
-                'infinity'::timestamptz)::timestamptz AS upper_bound,
+       coalesce((extract(epoch FROM b.lower_bound) * 1000000)::bigint,
+                -9223372036854775808)::bigint AS lower_bound_us,
+       coalesce((extract(epoch FROM b.upper_bound) * 1000000)::bigint,
+                9223372036854775807)::bigint AS upper_bound_us,
        (pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')::boolean AS is_default,
-       (coalesce(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \(''([^'']*)''\)')::timestamptz,
-                 'infinity'::timestamptz) <= statement_timestamp())::boolean AS past,
+       coalesce(b.upper_bound <= statement_timestamp(), false)::boolean AS past,
        c.reltuples::bigint AS rows_estimate
   FROM pg_catalog.pg_inherits AS i
   JOIN pg_catalog.pg_class AS c ON c.oid = i.inhrelid
   JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+  LEFT JOIN pgrl_fixed_window_partition_bounds('pgrl_fixed_window'::regclass) AS b ON b.partition_name = c.relname
  WHERE i.inhparent = 'pgrl_fixed_window'::regclass
- ORDER BY upper_bound, partition_name
+ ORDER BY upper_bound_us, partition_name
 `
 
 type FixedWindowPartitionsRow struct {
 	SchemaName    string
 	PartitionName string
-	LowerBound    time.Time
-	UpperBound    time.Time
+	LowerBoundUs  int64
+	UpperBoundUs  int64
 	IsDefault     bool
 	Past          bool
 	RowsEstimate  int64
 }
 
 // FixedWindowPartitions lists the partitions of pgrl_fixed_window, oldest
-// first, with their bounds parsed from the partition bound expression (lower
-// bound -infinity for MINVALUE, upper bound infinity for MAXVALUE and for a
-// DEFAULT partition). past is true when the upper bound is at or before now,
-// on the database clock: such a partition holds only dead rows. rows_estimate
-// is the planner's estimate (-1 or 0 when never analyzed).
+// first, with their bounds in microseconds since the Unix epoch, read by
+// pgrl_fixed_window_partition_bounds (lower bound the least bigint for
+// MINVALUE, upper bound the greatest for MAXVALUE and for a DEFAULT
+// partition). past is true when the upper bound is at or before now, on the
+// database clock: such a partition holds only dead rows. rows_estimate is the
+// planner's estimate (-1 or 0 when never analyzed).
 func (q *Queries) FixedWindowPartitions(ctx context.Context, db DBTX) ([]FixedWindowPartitionsRow, error) {
 	rows, err := db.Query(ctx, fixedWindowPartitions)
 	if err != nil {
@@ -400,8 +412,8 @@ func (q *Queries) FixedWindowPartitions(ctx context.Context, db DBTX) ([]FixedWi
 		if err := rows.Scan(
 			&i.SchemaName,
 			&i.PartitionName,
-			&i.LowerBound,
-			&i.UpperBound,
+			&i.LowerBoundUs,
+			&i.UpperBoundUs,
 			&i.IsDefault,
 			&i.Past,
 			&i.RowsEstimate,
@@ -419,13 +431,14 @@ func (q *Queries) FixedWindowPartitions(ctx context.Context, db DBTX) ([]FixedWi
 const slidingWindowCountExpired = `-- name: SlidingWindowCountExpired :one
 SELECT count(*)::bigint AS expired
   FROM pgrl_sliding_window AS t
- WHERE t.expires_at <= coalesce($1::timestamptz, statement_timestamp())
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 // SlidingWindowCountExpired counts the sliding-window rows older than two
 // windows.
-func (q *Queries) SlidingWindowCountExpired(ctx context.Context, db DBTX, at *time.Time) (int64, error) {
-	row := db.QueryRow(ctx, slidingWindowCountExpired, at)
+func (q *Queries) SlidingWindowCountExpired(ctx context.Context, db DBTX, atUs pgtype.Int8) (int64, error) {
+	row := db.QueryRow(ctx, slidingWindowCountExpired, atUs)
 	var expired int64
 	err := row.Scan(&expired)
 	return expired, err
@@ -435,13 +448,15 @@ const slidingWindowDeleteExpiredBatch = `-- name: SlidingWindowDeleteExpiredBatc
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_sliding_window AS x
-            WHERE x.expires_at <= coalesce($1::timestamptz, statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT $2::integer))
-   AND d.expires_at <= coalesce($1::timestamptz, statement_timestamp())
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
 `
 
 type SlidingWindowDeleteExpiredBatchParams struct {
-	At        *time.Time
+	AtUs      pgtype.Int8
 	BatchSize int32
 }
 
@@ -449,7 +464,7 @@ type SlidingWindowDeleteExpiredBatchParams struct {
 // rows older than two windows (a check would start them afresh anyway). It
 // returns how many it deleted; fewer than batch_size means none are left.
 func (q *Queries) SlidingWindowDeleteExpiredBatch(ctx context.Context, db DBTX, arg SlidingWindowDeleteExpiredBatchParams) (int64, error) {
-	result, err := db.Exec(ctx, slidingWindowDeleteExpiredBatch, arg.At, arg.BatchSize)
+	result, err := db.Exec(ctx, slidingWindowDeleteExpiredBatch, arg.AtUs, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
@@ -459,12 +474,13 @@ func (q *Queries) SlidingWindowDeleteExpiredBatch(ctx context.Context, db DBTX, 
 const tokenBucketCountFull = `-- name: TokenBucketCountFull :one
 SELECT count(*)::bigint AS full_buckets
   FROM pgrl_token_bucket AS t
- WHERE t.full_at <= coalesce($1::timestamptz, statement_timestamp())
+ WHERE t.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                             statement_timestamp())
 `
 
 // TokenBucketCountFull counts the token buckets that are full again.
-func (q *Queries) TokenBucketCountFull(ctx context.Context, db DBTX, at *time.Time) (int64, error) {
-	row := db.QueryRow(ctx, tokenBucketCountFull, at)
+func (q *Queries) TokenBucketCountFull(ctx context.Context, db DBTX, atUs pgtype.Int8) (int64, error) {
+	row := db.QueryRow(ctx, tokenBucketCountFull, atUs)
 	var full_buckets int64
 	err := row.Scan(&full_buckets)
 	return full_buckets, err
@@ -474,13 +490,15 @@ const tokenBucketDeleteFullBatch = `-- name: TokenBucketDeleteFullBatch :execrow
 DELETE FROM pgrl_token_bucket AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_token_bucket AS x
-            WHERE x.full_at <= coalesce($1::timestamptz, statement_timestamp())
+            WHERE x.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                        statement_timestamp())
             LIMIT $2::integer))
-   AND d.full_at <= coalesce($1::timestamptz, statement_timestamp())
+   AND d.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                             statement_timestamp())
 `
 
 type TokenBucketDeleteFullBatchParams struct {
-	At        *time.Time
+	AtUs      pgtype.Int8
 	BatchSize int32
 }
 
@@ -489,7 +507,7 @@ type TokenBucketDeleteFullBatchParams struct {
 // difference). It returns how many it deleted; fewer than batch_size means
 // none are left.
 func (q *Queries) TokenBucketDeleteFullBatch(ctx context.Context, db DBTX, arg TokenBucketDeleteFullBatchParams) (int64, error) {
-	result, err := db.Exec(ctx, tokenBucketDeleteFullBatch, arg.At, arg.BatchSize)
+	result, err := db.Exec(ctx, tokenBucketDeleteFullBatch, arg.AtUs, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}

@@ -7,7 +7,8 @@ package sqlops
 
 import (
 	"context"
-	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 const multiRequireAllowed = `-- name: MultiRequireAllowed :one
@@ -19,7 +20,7 @@ SELECT pgrl_abort_unless(
            'pgrl: a limit denied the request; nothing was consumed')::boolean AS ok
   FROM (
       SELECT f.allowed
-        FROM (SELECT pgrl_epoch_us(coalesce($4::timestamptz, now())) AS now_us) AS clock
+        FROM (SELECT pgrl_epoch_us(coalesce(pgrl_from_epoch_us($4::bigint), now())) AS now_us) AS clock
        CROSS JOIN generate_subscripts($1::bytea[], 1) AS i
         JOIN pgrl_fixed_window AS f
           ON f.key = ($1::bytea[])[i]
@@ -36,7 +37,7 @@ type MultiRequireAllowedParams struct {
 	FixedWindowKeys      [][]byte
 	TokenBucketKeys      [][]byte
 	SlidingWindowKeys    [][]byte
-	At                   *time.Time
+	AtUs                 pgtype.Int8
 	FixedWindowWindowsUs []int64
 }
 
@@ -45,14 +46,15 @@ type MultiRequireAllowedParams struct {
 // allowed column, written by this transaction and still locked by it) and
 // raises SQLSTATE PGRL1 unless every one was allowed, which rolls the whole
 // batch back. Fixed-window rows are found by their window, computed from
-// now() as the checks computed it (floored, also before 1970): in one
-// transaction, now() is the same instant for every statement.
+// now() as the checks computed it (floored, also before 1970), or from at_us
+// (microseconds since the Unix epoch) when the checks' clock was pinned: in
+// one transaction, now() is the same instant for every statement.
 func (q *Queries) MultiRequireAllowed(ctx context.Context, db DBTX, arg MultiRequireAllowedParams) (bool, error) {
 	row := db.QueryRow(ctx, multiRequireAllowed,
 		arg.FixedWindowKeys,
 		arg.TokenBucketKeys,
 		arg.SlidingWindowKeys,
-		arg.At,
+		arg.AtUs,
 		arg.FixedWindowWindowsUs,
 	)
 	var ok bool

@@ -7,13 +7,14 @@ package sqlops
 
 import (
 	"context"
-	"time"
+
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 const fixedWindowEnsurePartition = `-- name: FixedWindowEnsurePartition :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($1::timestamptz, now()) AS ts) AS c
+      FROM (SELECT coalesce(pgrl_from_epoch_us($1::bigint), now()) AS ts) AS c
 ), win AS (
     SELECT pgrl_from_epoch_us(pgrl_window_end_us(clock.now_us, $2::bigint)) AS expires_at
       FROM clock
@@ -22,16 +23,17 @@ SELECT pgrl_fixed_window_ensure_partitions(win.expires_at, win.expires_at)::inte
 `
 
 type FixedWindowEnsurePartitionParams struct {
-	At       *time.Time
+	AtUs     pgtype.Int8
 	WindowUs int64
 }
 
 // FixedWindowEnsurePartition creates, in the partitioned layout, the
 // partition that the key's current window of window_us belongs in (windows
-// floored as FixedWindowTake floors them, also before 1970). It returns how
-// many partitions it created (0 in the plain layout).
+// floored as FixedWindowTake floors them, also before 1970), at at_us
+// (microseconds since the Unix epoch; the database clock when null). It
+// returns how many partitions it created (0 in the plain layout).
 func (q *Queries) FixedWindowEnsurePartition(ctx context.Context, db DBTX, arg FixedWindowEnsurePartitionParams) (int32, error) {
-	row := db.QueryRow(ctx, fixedWindowEnsurePartition, arg.At, arg.WindowUs)
+	row := db.QueryRow(ctx, fixedWindowEnsurePartition, arg.AtUs, arg.WindowUs)
 	var created int32
 	err := row.Scan(&created)
 	return created, err
@@ -40,14 +42,14 @@ func (q *Queries) FixedWindowEnsurePartition(ctx context.Context, db DBTX, arg F
 const fixedWindowEnsurePartitionsFrom = `-- name: FixedWindowEnsurePartitionsFrom :one
 
 SELECT pgrl_fixed_window_ensure_partitions(
-           coalesce($1::timestamptz, statement_timestamp()),
-           coalesce($1::timestamptz, statement_timestamp())
+           coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp()),
+           coalesce(pgrl_from_epoch_us($1::bigint), statement_timestamp())
                + $2::bigint * interval '1 microsecond'
        )::integer AS created
 `
 
 type FixedWindowEnsurePartitionsFromParams struct {
-	At      *time.Time
+	AtUs    pgtype.Int8
 	AheadUs int64
 }
 
@@ -55,11 +57,11 @@ type FixedWindowEnsurePartitionsFromParams struct {
 // request path (ratelimit.EnsurePartitions). They run DDL: call them as the
 // owner of pgrl's tables.
 // FixedWindowEnsurePartitionsFrom creates, in the partitioned layout, missing
-// partitions from at (the database clock when null) to at + ahead_us
-// microseconds, at most 64 in this call, and returns how many it created (0
+// partitions from at_us (microseconds since the Unix epoch; the database
+// clock when null) to at_us + ahead_us microseconds, at most 64 in this call, and returns how many it created (0
 // in the plain layout). Call it again while it returns 64.
 func (q *Queries) FixedWindowEnsurePartitionsFrom(ctx context.Context, db DBTX, arg FixedWindowEnsurePartitionsFromParams) (int32, error) {
-	row := db.QueryRow(ctx, fixedWindowEnsurePartitionsFrom, arg.At, arg.AheadUs)
+	row := db.QueryRow(ctx, fixedWindowEnsurePartitionsFrom, arg.AtUs, arg.AheadUs)
 	var created int32
 	err := row.Scan(&created)
 	return created, err

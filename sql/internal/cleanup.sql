@@ -4,8 +4,8 @@
 --   pgrl_fixed_window    expires_at <= now (its window has ended)
 --   pgrl_token_bucket    full_at    <= now (the bucket would be full again)
 --   pgrl_sliding_window  expires_at <= now (two windows have passed)
--- "now" is the database clock, statement_timestamp(), unless at pins it (tests
--- only; production leaves at nil). A check never writes a dead row: it only
+-- "now" is the database clock, statement_timestamp(), unless at_us pins it
+-- (tests only; production leaves it nil). A check never writes a dead row: it only
 -- touches the current window, whose end lies after its own clock.
 --
 -- Deletion runs in bounded batches, one statement and one short transaction
@@ -21,11 +21,17 @@
 -- scan stopped. Measured on 1,000,000 dead rows (PG 15, 2 cores): 201 batches
 -- of 5,000 in 0.65 s, slowest batch 68 ms; a keyset walk in primary-key order
 -- took 6.1 s for the same work (random heap reads), so it is not used.
+--
+-- Instants go in and out as microseconds since the Unix epoch (bigint, the
+-- columns and parameters named ..._us), never as timestamptz: in the exec and
+-- simple-protocol modes pgx exchanges text, whose form follows the session's
+-- DateStyle and TimeZone.
 
 -- name: CleanupTables :one
 -- CleanupTables reports which pgrl tables exist in the search_path, whether
 -- pgrl_fixed_window is partitioned, its partition width (0 when plain), the
--- schema it lives in, the server's version number and the database clock.
+-- schema it lives in, the server's version number and the database clock
+-- (microseconds since the Unix epoch).
 SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_window_exists,
        (to_regclass('pgrl_token_bucket'::text) IS NOT NULL)::boolean AS token_bucket_exists,
        (to_regclass('pgrl_sliding_window'::text) IS NOT NULL)::boolean AS sliding_window_exists,
@@ -36,7 +42,7 @@ SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_wi
                    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS schema_name,
        current_setting('server_version_num')::integer AS server_version_num,
-       statement_timestamp()::timestamptz AS now;
+       (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us;
 
 -- name: FixedWindowPartitionSeconds :one
 -- FixedWindowPartitionSeconds returns the width of pgrl_fixed_window's
@@ -68,7 +74,8 @@ SELECT pg_advisory_unlock(
 -- FixedWindowCountExpired counts the fixed-window rows whose window has ended.
 SELECT count(*)::bigint AS expired
   FROM pgrl_fixed_window AS t
- WHERE t.expires_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp());
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: FixedWindowDeleteExpiredBatch :execrows
 -- FixedWindowDeleteExpiredBatch deletes up to batch_size fixed-window rows
@@ -78,15 +85,18 @@ SELECT count(*)::bigint AS expired
 DELETE FROM pgrl_fixed_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_fixed_window AS x
-            WHERE x.expires_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT sqlc.arg(batch_size)::integer))
-   AND d.expires_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp());
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: TokenBucketCountFull :one
 -- TokenBucketCountFull counts the token buckets that are full again.
 SELECT count(*)::bigint AS full_buckets
   FROM pgrl_token_bucket AS t
- WHERE t.full_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp());
+ WHERE t.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                             statement_timestamp());
 
 -- name: TokenBucketDeleteFullBatch :execrows
 -- TokenBucketDeleteFullBatch deletes up to batch_size token buckets that are
@@ -96,16 +106,19 @@ SELECT count(*)::bigint AS full_buckets
 DELETE FROM pgrl_token_bucket AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_token_bucket AS x
-            WHERE x.full_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp())
+            WHERE x.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                        statement_timestamp())
             LIMIT sqlc.arg(batch_size)::integer))
-   AND d.full_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp());
+   AND d.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                             statement_timestamp());
 
 -- name: SlidingWindowCountExpired :one
 -- SlidingWindowCountExpired counts the sliding-window rows older than two
 -- windows.
 SELECT count(*)::bigint AS expired
   FROM pgrl_sliding_window AS t
- WHERE t.expires_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp());
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: SlidingWindowDeleteExpiredBatch :execrows
 -- SlidingWindowDeleteExpiredBatch deletes up to batch_size sliding-window
@@ -114,32 +127,35 @@ SELECT count(*)::bigint AS expired
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.ctid = ANY (ARRAY(
            SELECT x.ctid FROM pgrl_sliding_window AS x
-            WHERE x.expires_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp())
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                           statement_timestamp())
             LIMIT sqlc.arg(batch_size)::integer))
-   AND d.expires_at <= coalesce(sqlc.narg(at)::timestamptz, statement_timestamp());
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
 
 -- name: FixedWindowPartitions :many
 -- FixedWindowPartitions lists the partitions of pgrl_fixed_window, oldest
--- first, with their bounds parsed from the partition bound expression (lower
--- bound -infinity for MINVALUE, upper bound infinity for MAXVALUE and for a
--- DEFAULT partition). past is true when the upper bound is at or before now,
--- on the database clock: such a partition holds only dead rows. rows_estimate
--- is the planner's estimate (-1 or 0 when never analyzed).
+-- first, with their bounds in microseconds since the Unix epoch, read by
+-- pgrl_fixed_window_partition_bounds (lower bound the least bigint for
+-- MINVALUE, upper bound the greatest for MAXVALUE and for a DEFAULT
+-- partition). past is true when the upper bound is at or before now, on the
+-- database clock: such a partition holds only dead rows. rows_estimate is the
+-- planner's estimate (-1 or 0 when never analyzed).
 SELECT n.nspname::text AS schema_name,
        c.relname::text AS partition_name,
-       coalesce(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \(''([^'']*)''\)')::timestamptz,
-                '-infinity'::timestamptz)::timestamptz AS lower_bound,
-       coalesce(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \(''([^'']*)''\)')::timestamptz,
-                'infinity'::timestamptz)::timestamptz AS upper_bound,
+       coalesce((extract(epoch FROM b.lower_bound) * 1000000)::bigint,
+                -9223372036854775808)::bigint AS lower_bound_us,
+       coalesce((extract(epoch FROM b.upper_bound) * 1000000)::bigint,
+                9223372036854775807)::bigint AS upper_bound_us,
        (pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT')::boolean AS is_default,
-       (coalesce(substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \(''([^'']*)''\)')::timestamptz,
-                 'infinity'::timestamptz) <= statement_timestamp())::boolean AS past,
+       coalesce(b.upper_bound <= statement_timestamp(), false)::boolean AS past,
        c.reltuples::bigint AS rows_estimate
   FROM pg_catalog.pg_inherits AS i
   JOIN pg_catalog.pg_class AS c ON c.oid = i.inhrelid
   JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+  LEFT JOIN pgrl_fixed_window_partition_bounds('pgrl_fixed_window'::regclass) AS b ON b.partition_name = c.relname
  WHERE i.inhparent = 'pgrl_fixed_window'::regclass
- ORDER BY upper_bound, partition_name;
+ ORDER BY upper_bound_us, partition_name;
 
 -- name: FixedWindowEnsurePartitionsAhead :one
 -- FixedWindowEnsurePartitionsAhead creates, in the partitioned layout, every
@@ -172,7 +188,8 @@ SELECT n.nspname::text AS schema_name,
 -- transaction of this database can still read must survive until that
 -- transaction ends. It returns the database clock, the start of the oldest
 -- open transaction it can see in this database (other than its own session)
--- and that session's pid (the clock and 0 when there is none), how many sessions of this database have an open
+-- and that session's pid (the clock and 0 when there is none; instants in
+-- microseconds since the Unix epoch), how many sessions of this database have an open
 -- transaction whose start it cannot see (sessions of other roles, without
 -- pg_read_all_stats: pg_stat_activity hides their xact_start, while pg_locks
 -- still shows each transaction's lock on its own virtual transaction id), and
@@ -187,9 +204,9 @@ WITH sessions AS (
        AND a.usesysid IS NOT NULL
        AND a.pid <> pg_backend_pid()
 )
-SELECT statement_timestamp()::timestamptz AS now,
-       coalesce((SELECT min(s.xact_start) FROM sessions AS s WHERE NOT s.hidden),
-                statement_timestamp())::timestamptz AS oldest_xact_start,
+SELECT (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us,
+       (extract(epoch FROM coalesce((SELECT min(s.xact_start) FROM sessions AS s WHERE NOT s.hidden),
+                                    statement_timestamp())) * 1000000)::bigint AS oldest_xact_start_us,
        coalesce((SELECT s.pid FROM sessions AS s
                   WHERE NOT s.hidden AND s.xact_start IS NOT NULL
                   ORDER BY s.xact_start LIMIT 1), 0)::integer AS oldest_pid,
@@ -197,9 +214,9 @@ SELECT statement_timestamp()::timestamptz AS now,
          WHERE s.hidden
            AND EXISTS (SELECT 1 FROM pg_catalog.pg_locks AS l
                         WHERE l.pid = s.pid AND l.locktype = 'virtualxid' AND l.granted))::bigint AS hidden_open,
-       coalesce((SELECT min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
-                  WHERE p.database = current_database()),
-                statement_timestamp())::timestamptz AS oldest_prepared;
+       (extract(epoch FROM coalesce((SELECT min(p.prepared) FROM pg_catalog.pg_prepared_xacts AS p
+                                     WHERE p.database = current_database()),
+                                    statement_timestamp())) * 1000000)::bigint AS oldest_prepared_us;
 
 -- name: CleanupPrivileges :one
 -- CleanupPrivileges reports what the current role may do to pgrl's tables,
