@@ -117,7 +117,7 @@ type Listener struct {
 	received, applied, ignored, dropped, reconnects, resyncs atomic.Uint64
 	connected                                                atomic.Bool
 	pid                                                      atomic.Uint32
-	lastErr                                                  atomic.Pointer[string]
+	lastErr                                                  atomic.Pointer[error]
 	den                                                      *denials // nil without ListenerOptions.Denials
 }
 
@@ -181,7 +181,7 @@ func (l *Listener) WaitSynced(ctx context.Context) error {
 		return nil
 	case <-ctx.Done():
 		if e := l.lastErr.Load(); e != nil {
-			return fmt.Errorf("policy: listener not synchronised (%s): %w", *e, ctx.Err())
+			return fmt.Errorf("policy: listener not synchronised (%w): %w", *e, ctx.Err())
 		}
 		return fmt.Errorf("policy: listener not synchronised: %w", ctx.Err())
 	}
@@ -199,7 +199,7 @@ func (l *Listener) Stats() Stats {
 		Connected: l.connected.Load(), Denials: l.den.stats(),
 	}
 	if e := l.lastErr.Load(); e != nil {
-		s.LastError = *e
+		s.LastError = (*e).Error()
 	}
 	return s
 }
@@ -216,8 +216,7 @@ func (l *Listener) Close() error {
 }
 
 func (l *Listener) fail(err error) {
-	s := err.Error()
-	l.lastErr.Store(&s)
+	l.lastErr.Store(&err)
 }
 
 func (l *Listener) run(ctx context.Context) {
