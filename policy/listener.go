@@ -174,7 +174,9 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 }
 
 // WaitSynced waits until the listener has listened and loaded the cache
-// once, or ctx ends.
+// once, or ctx ends. Then the error wraps ctx's error and the last
+// connection or reload error, so errors.Is finds ErrPermission (a missing
+// grant, named in the message) or ErrNotMigrated.
 func (l *Listener) WaitSynced(ctx context.Context) error {
 	select {
 	case <-l.synced:
