@@ -270,6 +270,11 @@ func Diagnose(ctx context.Context, q Querier, need Need, err error) *PermissionE
 	if strings.HasPrefix(pgErr.Message, "must be owner of ") {
 		return Denied(pgErr, need)
 	}
+	if _, t, ok := strings.Cut(pgErr.Message, "for table "); ok && !slices.Contains(need.Tables, t) {
+		// The statement touched a table besides need's (a decision over
+		// limits of several algorithms): look at it too.
+		need.Tables = append(slices.Clone(need.Tables), strings.TrimSpace(t))
+	}
 	pe, schema, _ := lookup(ctx, q, need)
 	if function := deniedFunction(pgErr.Message); function != "" {
 		if pe == nil {

@@ -118,3 +118,28 @@ func TestDiagnoseQuotedSchema(t *testing.T) {
 	_, err = conn.Exec(ctx, "SELECT * FROM pgrl_policy, pgrl_policy_override")
 	require.NoError(t, err)
 }
+
+// A 42501 on a table the need does not list is looked up too: the grant
+// names it, with the role and the schema.
+func TestDiagnoseDeniedTableOutsideNeed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, s := dbtest.Pool(t)
+	role := dbtest.NewRole(t)
+	admin := dbtest.Admin(t)
+	schema, roleID := pgx.Identifier{s}.Sanitize(), pgx.Identifier{role}.Sanitize()
+	_, err := admin.Exec(ctx, "GRANT USAGE ON SCHEMA "+schema+" TO "+roleID+"; GRANT SELECT, INSERT, UPDATE, DELETE ON "+
+		schema+".pgrl_fixed_window TO "+roleID)
+	require.NoError(t, err)
+	conn, err := pgx.Connect(ctx, dbtest.URLAsWithSchema(role, s))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	_, err = conn.Exec(ctx, "SELECT 1 FROM pgrl_fixed_window, pgrl_token_bucket")
+	need := pgerr.Need{Tables: []string{"pgrl_fixed_window"}, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
+	pe := pgerr.Diagnose(ctx, conn, need, err)
+	require.NotNil(t, pe)
+	require.Equal(t, []string{"GRANT SELECT, INSERT, UPDATE, DELETE ON " + schema + `."pgrl_token_bucket" TO ` + roleID}, pe.Grants)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, pe, &pgErr)
+	require.Equal(t, "42501", pgErr.Code)
+}
