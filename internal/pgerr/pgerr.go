@@ -187,7 +187,7 @@ const grantsQuery = `WITH path AS (
    ORDER BY pos NULLS LAST, n.nspname
    LIMIT 1
 )
-SELECT s.nspname, current_user::text, pg_catalog.has_schema_privilege(s.oid, 'USAGE'),
+SELECT s.nspname, s.pos IS NOT NULL, current_user::text, pg_catalog.has_schema_privilege(s.oid, 'USAGE'),
        coalesce((SELECT array_agg(t.relname || ' ' || pr.p
                                   ORDER BY array_position($1::text[], t.relname), array_position($2::text[], pr.p))
                    FROM tbl AS t CROSS JOIN unnest($2::text[]) AS pr(p)
@@ -196,15 +196,17 @@ SELECT s.nspname, current_user::text, pg_catalog.has_schema_privilege(s.oid, 'US
 
 // lookup reads what the current role lacks of need. It returns nil when the
 // catalog cannot be read (an aborted transaction, say) or no schema holds
-// need's tables; noUsage reports a schema without USAGE.
+// need's tables; noUsage reports a schema of search_path without USAGE (one
+// outside search_path hides nothing: a grant would not make its tables
+// visible).
 func lookup(ctx context.Context, q Querier, need Need) (pe *PermissionError, schema string, noUsage bool) {
 	if q == nil || len(need.Tables) == 0 {
 		return nil, "", false
 	}
 	var role string
-	var usage bool
+	var inPath, usage bool
 	var lacking []string
-	if err := q.QueryRow(ctx, grantsQuery, need.Tables, need.Privileges).Scan(&schema, &role, &usage, &lacking); err != nil {
+	if err := q.QueryRow(ctx, grantsQuery, need.Tables, need.Privileges).Scan(&schema, &inPath, &role, &usage, &lacking); err != nil {
 		return nil, "", false
 	}
 	pe = &PermissionError{Role: role, Hint: need.Hint}
@@ -241,7 +243,7 @@ func lookup(ctx context.Context, q Querier, need Need) (pe *PermissionError, sch
 	if len(pe.Lacks) == 0 {
 		return nil, schema, false
 	}
-	return pe, schema, !usage
+	return pe, schema, !usage && inPath
 }
 
 // Diagnose explains err, the failure of an operation that needs need on

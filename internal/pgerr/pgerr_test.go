@@ -108,6 +108,11 @@ func TestDiagnoseQuotedSchema(t *testing.T) {
 	pe = pgerr.Diagnose(ctx, conn, pgerr.PolicyRead, notmigrated.Err)
 	require.NotNil(t, pe)
 	require.Equal(t, "GRANT USAGE ON SCHEMA "+pgx.Identifier{base}.Sanitize()+" TO "+roleID, pe.Grants[0])
+	// A schema outside search_path hides nothing: the tables are missing
+	// from the path, which no grant changes.
+	_, err = conn.Exec(ctx, "SELECT set_config('search_path', 'public', false)")
+	require.NoError(t, err)
+	require.Nil(t, pgerr.Diagnose(ctx, conn, pgerr.PolicyRead, notmigrated.Err))
 	_, err = conn.Exec(ctx, "SELECT set_config('search_path', $1, false)", pgx.Identifier{odd}.Sanitize())
 	require.NoError(t, err)
 
