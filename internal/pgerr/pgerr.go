@@ -194,11 +194,12 @@ SELECT s.nspname, s.pos IS NOT NULL, current_user::text, pg_catalog.has_schema_p
                   WHERE t.nsp = s.oid AND NOT pg_catalog.has_table_privilege(t.oid, pr.p)), '{}')
   FROM sch AS s`
 
-// lookup reads what the current role lacks of need. It returns nil when the
+// lookup reads what the current role lacks of need, in the schema it
+// returns: pe.Lacks is empty when it lacks nothing. pe is nil when the
 // catalog cannot be read (an aborted transaction, say) or no schema holds
-// need's tables; noUsage reports a schema of search_path without USAGE (one
-// outside search_path hides nothing: a grant would not make its tables
-// visible).
+// need's tables. noUsage reports a schema of search_path without USAGE
+// (one outside search_path hides nothing: a grant would not make its
+// tables visible).
 func lookup(ctx context.Context, q Querier, need Need) (pe *PermissionError, schema string, noUsage bool) {
 	if q == nil || len(need.Tables) == 0 {
 		return nil, "", false
@@ -240,9 +241,6 @@ func lookup(ctx context.Context, q Querier, need Need) (pe *PermissionError, sch
 		pe.Lacks = append(pe.Lacks, k+" on "+strings.Join(named[k], ", "))
 		pe.Grants = append(pe.Grants, "GRANT "+k+" ON "+strings.Join(groups[k], ", ")+" TO "+pe.grantee())
 	}
-	if len(pe.Lacks) == 0 {
-		return nil, schema, false
-	}
 	return pe, schema, !usage && inPath
 }
 
@@ -259,7 +257,7 @@ func Diagnose(ctx context.Context, q Querier, need Need, err error) *PermissionE
 	switch {
 	case kind == Permission:
 	case kind == Undefined, pgErr == nil && errors.Is(err, notmigrated.Err):
-		if pe, _, noUsage := lookup(ctx, q, need); noUsage {
+		if pe, _, noUsage := lookup(ctx, q, need); noUsage && len(pe.Lacks) > 0 {
 			if pgErr != nil {
 				pe.Err = pgErr
 			}
@@ -278,19 +276,18 @@ func Diagnose(ctx context.Context, q Querier, need Need, err error) *PermissionE
 		need.Tables = append(slices.Clone(need.Tables), strings.TrimSpace(t))
 	}
 	pe, schema, _ := lookup(ctx, q, need)
-	if function := deniedFunction(pgErr.Message); function != "" {
-		if pe == nil {
-			pe = &PermissionError{Hint: need.Hint}
+	if pe == nil || (len(pe.Lacks) == 0 && deniedFunction(pgErr.Message) == "") {
+		// The catalog shows nothing missing of need: the message says
+		// what is, with the role and schema filled in when known.
+		d := denied(pgErr, need, "", schema)
+		if pe != nil {
+			d = denied(pgErr, need, pe.Role, schema)
 		}
-		s := "<schema>"
-		if schema != "" {
-			s = pgx.Identifier{schema}.Sanitize()
-		}
-		pe.Lacks = append(pe.Lacks, "EXECUTE on "+function)
-		pe.Grants = append(pe.Grants, "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "+s+" TO "+pe.grantee())
+		return d
 	}
-	if pe == nil {
-		return Denied(pgErr, need)
+	if function := deniedFunction(pgErr.Message); function != "" {
+		pe.Lacks = append(pe.Lacks, "EXECUTE on "+function)
+		pe.Grants = append(pe.Grants, "GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA "+quoteOr(schema, "<schema>")+" TO "+pe.grantee())
 	}
 	pe.Err = pgErr
 	return pe
@@ -300,7 +297,14 @@ func Diagnose(ctx context.Context, q Querier, need Need, err error) *PermissionE
 // denied for table|schema|function X"), for callers that cannot query the
 // database: the role and, for functions, the schema are placeholders.
 func Denied(pgErr *pgconn.PgError, need Need) *PermissionError {
-	pe := &PermissionError{Hint: need.Hint, Err: pgErr}
+	return denied(pgErr, need, "", "")
+}
+
+// denied is Denied with the role and the schema of need's tables, "" when
+// unknown.
+func denied(pgErr *pgconn.PgError, need Need, role, schema string) *PermissionError {
+	pe := &PermissionError{Role: role, Hint: need.Hint, Err: pgErr}
+	r := pe.grantee()
 	msg := pgErr.Message
 	object := func(kind string) string {
 		_, o, _ := strings.Cut(msg, "for "+kind+" ")
@@ -309,17 +313,19 @@ func Denied(pgErr *pgconn.PgError, need Need) *PermissionError {
 	switch {
 	case strings.HasPrefix(msg, "must be owner of "):
 		pe.Lacks = []string{"ownership of " + strings.TrimPrefix(msg, "must be owner of ")}
-		pe.Hint = cmp.Or(need.Hint, "run it as the owner of pgrl's tables (the migration role), or GRANT <owner> TO <role>")
+		pe.Hint = cmp.Or(need.Hint, "run it as the owner of pgrl's tables (the migration role), or GRANT <owner> TO "+r)
 	case object("schema") != "":
 		s := object("schema")
 		pe.Lacks = []string{"USAGE on schema " + s}
-		pe.Grants = []string{"GRANT USAGE ON SCHEMA " + pgx.Identifier{s}.Sanitize() + " TO <role>"}
+		pe.Grants = []string{"GRANT USAGE ON SCHEMA " + pgx.Identifier{s}.Sanitize() + " TO " + r}
 	case deniedFunction(msg) != "":
 		pe.Lacks = []string{"EXECUTE on " + deniedFunction(msg)}
-		pe.Grants = []string{"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA <schema> TO <role>"}
+		pe.Grants = []string{"GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA " + quoteOr(schema, "<schema>") + " TO " + r}
 	default:
 		tables, quoted := object("table"), ""
-		if tables != "" {
+		if tables != "" && schema != "" {
+			quoted = pgx.Identifier{schema, tables}.Sanitize()
+		} else if tables != "" {
 			quoted = pgx.Identifier{tables}.Sanitize()
 		} else {
 			tables = strings.Join(need.Tables, ", ")
@@ -329,7 +335,7 @@ func Denied(pgErr *pgconn.PgError, need Need) *PermissionError {
 		// them again does no harm.
 		pe.Lacks = []string{"a privilege on " + cmp.Or(tables, "pgrl's tables")}
 		if len(need.Privileges) > 0 && quoted != "" {
-			pe.Grants = []string{"GRANT " + strings.Join(need.Privileges, ", ") + " ON " + quoted + " TO <role>"}
+			pe.Grants = []string{"GRANT " + strings.Join(need.Privileges, ", ") + " ON " + quoted + " TO " + r}
 		}
 	}
 	return pe
@@ -344,6 +350,14 @@ func deniedFunction(msg string) string {
 		}
 	}
 	return ""
+}
+
+// quoteOr quotes the identifier s, or returns placeholder when s is "".
+func quoteOr(s, placeholder string) string {
+	if s == "" {
+		return placeholder
+	}
+	return pgx.Identifier{s}.Sanitize()
 }
 
 // grantee is the role as a GRANT names it, or a placeholder.
