@@ -41,6 +41,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
@@ -115,8 +116,12 @@ var (
 	ErrNotMigrated = notmigrated.Err
 	// ErrPermission: the role running the cleanup lacks a grant it needs
 	// (SQLSTATE 42501, or a schema without USAGE, which hides the tables).
-	// The message names the grant. Nothing was done.
-	ErrPermission = errors.New("permission denied")
+	// The message names the role and the grant. Nothing was done, unless
+	// the database refused a statement part-way (a grant revoked during the
+	// run): the Result then says what was. It is the same value as
+	// ratelimit.ErrPermission, policy.ErrPermission and
+	// migration.ErrPermission, so errors.Is matches any of them.
+	ErrPermission = pgerr.ErrPermission
 	// ErrPlainLayout: ModePartitions was asked for, but pgrl_fixed_window uses
 	// the plain layout.
 	ErrPlainLayout = errors.New("pgrl_fixed_window is not partitioned; run `rl-migrate layout partitioned` first, or use delete mode")
@@ -365,14 +370,15 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 	if err != nil {
 		return res, err
 	}
-	if privs.NoUsageSchema != "" {
-		return res, fmt.Errorf("%w: role %s lacks USAGE on schema %s, which holds pgrl's tables; run GRANT USAGE ON SCHEMA %s TO %s",
-			ErrPermission, privs.RoleName, privs.NoUsageSchema,
-			pgx.Identifier{privs.NoUsageSchema}.Sanitize(), pgx.Identifier{privs.RoleName}.Sanitize())
-	}
-	if missing := missingTables(tables); len(missing) == 4 {
-		return res, notmigrated.At(r.ctx, conn)
-	} else if len(missing) > 0 {
+	if missing := missingTables(tables); len(missing) > 0 {
+		// A schema of search_path without USAGE hides its tables: then
+		// the fix is a grant, not a migration.
+		if pe := pgerr.Diagnose(r.ctx, conn, cleanNeed, notmigrated.Err); pe != nil {
+			return res, pe
+		}
+		if len(missing) == 4 {
+			return res, notmigrated.At(r.ctx, conn)
+		}
 		return res, notmigrated.At(r.ctx, conn, missing...)
 	}
 	if err := checkPrivileges(privs, tables.SchemaName, opts.Mode); err != nil {
@@ -418,7 +424,7 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 	if err := r.computeCutoff(); err != nil {
 		return res, err
 	}
-	err = r.run()
+	err = r.explain(r.run())
 	r.log.Info("cleanup finished",
 		"mode", res.Mode, "dry_run", res.DryRun,
 		"fixed_window_deleted", res.Tables.FixedWindow.Deleted,
@@ -427,6 +433,20 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		"batches", res.Batches, "stopped_early", res.StoppedEarly,
 		"elapsed", time.Since(start))
 	return res, err
+}
+
+// cleanNeed is what a delete-mode run needs on the counter tables.
+var cleanNeed = pgerr.Need{Tables: []string{TableFixedWindow, TableTokenBucket, TableSlidingWindow},
+	Privileges: []string{"SELECT", "DELETE"}}
+
+// explain turns a statement the database refused for want of a privilege
+// (one revoked during the run, or one the checks before it do not cover)
+// into an ErrPermission that names the grant. Other errors pass unchanged.
+func (r *runner) explain(err error) error {
+	if pe := pgerr.Diagnose(r.ctx, r.conn, cleanNeed, err); pe != nil {
+		return pe
+	}
+	return err
 }
 
 // missingTables lists the pgrl tables cleanup needs that the search_path
@@ -461,10 +481,10 @@ func checkPrivileges(p sqlops.CleanupPrivilegesRow, schema string, mode Mode) er
 		{TableSlidingWindow, p.CanCleanSlidingWindow},
 	} {
 		if !t.ok {
-			return fmt.Errorf("%w: role %s lacks SELECT or DELETE on %s; run GRANT SELECT, DELETE ON %s, %s, %s TO %s",
-				ErrPermission, p.RoleName, t.name,
-				pgx.Identifier{schema, TableFixedWindow}.Sanitize(), pgx.Identifier{schema, TableTokenBucket}.Sanitize(),
-				pgx.Identifier{schema, TableSlidingWindow}.Sanitize(), role)
+			return &pgerr.PermissionError{Role: p.RoleName, Lacks: []string{"SELECT or DELETE on " + t.name},
+				Grants: []string{"GRANT SELECT, DELETE ON " + pgx.Identifier{schema, TableFixedWindow}.Sanitize() + ", " +
+					pgx.Identifier{schema, TableTokenBucket}.Sanitize() + ", " + pgx.Identifier{schema, TableSlidingWindow}.Sanitize() +
+					" TO " + role}}
 		}
 	}
 	if mode != ModePartitions {
@@ -473,13 +493,15 @@ func checkPrivileges(p sqlops.CleanupPrivilegesRow, schema string, mode Mode) er
 		return nil
 	}
 	if !p.CanReadPartitionSettings {
-		return fmt.Errorf("%w: role %s lacks SELECT on pgrl_partition_settings, which partition mode reads; run GRANT SELECT ON %s TO %s",
-			ErrPermission, p.RoleName, pgx.Identifier{schema, "pgrl_partition_settings"}.Sanitize(), role)
+		return &pgerr.PermissionError{Role: p.RoleName, Lacks: []string{"SELECT on pgrl_partition_settings, which partition mode reads"},
+			Grants: []string{"GRANT SELECT ON " + pgx.Identifier{schema, "pgrl_partition_settings"}.Sanitize() + " TO " + role}}
 	}
 	if !p.OwnsFixedWindow {
-		return fmt.Errorf("%w: partition mode creates and drops partitions of pgrl_fixed_window, which only its owner %s may do; "+
-			"run as %s, or GRANT %s TO %s", ErrPermission, p.FixedWindowOwner, p.FixedWindowOwner,
-			pgx.Identifier{p.FixedWindowOwner}.Sanitize(), role)
+		return &pgerr.PermissionError{Role: p.RoleName,
+			Lacks: []string{"ownership of pgrl_fixed_window: partition mode creates and drops its partitions, " +
+				"which only its owner " + p.FixedWindowOwner + " may do"},
+			Grants: []string{"GRANT " + pgx.Identifier{p.FixedWindowOwner}.Sanitize() + " TO " + role},
+			Hint:   "or run as " + p.FixedWindowOwner}
 	}
 	return nil
 }

@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
+	"github.com/pgrl/pgrl/internal/pgerr"
 )
 
 // ErrDirty is matched (with errors.Is) by every error reporting that the
@@ -110,8 +111,11 @@ func previous(v uint) uint {
 // SetLayout and Grant return for arguments they refuse. Nothing was done.
 var ErrInvalidConfig = errors.New("invalid pgrl migration config")
 
-// ErrPermission is matched (with errors.Is) by every *PermissionError.
-var ErrPermission = errors.New("pgrl migration: missing privilege")
+// ErrPermission is matched (with errors.Is) by every *PermissionError. It
+// is the same value as ratelimit.ErrPermission, policy.ErrPermission and
+// cleanup.ErrPermission, so errors.Is matches whichever of them a caller
+// tests against.
+var ErrPermission = pgerr.ErrPermission
 
 // ErrTooManyPartitions is matched (with errors.Is) by the error SetLayout
 // returns when the partition width is too narrow for the lookahead or for the

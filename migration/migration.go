@@ -40,6 +40,7 @@ import (
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgrl/pgrl/internal/ident"
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/sql/schema"
 )
 
@@ -962,8 +963,7 @@ func (m *Migrator) status(ctx context.Context, conn *pgx.Conn, schemaName string
 // readDenied turns a refused read of table into a *PermissionError that
 // names the grant; other errors pass unchanged. The caller holds m.mu.
 func (m *Migrator) readDenied(err error, schemaName, table string) error {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.Code != "42501" {
+	if kind, _ := pgerr.Classify(err); kind != pgerr.Permission {
 		return err
 	}
 	u := pgx.Identifier{m.user}.Sanitize()

@@ -97,14 +97,14 @@ func (c *Cache) Reload(ctx context.Context) error {
 	var schema string
 	err := c.db.QueryRow(ctx, schemaQuery).Scan(&schema)
 	if errors.Is(err, pgx.ErrNoRows) || (err == nil && schema == "") {
-		return fmt.Errorf("%w: no table pgrl_policy on the search_path; run `rl-migrate up` (migration 7), and set search_path to pgrl's schema", ErrNotMigrated)
+		return explainRead(ctx, c.db, fmt.Errorf("%w: no table pgrl_policy on the search_path; run `rl-migrate up` (migration 7), and set search_path to pgrl's schema", ErrNotMigrated))
 	}
 	if err != nil {
-		return mapErr(err)
+		return explainRead(ctx, c.db, err)
 	}
 	m, err := load(ctx, c.db, "", nil)
 	if err != nil {
-		return err
+		return explainRead(ctx, c.db, err)
 	}
 	c.schema.Store(&schema)
 	c.snap.Store(&snapshot{policies: m, loadedAt: time.Now()})
@@ -118,7 +118,7 @@ func (c *Cache) ReloadPolicy(ctx context.Context, name string) error {
 	defer c.mu.Unlock()
 	m, err := load(ctx, c.db, name, nil)
 	if err != nil {
-		return err
+		return explainRead(ctx, c.db, err)
 	}
 	old := c.snap.Load()
 	next := &snapshot{policies: make(map[string]*entry, len(old.policies)+1), loadedAt: old.loadedAt}
@@ -148,7 +148,7 @@ func (c *Cache) refreshKey(ctx context.Context, name string, sk []byte, seen *en
 	}
 	m, err := load(ctx, c.db, name, sk)
 	if err != nil {
-		return err
+		return explainRead(ctx, c.db, err)
 	}
 	next := &snapshot{policies: make(map[string]*entry, len(old.policies)), loadedAt: old.loadedAt}
 	for k, v := range old.policies {
@@ -227,11 +227,11 @@ func (c *Cache) ReloadOverrides(ctx context.Context, name string, keys [][]byte)
 	rows, err := c.db.Query(ctx, `SELECT `+overrideColumns+` FROM pgrl_policy_override
  WHERE policy = $1 AND key = ANY($2) AND (expires_at IS NULL OR expires_at > now())`, name, keys)
 	if err != nil {
-		return mapErr(err)
+		return explainRead(ctx, c.db, err)
 	}
 	found, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Override, error) { return scanOverride(r) })
 	if err != nil {
-		return mapErr(err)
+		return explainRead(ctx, c.db, err)
 	}
 	old := c.snap.Load()
 	e := old.policies[name]

@@ -1,12 +1,13 @@
 package policy
 
 import (
+	"context"
 	"errors"
 	"fmt"
-	"strings"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgerrcode"
 
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -24,9 +25,12 @@ var (
 	// ratelimit.ErrNotMigrated, so errors.Is matches either.
 	ErrNotMigrated = ratelimit.ErrNotMigrated
 	// ErrPermission: the database user may not read or write the policy
-	// tables. The application role reads them only (rl-migrate up
-	// --grant-to); write them as the migration role.
-	ErrPermission = errors.New("policy: permission denied on the policy tables")
+	// tables, or may not use the schema that holds them (PostgreSQL then
+	// hides the tables, which look missing). The message names the grant.
+	// The application role reads them only (rl-migrate up --grant-to);
+	// write them as the migration role. It is ratelimit.ErrPermission (and
+	// cleanup's and migration's), so errors.Is matches any of them.
+	ErrPermission = ratelimit.ErrPermission
 )
 
 // invalid wraps ErrInvalid, and base too when it is not nil.
@@ -76,18 +80,22 @@ func mapErr(err error) error {
 	if err == nil {
 		return nil
 	}
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return fmt.Errorf("policy: %w", err)
+	if errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrPermission) {
+		return err // mapped already
 	}
+	kind, pgErr := pgerr.Classify(err)
 	switch {
-	case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
+	case pgErr == nil:
+		return fmt.Errorf("policy: %w", err)
+	case kind == pgerr.Undefined:
 		return fmt.Errorf("%w: the policy tables are missing; run `rl-migrate up` (migration 7 adds pgrl_policy and pgrl_policy_override): %w", ErrNotMigrated, pgErr)
-	case pgErr.Code == "42501":
-		return fmt.Errorf("%w: the application role may only read the policies (rl-migrate up --grant-to grants SELECT); write them as the migration role, the tables' owner, or GRANT SELECT, INSERT, UPDATE, DELETE ON pgrl_policy, pgrl_policy_override TO <role>: %w", ErrPermission, pgErr)
-	case pgErr.Code == "23503":
+	case kind == pgerr.Permission:
+		// Without a connection to ask, the message cannot tell a read
+		// from a write: it names the grants of a write.
+		return fmt.Errorf("policy: %w", pgerr.Denied(pgErr, pgerr.PolicyWrite))
+	case pgErr.Code == pgerrcode.ForeignKeyViolation:
 		return fmt.Errorf("%w: %s: %w", ErrNotFound, constraintFix[pgErr.ConstraintName], pgErr)
-	case strings.HasPrefix(pgErr.Code, "23"), strings.HasPrefix(pgErr.Code, "22"):
+	case kind == pgerr.Input, kind == pgerr.NoPartition:
 		fix := constraintFix[pgErr.ConstraintName]
 		if fix == "" {
 			fix = pgErr.Message
@@ -95,4 +103,18 @@ func mapErr(err error) error {
 		return fmt.Errorf("%w: %s: %w", ErrInvalid, fix, pgErr)
 	}
 	return fmt.Errorf("policy: %w", err)
+}
+
+// explainRead is mapErr for a read of the policies on db that failed
+// with err: a missing grant, including a schema without USAGE (which makes
+// the tables look missing), becomes an ErrPermission that names the grants
+// the role lacks, read from db's catalog. Other errors are mapErr's.
+func explainRead(ctx context.Context, db DB, err error) error {
+	if err == nil {
+		return nil
+	}
+	if pe := pgerr.Diagnose(ctx, db, pgerr.PolicyRead, err); pe != nil {
+		return fmt.Errorf("policy: %w", pe)
+	}
+	return mapErr(err)
 }

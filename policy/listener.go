@@ -141,7 +141,7 @@ type Listener struct {
 	received, applied, ignored, dropped, reconnects, resyncs, merged, policyReloads atomic.Uint64
 	connected                                                                       atomic.Bool
 	pid                                                                             atomic.Uint32
-	lastErr                                                                         atomic.Pointer[string]
+	lastErr                                                                         atomic.Pointer[error]
 	den                                                                             *denials // nil without ListenerOptions.Denials
 }
 
@@ -201,14 +201,16 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 }
 
 // WaitSynced waits until the listener has listened and loaded the cache
-// once, or ctx ends.
+// once, or ctx ends. Then the error wraps ctx's error and the last
+// connection or reload error, so errors.Is finds ErrPermission (a missing
+// grant, named in the message) or ErrNotMigrated.
 func (l *Listener) WaitSynced(ctx context.Context) error {
 	select {
 	case <-l.synced:
 		return nil
 	case <-ctx.Done():
 		if e := l.lastErr.Load(); e != nil {
-			return fmt.Errorf("policy: listener not synchronised (%s): %w", *e, ctx.Err())
+			return fmt.Errorf("policy: listener not synchronised (%w): %w", *e, ctx.Err())
 		}
 		return fmt.Errorf("policy: listener not synchronised: %w", ctx.Err())
 	}
@@ -227,7 +229,7 @@ func (l *Listener) Stats() Stats {
 		Connected:     l.connected.Load(), Denials: l.den.stats(),
 	}
 	if e := l.lastErr.Load(); e != nil {
-		s.LastError = *e
+		s.LastError = (*e).Error()
 	}
 	return s
 }
@@ -244,8 +246,7 @@ func (l *Listener) Close() error {
 }
 
 func (l *Listener) fail(err error) {
-	s := err.Error()
-	l.lastErr.Store(&s)
+	l.lastErr.Store(&err)
 }
 
 func (l *Listener) run(ctx context.Context) {

@@ -161,7 +161,8 @@
 // # Failures and the database
 //
 // Missing tables give ErrNotMigrated (run `rl-migrate up`); missing grants
-// give ErrPermission, naming the grant; a read-only standby gives
+// give ErrPermission, naming the role and the grant (a schema without
+// USAGE, whose tables PostgreSQL hides, included); a read-only standby gives
 // ErrReadOnly; input PostgreSQL refuses gives ErrInvalidInput. None of them
 // is answered by the failure policy or counts towards the breaker.
 //

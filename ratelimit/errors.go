@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
+	"github.com/pgrl/pgrl/internal/pgerr"
 )
 
 // Errors returned for bad configuration or bad calls. Test with errors.Is;
@@ -77,8 +78,12 @@ var (
 	ErrInvalidInput = errors.New("ratelimit: PostgreSQL refused the check's input")
 	// ErrPermission: the database user lacks a privilege on pgrl's schema,
 	// tables or functions (SQLSTATE 42501, or a schema without USAGE, which
-	// makes its tables look missing). The message names the grant.
-	ErrPermission = errors.New("ratelimit: permission denied on pgrl's objects")
+	// makes its tables look missing). The message names the role and the
+	// grants it lacks. It is the same value as policy.ErrPermission,
+	// cleanup.ErrPermission and migration.ErrPermission, so errors.Is
+	// matches any of them; the *pgconn.PgError, when there is one, is
+	// wrapped.
+	ErrPermission = pgerr.ErrPermission
 	// ErrNoPartition: in the partitioned layout, no partition of
 	// pgrl_fixed_window holds the end of this check's window, and the
 	// limiter does not create partitions itself (Config.CreatePartitions).

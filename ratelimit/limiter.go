@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgrl/pgrl/gen"
 	"github.com/pgrl/pgrl/internal/notmigrated"
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
@@ -624,84 +625,71 @@ func isMissingPartition(err error) bool {
 }
 
 // mapErr turns the database errors a user can cause into typed errors that
-// name the fix. The *pgconn.PgError stays in the chain for errors.As, the
-// typed error for errors.Is. An error already mapped is returned as is.
+// name the fix, by pgerr's classification, which every pgrl package
+// shares. The *pgconn.PgError stays in the chain for errors.As, the typed
+// error for errors.Is. An error already mapped is returned as is.
 func mapErr(err error) error {
 	if err == nil || isConfigError(err) {
 		return err
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch {
-		case isMissingPartition(pgErr):
-			return fmt.Errorf("%w: %w", ErrNoPartition, pgErr)
-		case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
-			return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
-		case pgErr.Code == "25006",
-			pgErr.Code == "0A000" && strings.Contains(pgErr.Message, "during recovery"):
-			return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
-		case pgErr.Code == "42501":
-			return fmt.Errorf("%w: %s: %w", ErrPermission, missingGrant(pgErr.Message), pgErr)
-		case strings.HasPrefix(pgErr.Code, "22"), strings.HasPrefix(pgErr.Code, "54"), strings.HasPrefix(pgErr.Code, "23"):
-			return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
-		}
+	kind, pgErr := pgerr.Classify(err)
+	switch kind {
+	case pgerr.NoPartition:
+		return fmt.Errorf("%w: %w", ErrNoPartition, pgErr)
+	case pgerr.Undefined:
+		return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
+	case pgerr.ReadOnly:
+		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
+	case pgerr.Permission:
+		return fmt.Errorf("ratelimit: %w", pgerr.Denied(pgErr, missingGrant(nil)))
+	case pgerr.Input:
+		return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
 	}
 	return fmt.Errorf("ratelimit: %w", err)
 }
 
-// missingGrant names the grant a permission error asks for, from
-// PostgreSQL's message ("permission denied for table|schema|function X").
-func missingGrant(msg string) string {
-	switch {
-	case strings.Contains(msg, "for schema"):
-		return "the database user lacks USAGE on pgrl's schema; run GRANT USAGE ON SCHEMA <schema> TO <user>"
-	case strings.Contains(msg, "for function"), strings.Contains(msg, "for procedure"):
-		return "the database user lacks EXECUTE on pgrl's functions; run GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA <schema> TO <user>"
+// missingGrant is what a check of l needs on pgrl's tables: all the
+// counter tables when l is nil.
+func missingGrant(l *Limiter) pgerr.Need {
+	tables := []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
+	if l != nil {
+		tables = []string{l.alg.table()}
 	}
-	return "the database user lacks rights on pgrl's tables; run GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA <schema> TO <user>"
+	return pgerr.Need{Tables: tables, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
 }
 
-// schemaWithoutUsage finds a schema holding pgrl's tables on which the
-// current user lacks USAGE: PostgreSQL then leaves it off the search_path
-// silently, and pgrl's tables look missing. Schemas named in search_path
-// come first.
-const schemaWithoutUsage = `SELECT n.nspname::text
-  FROM pg_catalog.pg_class AS c
-  JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
- WHERE c.relname IN ('pgrl_fixed_window', 'pgrl_token_bucket', 'pgrl_sliding_window')
-   AND NOT pg_catalog.has_schema_privilege(n.oid, 'USAGE')
- ORDER BY pg_catalog.strpos(pg_catalog.current_setting('search_path'), n.nspname) = 0, n.nspname
- LIMIT 1`
-
-// explain is mapErr, and tells a missing table apart from a schema the user
-// may not use, with one more query on the limiter's database (only on that
-// error path).
+// explain is mapErr, and asks the limiter's database (one more query, only
+// on these error paths) which grant is missing: a schema without USAGE
+// hides pgrl's tables, so a missing table may be a missing grant, and a
+// 42501 names an object, not the grant. Truly missing tables are reported
+// with where the connection looked.
 func (l *Limiter) explain(ctx context.Context, err error) error {
 	err = mapErr(err)
 	if errors.Is(err, ErrReadOnly) {
 		return l.explainReadOnly(ctx, err)
 	}
-	if !errors.Is(err, ErrNotMigrated) {
+	if !errors.Is(err, ErrNotMigrated) && !errors.Is(err, ErrPermission) {
 		return err
 	}
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || (pgErr.Code != "42P01" && pgErr.Code != "42883") {
-		return err // 42883: the schema's pgrl_ functions are hidden like its tables
+	kind, pgErr := pgerr.Classify(err)
+	if kind != pgerr.Undefined && kind != pgerr.Permission {
+		return err // explained already
 	}
 	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
-	var schema string
-	if qerr := l.db.QueryRow(ctx, schemaWithoutUsage).Scan(&schema); qerr != nil {
-		// None found (or no answer): the tables are missing. Say where
-		// the connection looked, when it can tell.
-		var where *notmigrated.Error
-		if errors.As(notmigrated.At(ctx, l.db), &where) {
-			return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
-		}
+	if pe := pgerr.Diagnose(ctx, l.db, missingGrant(l), pgErr); pe != nil {
+		return fmt.Errorf("ratelimit: %w", pe)
+	}
+	if kind == pgerr.Permission {
 		return err
 	}
-	return fmt.Errorf("%w: the database user lacks USAGE on schema %q, which holds pgrl's tables, so PostgreSQL hides them; run GRANT USAGE ON SCHEMA %s TO <user> (and SELECT, INSERT, UPDATE, DELETE on its pgrl_ tables): %w",
-		ErrPermission, schema, pgx.Identifier{schema}.Sanitize(), pgErr)
+	// The tables are missing. Say where the connection looked, when it
+	// can tell.
+	var where *notmigrated.Error
+	if errors.As(notmigrated.At(ctx, l.db), &where) {
+		return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
+	}
+	return err
 }
 
 // explainReadOnly says why the database refused a write: a standby, or a

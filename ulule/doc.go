@@ -9,7 +9,9 @@
 //	lim := limiter.New(store, limiter.Rate{Period: time.Minute, Limit: 100})
 //
 // The tables come from pgrl's migrations: run `rl-migrate up` against the
-// database first (ErrNotMigrated otherwise).
+// database first (ErrNotMigrated otherwise), and grant the store's role
+// USAGE on the schema and SELECT, INSERT, UPDATE, DELETE on
+// pgrl_fixed_window (ErrPermission, naming the grant, otherwise).
 //
 // # Semantics
 //

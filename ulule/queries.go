@@ -6,13 +6,10 @@ package ulule
 
 import (
 	"context"
-	"errors"
-	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
-
 	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
@@ -68,6 +65,6 @@ func resetKey(ctx context.Context, db DB, key []byte) error {
 
 // isMissingPartition reports an insert that no partition accepts.
 func isMissingPartition(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.Contains(pgErr.Message, "no partition")
+	kind, _ := pgerr.Classify(err)
+	return kind == pgerr.NoPartition
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/ulule/limiter/v3"
 	"github.com/ulule/limiter/v3/drivers/store/common"
 
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -47,13 +48,18 @@ var (
 	ErrNotMigrated = ratelimit.ErrNotMigrated
 	// ErrReadOnly is pgrl's: the database is a read-only standby.
 	ErrReadOnly = ratelimit.ErrReadOnly
+	// ErrPermission is pgrl's: the database user lacks a grant on
+	// pgrl_fixed_window or its schema (a schema without USAGE hides the
+	// table, which would otherwise look missing). The message names the
+	// grant. No failure policy answers it.
+	ErrPermission = ratelimit.ErrPermission
 )
 
 // FailurePolicy says what Get, Peek and Increment answer when the database
 // cannot (connection refused or lost, server shut down, Options.Timeout
 // passed). It never applies to bad input, to a missing migration, to a
-// read-only standby, or to a call whose own context ended: those errors are
-// always returned.
+// missing grant, to a read-only standby, or to a call whose own context
+// ended: those errors are always returned.
 type FailurePolicy int
 
 const (
@@ -224,14 +230,14 @@ func (s *Store) Reset(ctx context.Context, key string, rate limiter.Rate) (limit
 	defer cancel()
 	k := s.storedKey(key, windowUs)
 	if err := resetKey(call, s.db, k); err != nil {
-		return limiter.Context{}, mapErr(err)
+		return limiter.Context{}, s.explain(ctx, mapErr(err))
 	}
 	// A second statement learns the current window's end on the database's
 	// clock. It reports nothing counted even if another caller has counted
 	// a hit in between: this answer is the reset's.
 	w, err := peekWindow(call, s.db, k, windowUs)
 	if err != nil {
-		return limiter.Context{}, mapErr(err)
+		return limiter.Context{}, s.explain(ctx, mapErr(err))
 	}
 	w.count = 0
 	return contextOf(rate, w), nil
@@ -279,7 +285,7 @@ func (s *Store) callContext(ctx context.Context) (context.Context, context.Cance
 func (s *Store) fail(ctx context.Context, op string, cause error, rate limiter.Rate, fallback func(limiter.Store) (limiter.Context, error)) (limiter.Context, error) {
 	err := mapErr(cause)
 	if ctx.Err() != nil || isSetupError(err) || s.opts.OnFailure == FailError {
-		return limiter.Context{}, err
+		return limiter.Context{}, s.explain(ctx, err)
 	}
 	s.opts.Logger.Warn("pgrl ulule store: database unavailable; the failure policy answers",
 		"op", op, "policy", s.opts.OnFailure.String(), "error", cause)
@@ -296,23 +302,42 @@ func (s *Store) fail(ctx context.Context, op string, cause error, rate limiter.R
 // isSetupError reports errors that a failure policy must not hide: they
 // come from the input or the setup, not from a passing outage.
 func isSetupError(err error) bool {
-	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrInvalidCount)
+	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrInvalidCount) ||
+		errors.Is(err, ErrPermission)
+}
+
+// storeNeed is what the store needs on pgrl's tables.
+var storeNeed = pgerr.Need{Tables: []string{"pgrl_fixed_window"}, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
+
+// explain asks the database (one more query, on these error paths only)
+// which grant is missing when err is a missing table or a permission
+// error: a schema without USAGE hides pgrl_fixed_window, which then looks
+// missing.
+func (s *Store) explain(ctx context.Context, err error) error {
+	if !errors.Is(err, ErrNotMigrated) && !errors.Is(err, ErrPermission) {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.Timeout)
+	defer cancel()
+	if pe := pgerr.Diagnose(ctx, s.db, storeNeed, err); pe != nil {
+		return fmt.Errorf("pgrl ulule store: %w", pe)
+	}
+	return err
 }
 
 // mapErr turns the database errors a user can cause into typed errors that
 // name the fix, keeping the original for errors.As.
 func mapErr(err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch {
-		case pgErr.Code == "42P01" || (pgErr.Code == "42883" && strings.Contains(pgErr.Message, "pgrl_")):
-			return fmt.Errorf("%w (%s)", ErrNotMigrated, pgErr.Message)
-		case pgErr.Code == "25006",
-			pgErr.Code == "0A000" && strings.Contains(pgErr.Message, "during recovery"):
-			return fmt.Errorf("%w (%s)", ErrReadOnly, pgErr.Message)
-		case strings.HasPrefix(pgErr.Code, "22"), strings.HasPrefix(pgErr.Code, "54"):
-			return fmt.Errorf("%w: %w; keep each key's count within ±9.2e18 per window", ErrInvalidCount, err)
-		}
+	kind, pgErr := pgerr.Classify(err)
+	switch {
+	case kind == pgerr.Undefined:
+		return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
+	case kind == pgerr.ReadOnly:
+		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
+	case kind == pgerr.Permission:
+		return fmt.Errorf("pgrl ulule store: %w", pgerr.Denied(pgErr, storeNeed))
+	case kind == pgerr.Input && !strings.HasPrefix(pgErr.Code, "23"):
+		return fmt.Errorf("%w: %w; keep each key's count within ±9.2e18 per window", ErrInvalidCount, err)
 	}
 	return fmt.Errorf("pgrl ulule store: %w", err)
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/ident"
 	"github.com/pgrl/pgrl/internal/notmigrated"
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -130,6 +131,7 @@ type app struct {
 	stdin          io.Reader
 	stdout, stderr io.Writer
 	g              globals
+	writes         bool // the command writes policies or overrides
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -275,6 +277,8 @@ func (a *app) dispatch(ctx context.Context, args []string) error {
 		return usagef("no command given")
 	}
 	cmd, rest := fs.Arg(0), fs.Args()[1:]
+	a.writes = cmd == "set" || cmd == "delete" || cmd == "apply" ||
+		(cmd == "override" && len(rest) > 0 && (rest[0] == "set" || rest[0] == "delete"))
 	sub := newFlagSet("rl-policy " + cmd)
 	a.g.register(sub)
 	switch cmd {
@@ -495,6 +499,37 @@ func keyArgs(cmd string, pos []string, stored bool) (name, key string, err error
 		return "", "", usagef("%s takes the policy's name and --stored-key, without a KEY argument", cmd)
 	}
 	return "", "", usagef("%s takes two arguments, the policy's name and the key (or --stored-key HEX instead of the key)", cmd)
+}
+
+// explainAccess replaces a not-migrated or permission error with one that
+// names the grants the command's role lacks (a schema without USAGE hides
+// the tables, which then look missing), read from the catalog on a
+// connection of its own. A not-migrated error that no missing grant
+// explains names where the command looked (whereNotMigrated). err is
+// returned as it was when the catalog cannot be read.
+func (a *app) explainAccess(err error) error {
+	var known *pgerr.PermissionError
+	if errors.As(err, &known) && known.Role != "" {
+		return err // read from the catalog already
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	conn, cerr := a.connect(ctx)
+	if cerr != nil {
+		return err
+	}
+	defer closeConn(conn)
+	need := pgerr.PolicyRead
+	if a.writes {
+		need = pgerr.PolicyWrite
+	}
+	if pe := pgerr.Diagnose(ctx, conn, need, err); pe != nil {
+		return pe
+	}
+	if errors.Is(err, policy.ErrNotMigrated) {
+		return a.whereNotMigrated(err)
+	}
+	return err
 }
 
 // whereNotMigrated replaces a not-migrated error with one that names the
@@ -843,8 +878,8 @@ func (a *app) finish(err error) int {
 	if errors.As(err, &ue) || errors.Is(err, policy.ErrInvalid) {
 		code = cli.ExitUsage
 	}
-	if errors.Is(err, policy.ErrNotMigrated) {
-		err = a.whereNotMigrated(err)
+	if errors.Is(err, policy.ErrNotMigrated) || errors.Is(err, policy.ErrPermission) {
+		err = a.explainAccess(err)
 	}
 	var msg string
 	switch {

@@ -17,6 +17,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgrl/pgrl/internal/pgerr"
 )
 
 // Exit codes shared by rl-migrate and rl-cleanup.
@@ -89,15 +91,19 @@ func Explain(err error) string {
 	if err == nil {
 		return ""
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
+	if errors.Is(err, pgerr.ErrPermission) {
+		return err.Error() // names the role and the grant already
+	}
+	kind, pgErr := pgerr.Classify(err)
+	if kind == pgerr.Undefined {
+		return fmt.Sprintf("%s: pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)", pgErr.Message)
+	}
+	if pgErr != nil {
 		switch pgErr.Code {
 		case "28P01", "28000":
 			return fmt.Sprintf("authentication failed (%s): check the user and password in --database-url, DATABASE_URL or PGUSER/PGPASSWORD", pgErr.Message)
 		case "3D000":
 			return fmt.Sprintf("%s: create the database first, or point --database-url at an existing one", pgErr.Message)
-		case "42P01":
-			return fmt.Sprintf("%s: pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)", pgErr.Message)
 		case "55P03":
 			return fmt.Sprintf("%s: another session holds a conflicting lock; retry when it has finished, or raise --lock-timeout", pgErr.Message)
 		case "57014":

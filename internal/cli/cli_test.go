@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/pgerr"
 )
 
 func TestConnStringOrder(t *testing.T) {
@@ -37,6 +40,10 @@ func TestParseConfigRedactsPassword(t *testing.T) {
 func TestExplain(t *testing.T) {
 	require.Contains(t, Explain(&pgconn.PgError{Code: "55P03", Message: "canceling statement due to lock timeout"}), "--lock-timeout")
 	require.Contains(t, Explain(&pgconn.PgError{Code: "42P01", Message: `relation "pgrl_fixed_window" does not exist`}), "rl-migrate up")
+	require.Contains(t, Explain(&pgconn.PgError{Code: "3F000", Message: `schema "rl" does not exist`}), "rl-migrate up")
+	// A permission error names its grant: Explain keeps its words.
+	denied := pgerr.Denied(&pgconn.PgError{Code: "42501", Message: "permission denied for schema rl"}, pgerr.Need{})
+	require.Equal(t, "wrapped: "+denied.Error(), Explain(fmt.Errorf("wrapped: %w", denied)))
 
 	// A refused connection: one line, each attempt once.
 	cfg, err := pgx.ParseConfig("postgres://u:hunter2@127.0.0.1:1/db?connect_timeout=5")

@@ -83,12 +83,53 @@ func (e *Error) Error() string {
 	}
 	schema := e.Schema
 	if schema == "" {
-		schema, _, _ = strings.Cut(e.SearchPath, ",")
-		schema = strings.Trim(strings.TrimSpace(schema), `"`)
+		schema = firstSchema(e.SearchPath)
 	}
 	fmt.Fprintf(&b, ": run `rl-migrate up --schema %s` against this database, or point --database-url and --schema "+
-		"(or the URL's search_path) at the database and schema that hold pgrl's tables", schema)
+		"(or the URL's search_path) at the database and schema that hold pgrl's tables", shellWord(schema))
 	return b.String()
+}
+
+// firstSchema is the first schema that search_path names, other than
+// $user, read as PostgreSQL reads it: a quoted name keeps its case, spaces
+// and commas ("" is a quote), an unquoted one is folded to lower case.
+func firstSchema(path string) string {
+	for rest := strings.TrimSpace(path); rest != ""; rest = strings.TrimSpace(rest) {
+		var name string
+		if rest[0] == '"' {
+			var b strings.Builder
+			i := 1
+			for ; i < len(rest); i++ {
+				if rest[i] == '"' {
+					if i+1 < len(rest) && rest[i+1] == '"' {
+						b.WriteByte('"')
+						i++
+						continue
+					}
+					break
+				}
+				b.WriteByte(rest[i])
+			}
+			name, rest = b.String(), rest[min(i+1, len(rest)):]
+			_, rest, _ = strings.Cut(rest, ",")
+		} else {
+			name, rest, _ = strings.Cut(rest, ",")
+			name = strings.ToLower(strings.TrimSpace(name))
+		}
+		if name != "" && name != "$user" {
+			return name
+		}
+	}
+	return "<schema>"
+}
+
+// shellWord quotes s for a POSIX shell when it holds anything but letters,
+// digits and _ . -.
+func shellWord(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // Is reports whether target is Err, so that errors.Is(e, Err) holds.

@@ -30,6 +30,24 @@ func TestErrorIsErrAndNamesTheLocation(t *testing.T) {
 	}
 }
 
+// The schema the fix names is read from search_path as PostgreSQL reads
+// it, and quoted for the shell when it needs to be.
+func TestFixNamesTheFirstSchema(t *testing.T) {
+	for path, want := range map[string]string{
+		`"$user", public`:            "--schema public",
+		` "$user" , App `:            "--schema app",
+		`"Rate, ""Limits""", public`: `--schema 'Rate, "Limits"'`,
+		`"it's", x`:                  `--schema 'it'\''s'`,
+		`$user`:                      "--schema '<schema>'",
+		`  "a b"  ,"c"`:              "--schema 'a b'",
+	} {
+		e := &Error{Location: Location{Database: "app", User: "u", SearchPath: path}}
+		if !strings.Contains(e.Error(), "rl-migrate up "+want+"`") {
+			t.Errorf("search_path %s: %q lacks %q", path, e.Error(), want)
+		}
+	}
+}
+
 func TestDefaultsOnly(t *testing.T) {
 	for _, v := range connectionVars {
 		t.Setenv(v, "")

@@ -71,19 +71,6 @@ func (q *Queries) CleanupHorizon(ctx context.Context, db DBTX) (CleanupHorizonRo
 
 const cleanupPrivileges = `-- name: CleanupPrivileges :one
 SELECT current_user::text AS role_name,
-       coalesce((SELECT n.nspname FROM pg_catalog.pg_namespace AS n
-                  WHERE NOT has_schema_privilege(n.oid, 'USAGE')
-                    AND EXISTS (SELECT 1 FROM pg_catalog.pg_class AS c
-                                 WHERE c.relnamespace = n.oid AND c.relname = 'pgrl_fixed_window')
-                    AND (n.nspname = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
-                         OR quote_ident(n.nspname)
-                            = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
-                         OR '"' || replace(n.nspname, '"', '""') || '"'
-                            = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))
-                         OR (n.nspname = session_user
-                             AND '"$user"'
-                                 = ANY (string_to_array(replace(current_setting('search_path'), ' ', ''), ','))))
-                  ORDER BY n.nspname LIMIT 1), '')::text AS no_usage_schema,
        coalesce(has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'SELECT')
                 AND has_table_privilege(to_regclass('pgrl_fixed_window'::text), 'DELETE'), true)::boolean
            AS can_clean_fixed_window,
@@ -103,7 +90,6 @@ SELECT current_user::text AS role_name,
 
 type CleanupPrivilegesRow struct {
 	RoleName                 string
-	NoUsageSchema            string
 	CanCleanFixedWindow      bool
 	CanCleanTokenBucket      bool
 	CanCleanSlidingWindow    bool
@@ -113,10 +99,8 @@ type CleanupPrivilegesRow struct {
 }
 
 // CleanupPrivileges reports what the current role may do to pgrl's tables,
-// so that a missing grant is named instead of reported as missing tables.
-// no_usage_schema is the first schema named in search_path (quoted or not,
-// or as "$user") that holds a pgrl_fixed_window but on which the role lacks
-// USAGE (” when none): such a schema is silently skipped by name lookup.
+// so that a missing grant is named before anything is tried. (A schema
+// without USAGE hides the tables: RunConn asks internal/pgerr about it.)
 // The can_* columns are true when the table is absent (nothing to check).
 // fixed_window_owner names the role owning pgrl_fixed_window and owns_fixed_window
 // says whether the current role is it or a member of it (partition mode
@@ -126,7 +110,6 @@ func (q *Queries) CleanupPrivileges(ctx context.Context, db DBTX) (CleanupPrivil
 	var i CleanupPrivilegesRow
 	err := row.Scan(
 		&i.RoleName,
-		&i.NoUsageSchema,
 		&i.CanCleanFixedWindow,
 		&i.CanCleanTokenBucket,
 		&i.CanCleanSlidingWindow,
