@@ -53,7 +53,7 @@ func Explain(ctx context.Context, db DB, name, key string) (Explanation, error) 
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
 	case err != nil:
-		return Explanation{}, mapErr(err)
+		return Explanation{}, explainRead(ctx, db, err)
 	case !inForce:
 		x.Expired = &o
 	default:

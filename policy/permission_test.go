@@ -64,11 +64,25 @@ func TestPermissionNamesTheGrant(t *testing.T) {
 		expect(stage+": Reload", grant, code, policy.NewCache(app).Reload(ctx))
 		expect(stage+": listener", grant, code, listen())
 	}
+	// The package's other reads, from Go, are told the same.
+	reads := func(stage, grant, code string) {
+		t.Helper()
+		_, err := policy.Get(ctx, app, "api")
+		expect(stage+": Get", grant, code, err)
+		_, err = policy.List(ctx, app)
+		expect(stage+": List", grant, code, err)
+		_, err = policy.ListOverrides(ctx, app, "api")
+		expect(stage+": ListOverrides", grant, code, err)
+		_, err = policy.Explain(ctx, app, "api", "k")
+		expect(stage+": Explain", grant, code, err)
+	}
 
 	check("LOGIN only", "GRANT USAGE ON SCHEMA "+schema+" TO "+roleID, "")
+	reads("LOGIN only", "GRANT USAGE ON SCHEMA "+schema+" TO "+roleID, "")
 	_, err = admin.Exec(ctx, "GRANT USAGE ON SCHEMA "+schema+" TO "+roleID)
 	require.NoError(t, err)
 	check("USAGE without SELECT", "GRANT SELECT ON "+schema+`."pgrl_policy", `+schema+`."pgrl_policy_override" TO `+roleID, "42501")
+	reads("USAGE without SELECT", "GRANT SELECT ON "+schema+`."pgrl_policy", `+schema+`."pgrl_policy_override" TO `+roleID, "42501")
 	_, err = admin.Exec(ctx, "GRANT SELECT ON "+schema+".pgrl_policy TO "+roleID)
 	require.NoError(t, err)
 	check("SELECT on one table", "GRANT SELECT ON "+schema+`."pgrl_policy_override" TO `+roleID, "42501")

@@ -508,7 +508,7 @@ func Get(ctx context.Context, db DB, name string) (Policy, error) {
 	if errors.Is(err, pgx.ErrNoRows) {
 		return Policy{}, notFound(name)
 	}
-	return p, mapErr(err)
+	return p, explainRead(ctx, db, err)
 }
 
 // notFound is ErrNotFound for the policy named name.
@@ -520,13 +520,13 @@ func notFound(name string) error {
 func List(ctx context.Context, db DB) ([]Policy, error) {
 	rows, err := db.Query(ctx, `SELECT `+policyColumns+` FROM pgrl_policy ORDER BY name`)
 	if err != nil {
-		return nil, mapErr(err)
+		return nil, explainRead(ctx, db, err)
 	}
 	ps, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Policy, error) { return scanPolicy(r) })
 	if ps == nil {
 		ps = []Policy{}
 	}
-	return ps, mapErr(err)
+	return ps, explainRead(ctx, db, err)
 }
 
 // Delete removes the policy and its overrides (ON DELETE CASCADE), or
@@ -609,13 +609,13 @@ func ListOverrides(ctx context.Context, db DB, policyName string) ([]Override, e
 	rows, err := db.Query(ctx, `SELECT `+overrideColumns+` FROM pgrl_policy_override
  WHERE $1 = '' OR policy = $1 ORDER BY policy, key`, policyName)
 	if err != nil {
-		return nil, mapErr(err)
+		return nil, explainRead(ctx, db, err)
 	}
 	os, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (Override, error) { return scanOverride(r) })
 	if os == nil {
 		os = []Override{}
 	}
-	return os, mapErr(err)
+	return os, explainRead(ctx, db, err)
 }
 
 // DeleteOverride removes the override of the stored key under policyName,
