@@ -138,7 +138,10 @@ func TestCoalescingCancellation(t *testing.T) {
 	ctx := context.Background()
 	// A token bucket: one row per key, so no window boundary can move the
 	// checks of "busy" off the locked row.
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1})
+	// Timeout: the first check must stay blocked on the row lock for as
+	// long as the test looks (by default it would give up after 500ms).
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1,
+		Timeout: time.Minute})
 
 	// Hold the row lock of key "busy" so that the round trip in flight
 	// waits, and the next checks queue behind it. The first check opens a
