@@ -49,6 +49,7 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 			if c.burst > 0 {
 				capacity = c.burst
 			}
+			cfg.Timeout = testkit.DecisionTimeout
 			l, err := ratelimit.New(pool, cfg)
 			require.NoError(t, err, "%s limit %d burst %d", c.alg, c.limit, c.burst)
 			m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{})

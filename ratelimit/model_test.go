@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -191,6 +192,7 @@ func replay(t *testing.T, db ratelimit.DB, alg ratelimit.Algorithm, penalty bool
 	}
 	now := base.Add(time.Duration(rng.IntN(1e6)) * time.Microsecond)
 	cfg.Now = func() time.Time { return now }
+	cfg.Timeout = testkit.DecisionTimeout
 	l, err := ratelimit.New(db, cfg)
 	require.NoError(t, err)
 	m := newModel(cfg)
@@ -242,6 +244,7 @@ func TestBatchMatchesModel(t *testing.T) {
 				}
 				now := base.Add(time.Duration(rng.IntN(1e6)) * time.Microsecond)
 				cfg.Now = func() time.Time { return now }
+				cfg.Timeout = testkit.DecisionTimeout
 				l, err := ratelimit.New(pool, cfg)
 				require.NoError(t, err)
 				m := newModel(cfg)
@@ -299,7 +302,8 @@ func TestRetryAfterIsHonest(t *testing.T) {
 		rng := rand.New(rand.NewPCG(uint64(len(alg)), 11))
 		for trial := range 20 {
 			now := base.Add(time.Duration(rng.IntN(60e6)) * time.Microsecond)
-			cfg := ratelimit.Config{Name: fmt.Sprintf("retry-%s-%d", alg, trial), Algorithm: alg, Limit: 5, Window: 10 * time.Second, Now: func() time.Time { return now }}
+			cfg := ratelimit.Config{Name: fmt.Sprintf("retry-%s-%d", alg, trial), Algorithm: alg, Limit: 5, Window: 10 * time.Second, Now: func() time.Time { return now },
+				Timeout: testkit.DecisionTimeout}
 			l, err := ratelimit.New(pool, cfg)
 			require.NoError(t, err)
 			var denied ratelimit.Decision
@@ -340,7 +344,8 @@ func TestSlidingWindowBound(t *testing.T) {
 	now := base
 	const limit = 10
 	w := 10 * time.Second
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "bound", Algorithm: ratelimit.SlidingWindow, Limit: limit, Window: w, Now: func() time.Time { return now }})
+	l, err := ratelimit.New(pool, ratelimit.Config{Name: "bound", Algorithm: ratelimit.SlidingWindow, Limit: limit, Window: w, Now: func() time.Time { return now },
+		Timeout: testkit.DecisionTimeout})
 	require.NoError(t, err)
 	var admitted []time.Time
 	for range 600 {

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -46,7 +47,7 @@ func sessionScript(t *testing.T, db *pgxpool.Pool) []string {
 		for _, penalty := range []bool{false, true} {
 			l, err := ratelimit.New(db, ratelimit.Config{
 				Name: fmt.Sprintf("s-%s-%v", alg, penalty), Algorithm: alg, Limit: 3, Burst: 5, Window: 7 * time.Second,
-				Penalty: penalty, DenyCacheSize: -1, Now: clk,
+				Penalty: penalty, DenyCacheSize: -1, Now: clk, Timeout: testkit.DecisionTimeout,
 			})
 			require.NoError(t, err)
 			ls = append(ls, l)
@@ -83,7 +84,7 @@ func sessionScript(t *testing.T, db *pgxpool.Pool) []string {
 	}
 	// The database's own clock, in the hostile session's time zone.
 	for _, alg := range ratelimit.Algorithms {
-		l, err := ratelimit.New(db, ratelimit.Config{Name: "live", Algorithm: alg, Limit: 2, Window: time.Minute})
+		l, err := ratelimit.New(db, ratelimit.Config{Name: "live", Algorithm: alg, Limit: 2, Window: time.Minute, Timeout: testkit.DecisionTimeout})
 		require.NoError(t, err)
 		d, err := l.Allow(ctx, "k")
 		require.NoError(t, err)

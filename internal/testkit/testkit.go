@@ -75,9 +75,22 @@ func DeadPool(t testing.TB) *pgxpool.Pool {
 	return p
 }
 
-// NewLimiter is ratelimit.New, failing the test on error.
+// DecisionTimeout is the Timeout NewLimiter gives a limiter whose Config
+// sets none. Tests that compare PostgreSQL's decisions with a model, a
+// replay or each other must get PostgreSQL's answer: on a test machine
+// under load (the race detector, another suite beside it) a check can take
+// longer than ratelimit.DefaultTimeout, and the failure policy's answer
+// would be taken for a wrong decision. Tests of timeouts and of the
+// defaults set Timeout themselves or call ratelimit.New.
+const DecisionTimeout = time.Minute
+
+// NewLimiter is ratelimit.New, failing the test on error, with Timeout
+// DecisionTimeout unless cfg sets one.
 func NewLimiter(t testing.TB, db ratelimit.DB, cfg ratelimit.Config) *ratelimit.Limiter {
 	t.Helper()
+	if cfg.Timeout == 0 {
+		cfg.Timeout = DecisionTimeout
+	}
 	l, err := ratelimit.New(db, cfg)
 	if err != nil {
 		t.Fatal(err)
