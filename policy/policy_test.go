@@ -361,7 +361,9 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	cdb := &testkit.CountingDB{Pool: pool}
 	cache := policy.NewCache(cdb)
 	require.NoError(t, cache.Reload(ctx))
-	lim, err := policy.NewLimiter(ctx, pool, "herd", policy.Options{Cache: cache})
+	// 64 uncoalesced checks of one key count exactly: a loaded machine's
+	// late answer must not go to the memory tier (testkit.DecisionTimeout).
+	lim, err := policy.NewLimiter(ctx, pool, "herd", policy.Options{Cache: cache, Config: ratelimit.Config{Timeout: testkit.DecisionTimeout}})
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours' WHERE name = 'herd'`)
 	require.NoError(t, err)
