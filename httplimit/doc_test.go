@@ -28,7 +28,10 @@ func TestHTTPDocResponse(t *testing.T) {
 	block, _, ok = strings.Cut(block, "```")
 	require.True(t, ok)
 
-	lim, err := ratelimit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock})
+	// A long Timeout: the test needs PostgreSQL's answer, also on a loaded
+	// machine (the documented response does not depend on it).
+	lim, err := ratelimit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock,
+		Timeout: time.Minute})
 	require.NoError(t, err)
 	mw, err := httplimit.New(httplimit.Config{Limiter: lim, Key: httplimit.Constant("doc-response")})
 	require.NoError(t, err)
