@@ -217,6 +217,13 @@ func limiterConfig(o options) ratelimit.Config {
 		Limit:     o.limit,
 		Window:    time.Minute,
 		Penalty:   o.penalty,
+		// The demo measures the shared count, so it lets a check wait
+		// for PostgreSQL longer than the default (DefaultTimeout): on a
+		// busy machine 200 simultaneous checks of one key can queue past
+		// it, and a check that waits longer is answered by the failure
+		// policy (each process's memory tier), which counts per process.
+		// Such answers are reported as postgres_fallback.
+		Timeout: demoTimeout,
 	}
 	if o.algorithm == ratelimit.TokenBucket {
 		// Capacity = limit, refilled by Limit tokens a day: during the demo
@@ -226,6 +233,10 @@ func limiterConfig(o options) ratelimit.Config {
 	}
 	return cfg
 }
+
+// demoTimeout is how long a check of the postgres round waits for
+// PostgreSQL before the failure policy answers it.
+const demoTimeout = 30 * time.Second
 
 // Result is what the demo prints with --output json.
 type Result struct {
@@ -256,6 +267,12 @@ type Result struct {
 	// postgres round was not run.
 	PostgresAdmitted   *int  `json:"postgres_admitted,omitempty"`
 	PostgresPerProcess []int `json:"postgres_per_process,omitempty"`
+	// PostgresFallback counts the checks of the postgres round that
+	// PostgreSQL did not answer within the limiter's Timeout, answered by
+	// the failure policy instead (each process's memory tier): 0 when the
+	// shared counter decided every check. Absent when the postgres round
+	// was not run.
+	PostgresFallback *int `json:"postgres_fallback,omitempty"`
 }
 
 func runParent(ctx context.Context, o options, stderr io.Writer) (Result, error) {
@@ -287,7 +304,7 @@ func runParent(ctx context.Context, o options, stderr io.Writer) (Result, error)
 				}
 			}
 		}
-		per, err := runRound(ctx, o, round, stderr)
+		per, fallback, err := runRound(ctx, o, round, stderr)
 		if err != nil {
 			return res, fmt.Errorf("%s round: %w", round, err)
 		}
@@ -299,6 +316,7 @@ func runParent(ctx context.Context, o options, stderr io.Writer) (Result, error)
 			res.MemoryAdmitted, res.MemoryPerProcess = &total, per
 		} else {
 			res.PostgresAdmitted, res.PostgresPerProcess = &total, per
+			res.PostgresFallback = &fallback
 		}
 	}
 	return res, nil
@@ -309,6 +327,9 @@ type childReport struct {
 	Admitted int    `json:"admitted"`
 	Denied   int    `json:"denied"`
 	Errors   int    `json:"errors"`
+	// Fallback counts the decisions not made by PostgreSQL (the failure
+	// policy's memory tier answered them).
+	Fallback int    `json:"fallback"`
 	Error    string `json:"error,omitempty"`
 }
 
@@ -330,11 +351,12 @@ type child struct {
 }
 
 // runRound runs one round: every child fires its calls against store, and
-// the admitted count of each is returned.
-func runRound(ctx context.Context, o options, store string, stderr io.Writer) ([]int, error) {
+// the admitted count of each is returned, with how many checks in all the
+// failure policy answered.
+func runRound(ctx context.Context, o options, store string, stderr io.Writer) ([]int, int, error) {
 	exe, err := os.Executable()
 	if err != nil {
-		return nil, fmt.Errorf("find own executable: %w", err)
+		return nil, 0, fmt.Errorf("find own executable: %w", err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
@@ -366,14 +388,14 @@ func runRound(ctx context.Context, o options, store string, stderr io.Writer) ([
 		cmd.Stderr = stderr
 		in, err := cmd.StdinPipe()
 		if err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		out, err := cmd.StdoutPipe()
 		if err != nil {
-			return nil, err
+			return nil, 0, err
 		}
 		if err := cmd.Start(); err != nil {
-			return nil, fmt.Errorf("start child: %w", err)
+			return nil, 0, fmt.Errorf("start child: %w", err)
 		}
 		children = append(children, &child{cmd: cmd, stdin: in, stdout: bufio.NewReader(out)})
 	}
@@ -381,26 +403,27 @@ func runRound(ctx context.Context, o options, store string, stderr io.Writer) ([
 	for i, c := range children {
 		line, err := c.stdout.ReadString('\n')
 		if strings.TrimSpace(line) != readyLine {
-			return nil, fmt.Errorf("child %d did not get ready (%q, %v); see its message above", i+1, line, err)
+			return nil, 0, fmt.Errorf("child %d did not get ready (%q, %v); see its message above", i+1, line, err)
 		}
 	}
 	for _, c := range children {
 		if _, err := io.WriteString(c.stdin, goLine+"\n"); err != nil {
-			return nil, fmt.Errorf("release child: %w", err)
+			return nil, 0, fmt.Errorf("release child: %w", err)
 		}
 	}
-	admitted := make([]int, len(children))
+	admitted, fallback := make([]int, len(children)), 0
 	for i, c := range children {
 		var rep childReport
 		if err := json.NewDecoder(c.stdout).Decode(&rep); err != nil {
-			return nil, fmt.Errorf("child %d: no report (%v); see its message above", i+1, err)
+			return nil, 0, fmt.Errorf("child %d: no report (%v); see its message above", i+1, err)
 		}
 		if rep.Errors > 0 {
-			return nil, fmt.Errorf("child %d: %d of %d calls failed: %s", i+1, rep.Errors, o.calls, rep.Error)
+			return nil, 0, fmt.Errorf("child %d: %d of %d calls failed: %s", i+1, rep.Errors, o.calls, rep.Error)
 		}
 		admitted[i] = rep.Admitted
+		fallback += rep.Fallback
 	}
-	return admitted, nil
+	return admitted, fallback, nil
 }
 
 // allower is what a round checks against: a pgrl limiter or a memory one.
@@ -456,6 +479,13 @@ func runChild(ctx context.Context, o options, stdin io.Reader, stdout io.Writer)
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
+			case err == nil && d.Store == ratelimit.StoreMemory && o.child != storeMemory:
+				rep.Fallback++
+				if d.Allowed {
+					rep.Admitted++
+				} else {
+					rep.Denied++
+				}
 			case err != nil:
 				rep.Errors++
 				if rep.Error == "" {
@@ -512,6 +542,9 @@ func printTable(w io.Writer, r Result) error {
 	}
 	if r.PostgresAdmitted != nil {
 		fmt.Fprintf(w, "With one shared counter in PostgreSQL: %d of %d.\n", *r.PostgresAdmitted, calls)
+		if r.PostgresFallback != nil && *r.PostgresFallback > 0 {
+			fmt.Fprintf(w, "PostgreSQL did not answer %d checks within %s: each process's memory tier answered them (the failure policy), counting per process.\n", *r.PostgresFallback, demoTimeout)
+		}
 	}
 	return nil
 }

@@ -53,6 +53,9 @@ func TestDemoJSONEveryAlgorithm(t *testing.T) {
 			if r.Algorithm != a || r.Limit != 20 || r.Processes != 4 || r.CallsPerProcess != 50 {
 				t.Fatalf("defaults: got algorithm %s, limit %d, processes %d, calls %d", r.Algorithm, r.Limit, r.Processes, r.CallsPerProcess)
 			}
+			if r.PostgresFallback == nil || *r.PostgresFallback != 0 {
+				t.Errorf("postgres_fallback = %v, want 0: PostgreSQL must decide every check\n%s", deref(r.PostgresFallback), stdout)
+			}
 			if r.PostgresAdmitted == nil || *r.PostgresAdmitted != 20 {
 				t.Errorf("postgres_admitted = %v, want exactly the limit, 20\n%s", deref(r.PostgresAdmitted), stdout)
 			}
