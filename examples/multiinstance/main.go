@@ -324,9 +324,9 @@ func runParent(ctx context.Context, o options, stderr io.Writer) (Result, error)
 
 // childReport is what a child writes to its stdout when its calls are done.
 type childReport struct {
-	Admitted int    `json:"admitted"`
-	Denied   int    `json:"denied"`
-	Errors   int    `json:"errors"`
+	Admitted int `json:"admitted"`
+	Denied   int `json:"denied"`
+	Errors   int `json:"errors"`
 	// Fallback counts the decisions not made by PostgreSQL (the failure
 	// policy's memory tier answered them).
 	Fallback int    `json:"fallback"`
