@@ -129,7 +129,13 @@
 //   - 42501 permission denied: the user lacks SELECT, INSERT, UPDATE,
 //     DELETE on the counter tables or EXECUTE on pgrl's functions
 //     (`rl-migrate up --grant-to <role>` grants exactly what is needed);
-//   - 25006 read-only transaction: the connection is to a standby.
+//   - 25006 read-only transaction: the connection is to a standby;
+//   - any other error of class 0A (feature not supported) or 42 (an
+//     ambiguous or undefined operator or function, a datatype mismatch,
+//     a wrong object type): the statement does not fit this server or
+//     schema, as when another pgrl version migrated it or Citus refuses
+//     an upsert; retrying will not help (package ratelimit reports it as
+//     ErrUnsupported).
 //
 // # Stability
 //

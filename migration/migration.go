@@ -855,8 +855,7 @@ func (m *Migrator) withLock(ctx context.Context, need access, fn func(*pgx.Conn,
 		return err
 	})
 	if err != nil {
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "55P03" {
+		if pgerr.IsLockTimeout(err) {
 			return fmt.Errorf("%w: another migrator held it for more than %s (schema %s); wait for it to finish or raise the wait (--lock-wait)",
 				ErrLockWait, m.cfg.LockWait, schemaName)
 		}

@@ -80,7 +80,7 @@ func mapErr(err error) error {
 	if err == nil {
 		return nil
 	}
-	if errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrPermission) {
+	if errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrPermission) || errors.Is(err, ratelimit.ErrUnsupported) {
 		return err // mapped already
 	}
 	kind, pgErr := pgerr.Classify(err)
@@ -95,6 +95,8 @@ func mapErr(err error) error {
 		return fmt.Errorf("policy: %w", pgerr.Denied(pgErr, pgerr.PolicyWrite))
 	case pgErr.Code == pgerrcode.ForeignKeyViolation:
 		return fmt.Errorf("%w: %s: %w", ErrNotFound, constraintFix[pgErr.ConstraintName], pgErr)
+	case kind == pgerr.Unsupported:
+		return fmt.Errorf("%w: run `rl-migrate up` with this version of pgrl: %w", ratelimit.ErrUnsupported, pgErr)
 	case kind == pgerr.Input, kind == pgerr.NoPartition:
 		fix := constraintFix[pgErr.ConstraintName]
 		if fix == "" {

@@ -163,8 +163,11 @@
 // Missing tables give ErrNotMigrated (run `rl-migrate up`); missing grants
 // give ErrPermission, naming the role and the grant (a schema without
 // USAGE, whose tables PostgreSQL hides, included); a read-only standby gives
-// ErrReadOnly; input PostgreSQL refuses gives ErrInvalidInput. None of them
-// is answered by the failure policy or counts towards the breaker.
+// ErrReadOnly; input PostgreSQL refuses gives ErrInvalidInput; SQL the
+// server refuses as such (SQLSTATE class 0A or 42: a schema another pgrl
+// version migrated, Citus refusing an upsert) gives ErrUnsupported, logged
+// once per limiter. None of them is answered by the failure policy or
+// counts towards the breaker.
 //
 // The counter tables are UNLOGGED: PostgreSQL empties them after a crash,
 // and a standby promoted by a failover starts with empty counters, so every

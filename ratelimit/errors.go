@@ -76,6 +76,22 @@ var (
 	// answer it: they are for outages, and one bad request must not move a
 	// limiter's other keys off PostgreSQL. The *pgconn.PgError is wrapped.
 	ErrInvalidInput = errors.New("ratelimit: PostgreSQL refused the check's input")
+	// ErrUnsupported: the check's SQL does not fit this server. PostgreSQL
+	// (or an extension such as Citus) refused the statement itself with an
+	// error of SQLSTATE class 0A (feature not supported) or 42 (syntax error
+	// or access rule violation: an ambiguous operator or function, an
+	// undefined function or operator, a datatype mismatch, a wrong object
+	// type), as when the schema was migrated by another version of pgrl or
+	// the server is not a supported PostgreSQL. Run `rl-migrate up` with
+	// this version of pgrl, check that the server is PostgreSQL 13 to 18,
+	// and on Citus see docs/SCALING.md. It is a setup error, like
+	// ErrNotMigrated: returned to the caller, logged once per limiter at
+	// error level, never answered by the failure policy or the memory tier
+	// and never counted by the breaker, since every check would fail alike.
+	// (42501 is ErrPermission; a missing table, schema or pgrl_ function is
+	// ErrNotMigrated; a standby's refusal is ErrReadOnly.) The
+	// *pgconn.PgError is wrapped.
+	ErrUnsupported = errors.New("ratelimit: the check's SQL does not fit this server")
 	// ErrPermission: the database user lacks a privilege on pgrl's schema,
 	// tables or functions (SQLSTATE 42501, or a schema without USAGE, which
 	// makes its tables look missing). The message names the role and the

@@ -92,3 +92,7 @@ func TakeMixed(ctx context.Context, limiters []*Limiter, keys []string, costs []
 	}
 	return ds, nil
 }
+
+// FallbackKeys reports how many keys l's memory tier (the FailToMemory
+// fallback) holds.
+func FallbackKeys(l *Limiter) int { return l.memory.Len() }

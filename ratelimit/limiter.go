@@ -7,7 +7,6 @@ import (
 	"math"
 	"math/bits"
 	"math/rand/v2"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -36,11 +35,13 @@ type Limiter struct {
 	memory       *MemoryLimiter // answers under FailToMemory
 	deny         *denyCache     // nil when disabled
 	shadowLogged atomic.Int64
-	shards       []*Limiter // with Spread > 1: one limiter per row
-	nextShard    atomic.Uint64
-	coalescer    *coalescer // nil when coalescing is off
-	rates        rateCache  // limiters for per-call rates (rate.go)
-	share        denyShare  // denials shared with other processes (denyshare.go)
+	// unsupportedLogged: an ErrUnsupported was logged (logUnsupported).
+	unsupportedLogged atomic.Bool
+	shards            []*Limiter // with Spread > 1: one limiter per row
+	nextShard         atomic.Uint64
+	coalescer         *coalescer // nil when coalescing is off
+	rates             rateCache  // limiters for per-call rates (rate.go)
+	share             denyShare  // denials shared with other processes (denyshare.go)
 }
 
 // New returns a limiter that keeps its counters in db, which must have
@@ -620,8 +621,8 @@ func usToDuration(us float64) time.Duration {
 
 // isMissingPartition reports a row that no partition accepts.
 func isMissingPartition(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "23514" && strings.Contains(pgErr.Message, "no partition")
+	kind, _ := pgerr.Classify(err)
+	return kind == pgerr.NoPartition
 }
 
 // mapErr turns the database errors a user can cause into typed errors that
@@ -644,6 +645,9 @@ func mapErr(err error) error {
 		return fmt.Errorf("ratelimit: %w", pgerr.Denied(pgErr, missingGrant(nil)))
 	case pgerr.Input:
 		return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
+	case pgerr.Unsupported:
+		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this "+
+			"version of pgrl, use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md): %w", ErrUnsupported, pgErr)
 	}
 	return fmt.Errorf("ratelimit: %w", err)
 }
@@ -665,6 +669,10 @@ func missingGrant(l *Limiter) pgerr.Need {
 // with where the connection looked.
 func (l *Limiter) explain(ctx context.Context, err error) error {
 	err = mapErr(err)
+	if errors.Is(err, ErrUnsupported) {
+		l.logUnsupported(err)
+		return err
+	}
 	if errors.Is(err, ErrReadOnly) {
 		return l.explainReadOnly(ctx, err)
 	}
@@ -690,6 +698,17 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 		return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
 	}
 	return err
+}
+
+// logUnsupported logs err, an ErrUnsupported, at error level the first time
+// the limiter meets one: every check fails alike until the schema or the
+// server is fixed, and the caller gets each error.
+func (l *Limiter) logUnsupported(err error) {
+	if l.unsupportedLogged.CompareAndSwap(false, true) {
+		l.cfg.Logger.Error("pgrl: the check's SQL does not fit this server; checks fail with ErrUnsupported, "+
+			"and no failure policy answers them, until it does (logged once per limiter)",
+			"limiter", l.cfg.Name, "error", err.Error())
+	}
 }
 
 // explainReadOnly says why the database refused a write: a standby, or a

@@ -9,7 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/pgrl/pgrl/internal/pgerr"
 )
 
 // StatementTimeoutParam is the run-time parameter that bounds a statement
@@ -123,7 +123,7 @@ func (b *breaker) success(probe int64) {
 // opening the breaker, so that one locked row does not send every other
 // key to the fallback.
 func (b *breaker) failure(now time.Time, err error, policy FailurePolicy, probe int64) {
-	if isLockTimeout(err) {
+	if pgerr.IsLockTimeout(err) {
 		return
 	}
 	n := b.failures.Add(1)
@@ -151,12 +151,6 @@ func (b *breaker) failure(now time.Time, err error, policy FailurePolicy, probe 
 	}
 	b.logger.Warn("pgrl: database unavailable; answering checks by failure policy until it recovers",
 		"limiter", b.name, "policy", policy.String(), "error", err.Error())
-}
-
-// isLockTimeout reports a statement abandoned by lock_timeout.
-func isLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "55P03"
 }
 
 // errBreakerOpen is the reason given while the breaker skips the database.
@@ -188,7 +182,7 @@ func callerErr(ctx context.Context) error {
 func isConfigError(err error) bool {
 	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrNoPartition) ||
 		errors.Is(err, ErrPermission) || errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrKeyTooLong) ||
-		errors.Is(err, ErrPolicyChanged)
+		errors.Is(err, ErrPolicyChanged) || errors.Is(err, ErrUnsupported)
 }
 
 // fallback answers a check the database could not, by the failure policy.

@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -53,13 +54,19 @@ var (
 	// table, which would otherwise look missing). The message names the
 	// grant. No failure policy answers it.
 	ErrPermission = ratelimit.ErrPermission
+	// ErrUnsupported is pgrl's: the store's SQL does not fit this server
+	// (SQLSTATE class 0A or 42, such as a schema another pgrl version
+	// migrated, or Citus refusing an upsert). Run `rl-migrate up` with this
+	// version. No failure policy answers it.
+	ErrUnsupported = ratelimit.ErrUnsupported
 )
 
 // FailurePolicy says what Get, Peek and Increment answer when the database
 // cannot (connection refused or lost, server shut down, Options.Timeout
 // passed). It never applies to bad input, to a missing migration, to a
-// missing grant, to a read-only standby, or to a call whose own context
-// ended: those errors are always returned.
+// missing grant, to a read-only standby, to SQL the server does not
+// support (ErrUnsupported), or to a call whose own context ended: those
+// errors are always returned.
 type FailurePolicy int
 
 const (
@@ -124,6 +131,8 @@ type Options struct {
 type Store struct {
 	db   DB
 	opts Options
+	// unsupportedLogged: an ErrUnsupported was logged (fail).
+	unsupportedLogged atomic.Bool
 }
 
 var _ limiter.Store = (*Store)(nil)
@@ -284,6 +293,10 @@ func (s *Store) callContext(ctx context.Context) (context.Context, context.Cance
 // setup caused are returned; an outage goes to the failure policy.
 func (s *Store) fail(ctx context.Context, op string, cause error, rate limiter.Rate, fallback func(limiter.Store) (limiter.Context, error)) (limiter.Context, error) {
 	err := mapErr(cause)
+	if errors.Is(err, ErrUnsupported) && s.unsupportedLogged.CompareAndSwap(false, true) {
+		s.opts.Logger.Error("pgrl ulule store: the store's SQL does not fit this server; calls fail with ErrUnsupported, "+
+			"and no failure policy answers them, until it does (logged once per store)", "op", op, "error", err.Error())
+	}
 	if ctx.Err() != nil || isSetupError(err) || s.opts.OnFailure == FailError {
 		return limiter.Context{}, s.explain(ctx, err)
 	}
@@ -303,7 +316,7 @@ func (s *Store) fail(ctx context.Context, op string, cause error, rate limiter.R
 // come from the input or the setup, not from a passing outage.
 func isSetupError(err error) bool {
 	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrInvalidCount) ||
-		errors.Is(err, ErrPermission)
+		errors.Is(err, ErrPermission) || errors.Is(err, ErrUnsupported)
 }
 
 // storeNeed is what the store needs on pgrl's tables.
@@ -338,6 +351,9 @@ func mapErr(err error) error {
 		return fmt.Errorf("pgrl ulule store: %w", pgerr.Denied(pgErr, storeNeed))
 	case kind == pgerr.Input && !strings.HasPrefix(pgErr.Code, "23"):
 		return fmt.Errorf("%w: %w; keep each key's count within ±9.2e18 per window", ErrInvalidCount, err)
+	case kind == pgerr.Unsupported:
+		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this version of pgrl): %w",
+			ErrUnsupported, pgErr)
 	}
 	return fmt.Errorf("pgrl ulule store: %w", err)
 }

@@ -98,6 +98,10 @@ func Explain(err error) string {
 	if kind == pgerr.Undefined {
 		return fmt.Sprintf("%s: pgrl's tables are missing; run `rl-migrate up` against this database (and the same --schema)", pgErr.Message)
 	}
+	if kind == pgerr.Unsupported {
+		return fmt.Sprintf("%s (SQLSTATE %s): this server does not run pgrl's SQL; run `rl-migrate up` with this version of pgrl, "+
+			"use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md", pgErr.Message, pgErr.Code)
+	}
 	if pgErr != nil {
 		switch pgErr.Code {
 		case "28P01", "28000":

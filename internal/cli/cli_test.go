@@ -40,6 +40,7 @@ func TestParseConfigRedactsPassword(t *testing.T) {
 func TestExplain(t *testing.T) {
 	require.Contains(t, Explain(&pgconn.PgError{Code: "55P03", Message: "canceling statement due to lock timeout"}), "--lock-timeout")
 	require.Contains(t, Explain(&pgconn.PgError{Code: "42P01", Message: `relation "pgrl_fixed_window" does not exist`}), "rl-migrate up")
+	require.Contains(t, Explain(&pgconn.PgError{Code: "0A000", Message: "functions used in the DO UPDATE SET clause of INSERTs on distributed tables must be marked IMMUTABLE"}), "docs/SCALING.md")
 	require.Contains(t, Explain(&pgconn.PgError{Code: "3F000", Message: `schema "rl" does not exist`}), "rl-migrate up")
 	// A permission error names its grant: Explain keeps its words.
 	denied := pgerr.Denied(&pgconn.PgError{Code: "42501", Message: "permission denied for schema rl"}, pgerr.Need{})

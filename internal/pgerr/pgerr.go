@@ -1,7 +1,7 @@
 // Package pgerr is where every pgrl package reads a database error. Classify
 // sorts a *pgconn.PgError by its SQLSTATE (named with pgerrcode) into what it
 // means to pgrl: missing objects, a missing privilege, a read-only server, a
-// missing partition, bad input. Diagnose asks the catalog which grant the
+// missing partition, bad input, SQL that does not fit the server. Diagnose asks the catalog which grant the
 // role lacks, since PostgreSQL's error alone often cannot say: a schema
 // without USAGE is left off the search_path silently, so its tables look
 // missing (42P01) although the fix is a grant, not a migration.
@@ -52,6 +52,19 @@ const (
 	// Input: the statement's input is refused, a data exception, a
 	// constraint or a program limit (classes 22, 23 and 54).
 	Input
+	// Unsupported: the statement does not fit this server, a setup error
+	// and never an outage: class 0A (feature not supported, such as Citus
+	// refusing an upsert on a distributed table) or class 42 (syntax error
+	// or access rule violation: an ambiguous operator or function, an
+	// undefined function or operator naming no pgrl_ function, a datatype
+	// mismatch, a wrong object type), as when the schema was migrated by
+	// another pgrl version or the server is not a supported PostgreSQL.
+	// The more specific kinds above take precedence (42501 is Permission,
+	// 42P01 and 42883 naming pgrl_ are Undefined, 0A000 during recovery is
+	// ReadOnly). A 0A000 "cached plan must not change result type" is
+	// Other: a schema change under a prepared statement, which pgx drops,
+	// so the next attempt prepares it again.
+	Unsupported
 )
 
 // Classify returns the Kind of err and the *pgconn.PgError in its chain
@@ -79,8 +92,20 @@ func Classify(err error) (Kind, *pgconn.PgError) {
 	case class == pgerrcode.DataException[:2], class == pgerrcode.IntegrityConstraintViolation[:2],
 		class == pgerrcode.ProgramLimitExceeded[:2]:
 		return Input, pgErr
+	case code == pgerrcode.FeatureNotSupported && strings.Contains(pgErr.Message, "cached plan must not change result type"):
+		return Other, pgErr
+	case class == pgerrcode.FeatureNotSupported[:2], class == pgerrcode.SyntaxErrorOrAccessRuleViolation[:2]:
+		// By class, not pgerrcode's Is… lists, which name only the codes
+		// it knew of: a newer server's code of the class counts too.
+		return Unsupported, pgErr
 	}
 	return Other, pgErr
+}
+
+// IsLockTimeout reports a statement abandoned by lock_timeout (55P03).
+func IsLockTimeout(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable
 }
 
 // PermissionError reports the privileges a role lacks on pgrl's objects and

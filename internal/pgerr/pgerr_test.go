@@ -24,17 +24,27 @@ func TestClassify(t *testing.T) {
 		{"42P01", `relation "pgrl_policy" does not exist`, pgerr.Undefined},
 		{"3F000", `schema "x" does not exist`, pgerr.Undefined},
 		{"42883", "function pgrl_fixed_window_take(bigint) does not exist", pgerr.Undefined},
-		{"42883", "operator does not exist: unknown - unknown", pgerr.Other},
+		{"42883", "operator does not exist: unknown - unknown", pgerr.Unsupported},
+		{"42883", "function jsonb_path_query_first(jsonb, text) does not exist", pgerr.Unsupported},
+		{"42725", "operator is not unique: bigint + unknown", pgerr.Unsupported},
+		{"42804", `column "expires_at" is of type timestamp with time zone but expression is of type bigint`, pgerr.Unsupported},
+		{"42809", `"pgrl_fixed_window" is not a view`, pgerr.Unsupported},
+		{"42601", `syntax error at or near "MERGE"`, pgerr.Unsupported},
 		{"42501", "permission denied for table pgrl_policy", pgerr.Permission},
 		{"25006", "cannot execute INSERT in a read-only transaction", pgerr.ReadOnly},
 		{"0A000", "cannot execute INSERT during recovery", pgerr.ReadOnly},
-		{"0A000", "DETACH CONCURRENTLY is not supported", pgerr.Other},
+		{"0A000", "DETACH CONCURRENTLY is not supported", pgerr.Unsupported},
+		{"0A000", "functions used in the DO UPDATE SET clause of INSERTs on distributed tables must be marked IMMUTABLE", pgerr.Unsupported},
+		{"0AP01", "a feature of a newer server", pgerr.Unsupported},
+		{"0A000", "cached plan must not change result type", pgerr.Other},
 		{"23514", "no partition of relation \"pgrl_fixed_window\" found for row", pgerr.NoPartition},
 		{"23514", "new row violates check constraint", pgerr.Input},
 		{"22008", "timestamp out of range", pgerr.Input},
 		{"54000", "index row size exceeds maximum", pgerr.Input},
 		{"23505", "duplicate key value", pgerr.Input},
 		{"57014", "canceling statement due to statement timeout", pgerr.Other},
+		{"55P03", "canceling statement due to lock timeout", pgerr.Other},
+		{"40001", "could not serialize access", pgerr.Other},
 	} {
 		pgErr := &pgconn.PgError{Code: c.code, Message: c.msg}
 		kind, got := pgerr.Classify(fmt.Errorf("wrapped: %w", pgErr))
@@ -44,6 +54,10 @@ func TestClassify(t *testing.T) {
 	kind, got := pgerr.Classify(context.Canceled)
 	require.Equal(t, pgerr.Other, kind)
 	require.Nil(t, got)
+
+	require.True(t, pgerr.IsLockTimeout(fmt.Errorf("wrapped: %w", &pgconn.PgError{Code: "55P03"})))
+	require.False(t, pgerr.IsLockTimeout(&pgconn.PgError{Code: "57014"}))
+	require.False(t, pgerr.IsLockTimeout(context.DeadlineExceeded))
 }
 
 // Without a catalog to ask, a 42501 is explained from its message.
