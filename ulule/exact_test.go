@@ -115,7 +115,7 @@ func checkExact(t *testing.T, pool *pgxpool.Pool, calls []exactCall) {
 func TestExactGoroutines(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(8))
-	s, err := ulule.NewStore(pool)
+	s, err := ulule.NewStoreWithOptions(pool, ulule.Options{Timeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,7 +192,10 @@ func TestExactHelperProcess(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	s, err := ulule.NewStore(pool)
+	// The counts must be exact, so a check waits for PostgreSQL as long
+	// as the test runs: on a loaded machine the default Timeout would hand
+	// a late answer to the failure policy, which is not a wrong count.
+	s, err := ulule.NewStoreWithOptions(pool, ulule.Options{Timeout: time.Minute})
 	if err != nil {
 		t.Fatal(err)
 	}
