@@ -13,7 +13,7 @@ import (
 const fixedWindowPeek = `-- name: FixedWindowPeek :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($2::timestamptz, now()) AS ts) AS c
+      FROM (SELECT pgrl_now($2::timestamptz) AS ts) AS c
 ), win AS (
     SELECT clock.now_us, pgrl_window_end_us(clock.now_us, $3::bigint) AS expires_us
       FROM clock
@@ -60,39 +60,35 @@ func (q *Queries) FixedWindowReset(ctx context.Context, db DBTX, key []byte) (in
 }
 
 const fixedWindowTake = `-- name: FixedWindowTake :one
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, $6::bigint) AS expires_us
-      FROM clock
-)
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT $1::bytea,
-       pgrl_from_epoch_us(win.expires_us),
-       CASE WHEN $2::bigint <= $3::bigint OR $4::boolean
-            THEN $2::bigint ELSE 0 END,
-       $2::bigint <= $3::bigint
-  FROM win
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+VALUES ($1::bytea,
+        pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                              $3::bigint)),
+        (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                   $3::bigint), 0,
+                                $4::bigint, $5::bigint, $6::boolean,
+                                false)).count,
+        (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                   $3::bigint), 0,
+                                $4::bigint, $5::bigint, $6::boolean,
+                                false)).allowed,
+        pgrl_now($2::timestamptz))
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= $3::bigint - $2::bigint
-                    THEN t.count + $2::bigint
-                    WHEN NOT $4::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - greatest($2::bigint, 0)
-                    THEN t.count + $2::bigint
-                    ELSE 9223372036854775807 END,
-       allowed = t.count <= $3::bigint - $2::bigint
-RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $4::bigint,
+                                       $5::bigint, $6::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $4::bigint,
+                                         $5::bigint, $6::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us
 `
 
 type FixedWindowTakeParams struct {
 	Key      []byte
+	At       *time.Time
+	WindowUs int64
 	Cost     int64
 	MaxCount int64
 	Penalty  bool
-	At       *time.Time
-	WindowUs int64
 }
 
 type FixedWindowTakeRow struct {
@@ -103,27 +99,31 @@ type FixedWindowTakeRow struct {
 }
 
 // FixedWindowTake counts cost units against the key's current window in one
-// statement and returns the window's state after the check. The check is
-// allowed when count + cost <= max_count (compared as count <= max_count -
-// cost, which cannot overflow for any cost <= max_count). A denied check adds
-// nothing, unless penalty is set: then every attempt is counted, the count
-// stopping at the largest bigint (a negative cost, which only direct callers of
-// this query pass, takes units back). Windows are aligned on the database clock:
-// multiples of window_us microseconds since the Unix epoch, floored (also
-// before 1970). Instants are returned as microseconds since the Unix epoch,
-// so that no session setting (DateStyle, TimeZone) shapes them. at pins the
-// clock for tests; production leaves it nil and the database's now()
-// decides: the transaction's start, which for a check sent on its own is
-// the statement's, and which gives every check of one multi-limit batch the
-// same instant.
+// statement and returns the window's state after the check: the key's row of
+// that window is inserted, or updated by the upsert's update arm, with what
+// the fixed window's step (pgrl_fixed_window_take, migration 000012) makes
+// of it. A check is allowed when count + cost <= max_count. A denied check
+// adds nothing, unless penalty is set: then every attempt is counted, the
+// count stopping at the largest bigint (a negative cost, which only direct
+// callers of this query pass, takes units back). Windows are aligned on the
+// database clock: multiples of window_us microseconds since the Unix epoch,
+// floored (also before 1970). Instants are returned as microseconds since
+// the Unix epoch, so that no session setting (DateStyle, TimeZone) shapes
+// them; now_us is the check's instant, kept in the row's updated_at. at pins
+// the clock for tests; production leaves it nil and the database's now()
+// decides: the transaction's start, which for a check sent on its own is the
+// statement's, and which gives every check of one multi-limit batch the same
+// instant. The statement is one INSERT ... VALUES whose update arm calls
+// only IMMUTABLE functions, reading the window from the proposed row
+// (excluded), as a distributed PostgreSQL (Citus) requires.
 func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowTakeParams) (FixedWindowTakeRow, error) {
 	row := db.QueryRow(ctx, fixedWindowTake,
 		arg.Key,
+		arg.At,
+		arg.WindowUs,
 		arg.Cost,
 		arg.MaxCount,
 		arg.Penalty,
-		arg.At,
-		arg.WindowUs,
 	)
 	var i FixedWindowTakeRow
 	err := row.Scan(
@@ -136,35 +136,42 @@ func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowT
 }
 
 const fixedWindowTakeMany = `-- name: FixedWindowTakeMany :many
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, $6::bigint) AS expires_us
-      FROM clock
-)
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT ($1::bytea[])[i], pgrl_from_epoch_us(win.expires_us),
-       ($2::bigint[])[i], ($2::bigint[])[i] <= $3::bigint
-  FROM win, generate_subscripts($1::bytea[], 1) AS i
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT ($1::bytea[])[i] AS key,
+       pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                             $3::bigint)) AS expires_at,
+       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                  $3::bigint), 0,
+                               ($4::bigint[])[i], $5::bigint,
+                               $6::boolean, false)).count AS count,
+       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                  $3::bigint), 0,
+                               ($4::bigint[])[i], $5::bigint,
+                               $6::boolean, false)).allowed AS allowed,
+       pgrl_now($2::timestamptz) AS updated_at
+  FROM generate_subscripts($1::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= $3::bigint - excluded.count THEN t.count + excluded.count
-                    WHEN NOT $4::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
-                    ELSE 9223372036854775807 END,
-       allowed = t.count <= $3::bigint - excluded.count
-RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                       CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                            ELSE $5::bigint + 1 END,
+                                       $5::bigint, $6::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                         CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                              ELSE $5::bigint + 1 END,
+                                         $5::bigint, $6::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
+          pgrl_us(updated_at) AS now_us
 `
 
 type FixedWindowTakeManyParams struct {
 	Keys     [][]byte
+	At       *time.Time
+	WindowUs int64
 	Costs    []int64
 	MaxCount int64
 	Penalty  bool
-	At       *time.Time
-	WindowUs int64
 }
 
 type FixedWindowTakeManyRow struct {
@@ -178,22 +185,24 @@ type FixedWindowTakeManyRow struct {
 // FixedWindowTakeMany is FixedWindowTake for several keys at once: it
 // decides many checks of one limiter in one statement, one check per
 // distinct key, so that concurrent checks can share one round trip. Each row
-// gets exactly the arithmetic of the single check. Rows are inserted, and so
+// gets exactly the step of the single check. Rows are inserted, and so
 // locked, in key order: concurrent batches never deadlock. Keys must be
-// distinct within one call (one statement cannot update a row twice) and
-// each cost at most max_count. Keys come back hex-encoded (key_hex), which
-// no session setting changes (bytea_output does change bytea's text form).
-// The update arm reads each check's cost back from the proposed row
-// (excluded), since it cannot see the arrays. Windows,
-// overflow and the returned instants are as in FixedWindowTake.
+// distinct within one call (one statement cannot update a row twice). Keys
+// come back hex-encoded (key_hex), which no session setting changes
+// (bytea_output does change bytea's text form). The update arm cannot see
+// the arrays, so it reads each check's cost back from the proposed row: its
+// count, which the step made the cost itself unless the cost alone is over
+// max_count (then allowed is false, and any cost over max_count decides the
+// same). Windows, overflow and the returned instants are as in
+// FixedWindowTake.
 func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWindowTakeManyParams) ([]FixedWindowTakeManyRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeMany,
 		arg.Keys,
+		arg.At,
+		arg.WindowUs,
 		arg.Costs,
 		arg.MaxCount,
 		arg.Penalty,
-		arg.At,
-		arg.WindowUs,
 	)
 	if err != nil {
 		return nil, err
@@ -221,40 +230,34 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 
 const fixedWindowTakePolicy = `-- name: FixedWindowTakePolicy :one
 WITH win AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $3::bigint AS cost,
-           pgrl_window_end_us(pgrl_epoch_us(coalesce($2::timestamptz, now())),
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $2::bigint AS cost,
+           pgrl_now($3::timestamptz) AS ts,
+           pgrl_window_end_us(pgrl_now_us($3::timestamptz),
                               $4::bigint) AS expires_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = $5::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > coalesce($2::timestamptz, now()))
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($3::timestamptz))
      WHERE p.name = $6::text AND p.algorithm = 'fixed_window'
        AND p.key_mode = $7::text
        AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = $4::bigint
 )
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT $1::bytea,
-       pgrl_from_epoch_us(win.expires_us),
-       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
-       win.cost <= win.max_count
-  FROM win
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT $1::bytea, pgrl_from_epoch_us(win.expires_us), s.count, s.allowed, win.ts
+  FROM win, LATERAL pgrl_fixed_window_take(win.expires_us, 0, win.cost, win.max_count, win.penalty, false) AS s
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET (count, allowed) = (
-       SELECT CASE WHEN t.count <= win.max_count - win.cost THEN t.count + win.cost
-                   WHEN NOT win.penalty THEN t.count
-                   WHEN t.count <= 9223372036854775807 - greatest(win.cost, 0) THEN t.count + win.cost
-                   ELSE 9223372036854775807 END,
-              t.count <= win.max_count - win.cost
-         FROM win)
-RETURNING count, pgrl_epoch_us(expires_at) AS expires_at_us, allowed,
-          pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
+   SET (count, allowed, updated_at) = (
+       SELECT s.count, s.allowed, excluded.updated_at
+         FROM win, LATERAL pgrl_fixed_window_take(win.expires_us, t.count, win.cost, win.max_count, win.penalty,
+                                                  false) AS s)
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us,
           (SELECT max_count FROM win)::bigint AS max_count
 `
 
 type FixedWindowTakePolicyParams struct {
 	Key         []byte
-	At          *time.Time
 	Cost        int64
+	At          *time.Time
 	WindowUs    int64
 	OverrideKey []byte
 	Policy      string
@@ -283,8 +286,8 @@ type FixedWindowTakePolicyRow struct {
 func (q *Queries) FixedWindowTakePolicy(ctx context.Context, db DBTX, arg FixedWindowTakePolicyParams) (FixedWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, fixedWindowTakePolicy,
 		arg.Key,
-		arg.At,
 		arg.Cost,
+		arg.At,
 		arg.WindowUs,
 		arg.OverrideKey,
 		arg.Policy,

@@ -18,20 +18,24 @@ import (
 	"github.com/pgrl/pgrl/sql/schema"
 )
 
-// helperMigration is the migration that adds the named-arithmetic functions.
-const helperMigration = "000005_named_arithmetic.up.sql"
+// helperMigrations are the migrations that add the inlinable helpers: the
+// named arithmetic (000005) and each algorithm's step (000012).
+var helperMigrations = []string{"000005_named_arithmetic.up.sql", "000012_algorithm_steps.up.sql"}
 
-// helperNames lists the functions helperMigration creates, read from the
-// file itself so that a helper added there is checked here too.
+// helperNames lists the LANGUAGE sql functions helperMigrations create,
+// read from the files themselves so that a helper added there is checked
+// here too.
 func helperNames(t *testing.T) []string {
 	t.Helper()
-	b, err := schema.FS.ReadFile(helperMigration)
-	require.NoError(t, err)
 	var names []string
-	for _, m := range regexp.MustCompile(`(?m)^CREATE FUNCTION (\w+)\(`).FindAllStringSubmatch(string(b), -1) {
-		names = append(names, m[1])
+	for _, file := range helperMigrations {
+		b, err := schema.FS.ReadFile(file)
+		require.NoError(t, err)
+		for _, m := range regexp.MustCompile(`(?m)^CREATE FUNCTION (\w+)\([^$]*?LANGUAGE sql`).FindAllStringSubmatch(string(b), -1) {
+			names = append(names, m[1])
+		}
 	}
-	require.GreaterOrEqual(t, len(names), 10, "helpers not found in %s", helperMigration)
+	require.GreaterOrEqual(t, len(names), 18, "helpers not found in %v", helperMigrations)
 	return names
 }
 
@@ -79,7 +83,7 @@ func (errRow) Scan(...any) error { return errRecorded }
 func everyQuery(ctx context.Context, db DBTX) {
 	q, ops := New(), sqlops.New()
 	at := time.Date(2024, 5, 6, 7, 8, 9, 123456000, time.UTC)
-	keys, costs, fcosts := [][]byte{[]byte("a"), []byte("b")}, []int64{1, 2}, []float64{1, 2}
+	keys, costs := [][]byte{[]byte("a"), []byte("b")}, []int64{1, 2}
 	for i := range 2 {
 		ts := at.Add(time.Duration(i) * 1500 * time.Millisecond)
 		tsUs := pgtype.Int8{Int64: ts.UnixMicro(), Valid: true}
@@ -87,7 +91,7 @@ func everyQuery(ctx context.Context, db DBTX) {
 		_, _ = q.FixedWindowTakeMany(ctx, db, FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.FixedWindowPeek(ctx, db, FixedWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
 		_, _ = q.TokenBucketTake(ctx, db, TokenBucketTakeParams{Key: keys[0], Cost: 1, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
-		_, _ = q.TokenBucketTakeMany(ctx, db, TokenBucketTakeManyParams{Keys: keys, Costs: fcosts, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = q.TokenBucketTakeMany(ctx, db, TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowTakeMany(ctx, db, SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})

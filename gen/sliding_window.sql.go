@@ -13,7 +13,7 @@ import (
 const slidingWindowPeek = `-- name: SlidingWindowPeek :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($2::timestamptz, now()) AS ts) AS c
+      FROM (SELECT pgrl_now($2::timestamptz) AS ts) AS c
 ), win AS MATERIALIZED (
     -- MATERIALIZED keeps window_start a column: pgrl_sliding_window_previous
     -- reads it twice, and PostgreSQL inlines a function only when an argument
@@ -78,60 +78,56 @@ func (q *Queries) SlidingWindowReset(ctx context.Context, db DBTX, key []byte) (
 }
 
 const slidingWindowTake = `-- name: SlidingWindowTake :one
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($6::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, $5::bigint)) AS window_start
-      FROM clock
-)
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
-SELECT $1::bytea,
-       win.window_start,
-       CASE WHEN $2::bigint <= $3::bigint OR $4::boolean
-            THEN $2::bigint ELSE 0 END,
-       0,
-       win.window_start + 2 * $5::bigint * interval '1 microsecond',
-       $2::bigint <= $3::bigint
-  FROM win
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+VALUES ($1::bytea,
+        pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                                $3::bigint)),
+        (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                  $3::bigint,
+                                  $4::bigint, $5::bigint, $6::boolean,
+                                  false)).count,
+        0,
+        pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                                $3::bigint) + 2 * $3::bigint),
+        (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                  $3::bigint,
+                                  $4::bigint, $5::bigint, $6::boolean,
+                                  false)).allowed,
+        pgrl_now($2::timestamptz))
 ON CONFLICT (key) DO UPDATE
-   SET window_start = greatest(t.window_start, excluded.window_start),
-       count = pgrl_saturating_add(
-                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                   CASE WHEN pgrl_sliding_window_allows(
-                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                              $5::bigint, t.count, t.prev_count),
-                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                                 $2::bigint, $3::bigint, $5::bigint,
-                                 pgrl_sliding_window_elapsed_us(
-                                     pgrl_epoch_us(coalesce($6::timestamptz, now())),
-                                     greatest(t.window_start, excluded.window_start), $5::bigint))
-                          OR $4::boolean
-                        THEN $2::bigint ELSE 0 END),
-       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                 $5::bigint, t.count, t.prev_count),
-       expires_at = greatest(t.window_start, excluded.window_start)
-                    + 2 * $5::bigint * interval '1 microsecond',
-       allowed = pgrl_sliding_window_allows(
-                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                  $5::bigint, t.count, t.prev_count),
-                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                     $2::bigint, $3::bigint, $5::bigint,
-                     pgrl_sliding_window_elapsed_us(
-                         pgrl_epoch_us(coalesce($6::timestamptz, now())),
-                         greatest(t.window_start, excluded.window_start), $5::bigint))
-RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).window_start_us
+                                    + 2 * $3::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us
 `
 
 type SlidingWindowTakeParams struct {
 	Key      []byte
+	At       *time.Time
+	WindowUs int64
 	Cost     int64
 	MaxCount int64
 	Penalty  bool
-	WindowUs int64
-	At       *time.Time
 }
 
 type SlidingWindowTakeRow struct {
@@ -152,22 +148,23 @@ type SlidingWindowTakeRow struct {
 // allowed when estimate + cost <= max_count (compared exactly, in numeric).
 // When a new window has begun the row rolls forward: count becomes prev_count
 // if the row's window was the one just before, else both restart at zero. A
-// denied check adds nothing unless penalty is set. The UPDATE arm reads the
-// current window's start from the proposed row; the rolled-forward counts,
-// the elapsed time and the comparison are the pgrl_sliding_window_*
-// functions of migration 000005, inlined by the planner. at pins the clock
-// for tests; production leaves it nil. Windows start at multiples of
-// window_us since the Unix epoch, floored (also before 1970); a penalised
-// count stops at the largest bigint. Instants are returned as microseconds
-// since the Unix epoch, shaped by no session setting.
+// denied check adds nothing unless penalty is set; a penalised count stops at
+// the largest bigint. The sliding window's step (pgrl_sliding_window_take,
+// migration 000012) decides; the update arm reads the check's instant from
+// the proposed row (excluded.updated_at) and calls only IMMUTABLE functions,
+// as a distributed PostgreSQL (Citus) requires. at pins the clock for tests;
+// production leaves it nil. Windows start at multiples of window_us since
+// the Unix epoch, floored (also before 1970). Instants are returned as
+// microseconds since the Unix epoch, shaped by no session setting; now_us is
+// the check's instant, kept in the row's updated_at.
 func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWindowTakeParams) (SlidingWindowTakeRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTake,
 		arg.Key,
+		arg.At,
+		arg.WindowUs,
 		arg.Cost,
 		arg.MaxCount,
 		arg.Penalty,
-		arg.WindowUs,
-		arg.At,
 	)
 	var i SlidingWindowTakeRow
 	err := row.Scan(
@@ -181,59 +178,60 @@ func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWin
 }
 
 const slidingWindowTakeMany = `-- name: SlidingWindowTakeMany :many
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($5::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, $3::bigint)) AS window_start
-      FROM clock
-)
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
-SELECT ($1::bytea[])[i],
-       win.window_start,
-       ($2::bigint[])[i],
-       0,
-       win.window_start + 2 * $3::bigint * interval '1 microsecond',
-       ($2::bigint[])[i] <= $4::bigint
-  FROM win, generate_subscripts($1::bytea[], 1) AS i
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT ($1::bytea[])[i] AS key,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                               $3::bigint)) AS window_start,
+       s.count, 0 AS prev_count,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                               $3::bigint)
+                          + 2 * $3::bigint) AS expires_at,
+       s.allowed,
+       pgrl_now($2::timestamptz) AS updated_at
+  FROM generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                        $3::bigint,
+                                        ($4::bigint[])[i], $5::bigint,
+                                        $6::boolean, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET window_start = greatest(t.window_start, excluded.window_start),
-       count = pgrl_saturating_add(
-                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                   CASE WHEN pgrl_sliding_window_allows(
-                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                              $3::bigint, t.count, t.prev_count),
-                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                                 excluded.count, $4::bigint, $3::bigint,
-                                 pgrl_sliding_window_elapsed_us(
-                                     pgrl_epoch_us(coalesce($5::timestamptz, now())),
-                                     greatest(t.window_start, excluded.window_start), $3::bigint))
-                          OR $6::boolean
-                        THEN excluded.count ELSE 0 END),
-       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                 $3::bigint, t.count, t.prev_count),
-       expires_at = greatest(t.window_start, excluded.window_start)
-                    + 2 * $3::bigint * interval '1 microsecond',
-       allowed = pgrl_sliding_window_allows(
-                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                  $3::bigint, t.count, t.prev_count),
-                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                     excluded.count, $4::bigint, $3::bigint,
-                     pgrl_sliding_window_elapsed_us(
-                         pgrl_epoch_us(coalesce($5::timestamptz, now())),
-                         greatest(t.window_start, excluded.window_start), $3::bigint))
-RETURNING encode(key, 'hex') AS key_hex, pgrl_epoch_us(window_start) AS window_start_us, count, prev_count,
-          allowed, (SELECT now_us FROM win)::bigint AS now_us
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                        $6::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                        $6::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                        $6::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                        $6::boolean, false)).window_start_us
+                                    + 2 * $3::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
+                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                        $6::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
+          allowed, pgrl_us(updated_at) AS now_us
 `
 
 type SlidingWindowTakeManyParams struct {
 	Keys     [][]byte
-	Costs    []int64
-	WindowUs int64
-	MaxCount int64
 	At       *time.Time
+	WindowUs int64
+	Costs    []int64
+	MaxCount int64
 	Penalty  bool
 }
 
@@ -247,16 +245,16 @@ type SlidingWindowTakeManyRow struct {
 }
 
 // SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
-// the rules of FixedWindowTakeMany. The update arm reads the current
-// window's start from the proposed row's window_start and the cost from its
-// count.
+// the rules of FixedWindowTakeMany: the update arm reads each check's cost
+// back from the proposed row's count (or, when the cost alone is over
+// max_count, any such cost, which decides the same).
 func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
 	rows, err := db.Query(ctx, slidingWindowTakeMany,
 		arg.Keys,
-		arg.Costs,
-		arg.WindowUs,
-		arg.MaxCount,
 		arg.At,
+		arg.WindowUs,
+		arg.Costs,
+		arg.MaxCount,
 		arg.Penalty,
 	)
 	if err != nil {
@@ -286,50 +284,43 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 
 const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
 WITH win AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $3::bigint AS cost,
-           $4::bigint AS window_us,
-           pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_epoch_us(coalesce($2::timestamptz, now())),
-                                                   $4::bigint)) AS window_start
+    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $2::bigint AS cost,
+           $3::bigint AS window_us,
+           pgrl_now($4::timestamptz) AS ts,
+           pgrl_now_us($4::timestamptz) AS now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($4::timestamptz),
+                                                   $3::bigint)) AS window_start
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = $5::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > coalesce($2::timestamptz, now()))
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($4::timestamptz))
      WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
        AND p.key_mode = $7::text
-       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = $4::bigint
+       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = $3::bigint
 )
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
-SELECT $1::bytea,
-       win.window_start,
-       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
-       0,
-       win.window_start + 2 * win.window_us * interval '1 microsecond',
-       win.cost <= win.max_count
-  FROM win
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT $1::bytea, win.window_start, s.count, 0,
+       pgrl_from_epoch_us(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
+  FROM win,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, win.now_us, win.window_us, win.cost, win.max_count,
+                                        win.penalty, false) AS s
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed) = (
-       SELECT r.start, pgrl_saturating_add(r.cur, CASE WHEN r.allows OR win.penalty THEN win.cost ELSE 0 END),
-              r.prev, r.start + 2 * win.window_us * interval '1 microsecond', r.allows
+   SET (window_start, count, prev_count, expires_at, allowed, updated_at) = (
+       SELECT pgrl_ts(s.window_start_us), s.count, s.prev_count,
+              pgrl_ts(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
          FROM win,
-              LATERAL (SELECT greatest(t.window_start, excluded.window_start) AS start,
-                              pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count) AS cur,
-                              pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                           win.window_us, t.count, t.prev_count) AS prev) AS w,
-              LATERAL (SELECT w.start, w.cur, w.prev,
-                              pgrl_sliding_window_allows(
-                                  w.prev, w.cur, win.cost, win.max_count, win.window_us,
-                                  pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us)) AS allows) AS r)
-RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
-          pgrl_epoch_us(coalesce($2::timestamptz, now())) AS now_us,
+              LATERAL pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count, win.now_us,
+                                               win.window_us, win.cost, win.max_count, win.penalty, false) AS s)
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us,
           (SELECT max_count FROM win)::bigint AS max_count
 `
 
 type SlidingWindowTakePolicyParams struct {
 	Key         []byte
-	At          *time.Time
 	Cost        int64
 	WindowUs    int64
+	At          *time.Time
 	OverrideKey []byte
 	Policy      string
 	KeyMode     string
@@ -353,9 +344,9 @@ type SlidingWindowTakePolicyRow struct {
 func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyParams) (SlidingWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTakePolicy,
 		arg.Key,
-		arg.At,
 		arg.Cost,
 		arg.WindowUs,
+		arg.At,
 		arg.OverrideKey,
 		arg.Policy,
 		arg.KeyMode,

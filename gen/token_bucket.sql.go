@@ -13,7 +13,7 @@ import (
 const tokenBucketPeek = `-- name: TokenBucketPeek :one
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($4::timestamptz, now()) AS ts) AS c
+      FROM (SELECT pgrl_now($4::timestamptz) AS ts) AS c
 )
 SELECT pgrl_float8_bits(coalesce(
            (SELECT pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, clock.ts),
@@ -66,50 +66,53 @@ func (q *Queries) TokenBucketReset(ctx context.Context, db DBTX, key []byte) (in
 }
 
 const tokenBucketTake = `-- name: TokenBucketTake :one
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($6::timestamptz, now()) AS ts) AS c
-)
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT $1::bytea,
-       f.tokens,
-       clock.ts,
-       pgrl_token_bucket_full_at(clock.ts, f.tokens, $2::float8, $3::float8),
-       f.allowed
-  FROM clock,
-       LATERAL (
-           SELECT CASE WHEN $4::float8 <= $2::float8 OR $5::boolean
-                       THEN $2::float8 - $4::float8
-                       ELSE $2::float8 END AS tokens,
-                  $4::float8 <= $2::float8 AS allowed
-       ) AS f
+VALUES ($1::bytea,
+        (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                pgrl_now_us($3::timestamptz), $4::bigint,
+                                $2::float8, $5::float8,
+                                $6::boolean, false)).tokens,
+        pgrl_now($3::timestamptz),
+        pgrl_token_bucket_full_at(
+            pgrl_now($3::timestamptz),
+            (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                    pgrl_now_us($3::timestamptz), $4::bigint,
+                                    $2::float8, $5::float8,
+                                    $6::boolean, false)).tokens,
+            $2::float8, $5::float8),
+        (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                pgrl_now_us($3::timestamptz), $4::bigint,
+                                $2::float8, $5::float8,
+                                $6::boolean, false)).allowed)
 ON CONFLICT (key) DO UPDATE
-   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          $2::float8, $3::float8,
-                                          $4::float8, $5::boolean),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        $4::bigint, $2::float8,
+                                        $5::float8, $6::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_full_at(
+       full_at = pgrl_token_bucket_refilled_at(
                      greatest(t.updated_at, excluded.updated_at),
-                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                               $2::float8, $3::float8,
-                                               $4::float8, $5::boolean),
-                     $2::float8, $3::float8),
-       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          $2::float8, $3::float8)
-                 >= $4::float8
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                             pgrl_us(excluded.updated_at), $4::bigint,
+                                             $2::float8, $5::float8,
+                                             $6::boolean, false)).tokens,
+                     $2::float8, $5::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         $4::bigint, $2::float8,
+                                         $5::float8, $6::boolean,
+                                         false)).allowed
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
-          pgrl_epoch_us(updated_at) AS updated_at_us,
-          pgrl_epoch_us(full_at) AS full_at_us,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
           allowed
 `
 
 type TokenBucketTakeParams struct {
 	Key         []byte
 	Capacity    float64
-	RefillPerUs float64
-	Cost        float64
-	Penalty     bool
 	At          *time.Time
+	Cost        int64
+	RefillPerUs float64
+	Penalty     bool
 }
 
 type TokenBucketTakeRow struct {
@@ -121,27 +124,28 @@ type TokenBucketTakeRow struct {
 
 // TokenBucketTake refills the key's bucket for the time since its last
 // check, then spends cost tokens if the balance covers them, in one statement:
-// a first check inserts a full bucket minus cost, every later one is the
-// UPDATE arm of the same upsert. The balance never exceeds capacity. A denied
-// check spends nothing, unless penalty is set: then it is charged anyway and
-// the balance may fall as low as -capacity, never lower. The refill, the
-// charge and the time the bucket is full again are the pgrl_token_bucket_*
-// functions of migration 000005, which the planner inlines.
-// refill_per_us is tokens per microsecond. The balance is returned as the
-// bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
-// as microseconds since the Unix epoch: exact, and shaped by no session
-// setting (extra_float_digits, DateStyle, TimeZone).
-// Elapsed time is clamped at zero, so a check that waited on the row lock and
-// sees a newer updated_at than its own clock never refills backwards. at pins
-// the clock for tests; production leaves it nil.
+// a first check inserts a full bucket less what the check spends, every later
+// one is the UPDATE arm of the same upsert. The token bucket's step
+// (pgrl_token_bucket_take, migration 000012) decides: the balance never
+// exceeds capacity; a denied check spends nothing, unless penalty is set:
+// then it is charged anyway and the balance may fall as low as -capacity,
+// never lower. refill_per_us is tokens per microsecond. The balance is
+// returned as the bits of its float8 (tokens_bits; math.Float64frombits in
+// Go) and instants as microseconds since the Unix epoch: exact, and shaped by
+// no session setting (extra_float_digits, DateStyle, TimeZone). The update
+// arm reads the check's instant from the proposed row (excluded.updated_at)
+// and calls only IMMUTABLE functions, as a distributed PostgreSQL (Citus)
+// requires. Elapsed time is clamped at zero, so a check that waited on the
+// row lock and sees a newer updated_at than its own clock never refills
+// backwards. at pins the clock for tests; production leaves it nil.
 func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketTakeParams) (TokenBucketTakeRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTake,
 		arg.Key,
 		arg.Capacity,
-		arg.RefillPerUs,
-		arg.Cost,
-		arg.Penalty,
 		arg.At,
+		arg.Cost,
+		arg.RefillPerUs,
+		arg.Penalty,
 	)
 	var i TokenBucketTakeRow
 	err := row.Scan(
@@ -154,47 +158,54 @@ func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketT
 }
 
 const tokenBucketTakeMany = `-- name: TokenBucketTakeMany :many
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce($6::timestamptz, now()) AS ts) AS c
-)
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT ($1::bytea[])[i],
-       $2::float8 - ($3::float8[])[i],
-       clock.ts,
-       clock.ts + (($3::float8[])[i] / $4::float8) * interval '1 microsecond',
-       ($3::float8[])[i] <= $2::float8
-  FROM clock, generate_subscripts($1::bytea[], 1) AS i
+SELECT ($1::bytea[])[i] AS key, s.tokens, pgrl_now($2::timestamptz) AS updated_at,
+       pgrl_token_bucket_full_at(pgrl_now($2::timestamptz), s.tokens, $3::float8,
+                                 $4::float8) AS full_at,
+       s.allowed
+  FROM generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_token_bucket_take($3::float8, pgrl_now_us($2::timestamptz),
+                                    pgrl_now_us($2::timestamptz),
+                                      ($5::bigint[])[i], $3::float8,
+                                      $4::float8, $6::boolean, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          $2::float8, $4::float8,
-                                          $2::float8 - excluded.tokens, $5::boolean),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        CASE WHEN excluded.allowed OR $6::boolean
+                                             THEN ($3::float8 - excluded.tokens)::bigint
+                                                 ELSE floor($3::float8)::bigint + 1 END,
+                                        $3::float8, $4::float8,
+                                        $6::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_full_at(
+       full_at = pgrl_token_bucket_refilled_at(
                      greatest(t.updated_at, excluded.updated_at),
-                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                               $2::float8, $4::float8,
-                                               $2::float8 - excluded.tokens,
-                                               $5::boolean),
-                     $2::float8, $4::float8),
-       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          $2::float8, $4::float8)
-                 >= $2::float8 - excluded.tokens
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                             CASE WHEN excluded.allowed OR $6::boolean
+                                                  THEN ($3::float8 - excluded.tokens)::bigint
+                                                 ELSE floor($3::float8)::bigint + 1 END,
+                                             $3::float8, $4::float8,
+                                             $6::boolean, false)).tokens,
+                     $3::float8, $4::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         CASE WHEN excluded.allowed OR $6::boolean
+                                              THEN ($3::float8 - excluded.tokens)::bigint
+                                                 ELSE floor($3::float8)::bigint + 1 END,
+                                         $3::float8, $4::float8,
+                                         $6::boolean, false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
-          pgrl_epoch_us(updated_at) AS updated_at_us,
-          pgrl_epoch_us(full_at) AS full_at_us,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
           allowed
 `
 
 type TokenBucketTakeManyParams struct {
 	Keys        [][]byte
-	Capacity    float64
-	Costs       []float64
-	RefillPerUs float64
-	Penalty     bool
 	At          *time.Time
+	Capacity    float64
+	RefillPerUs float64
+	Costs       []int64
+	Penalty     bool
 }
 
 type TokenBucketTakeManyRow struct {
@@ -206,18 +217,19 @@ type TokenBucketTakeManyRow struct {
 }
 
 // TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
-// rules of FixedWindowTakeMany. The update arm reads the check's instant
-// from the proposed row's updated_at and its cost as capacity minus the
-// proposed balance (exact for integer costs).
-// The balance and instants are returned as in TokenBucketTake.
+// rules of FixedWindowTakeMany. The update arm reads the check's instant from
+// the proposed row's updated_at and its cost as capacity less the proposed
+// balance (exact for integer costs below 2^53), unless the cost alone is
+// over the capacity (then allowed is false, and any such cost decides the
+// same). The balance and instants are returned as in TokenBucketTake.
 func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeMany,
 		arg.Keys,
-		arg.Capacity,
-		arg.Costs,
-		arg.RefillPerUs,
-		arg.Penalty,
 		arg.At,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Costs,
+		arg.Penalty,
 	)
 	if err != nil {
 		return nil, err
@@ -252,12 +264,13 @@ WITH rate AS MATERIALIZED (
            coalesce(o.burst, p.burst, o."limit", p."limit")::float8 AS capacity,
            coalesce(o."limit", p."limit")::float8
                / round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint::float8 AS refill_per_us,
-           $2::float8 AS cost,
-           coalesce($3::timestamptz, now()) AS ts
+           $2::bigint AS cost,
+           pgrl_now($3::timestamptz) AS ts,
+           pgrl_now_us($3::timestamptz) AS now_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = $4::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > coalesce($3::timestamptz, now()))
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($3::timestamptz))
        AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
        AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
            * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
@@ -266,31 +279,23 @@ WITH rate AS MATERIALIZED (
        AND p.key_mode = $6::text
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT $1::bytea,
-       f.tokens,
-       rate.ts,
-       pgrl_token_bucket_full_at(rate.ts, f.tokens, rate.capacity, rate.refill_per_us),
-       f.allowed
+SELECT $1::bytea, s.tokens, rate.ts,
+       pgrl_token_bucket_full_at(rate.ts, s.tokens, rate.capacity, rate.refill_per_us), s.allowed
   FROM rate,
-       LATERAL (
-           SELECT CASE WHEN rate.cost <= rate.capacity OR rate.penalty THEN rate.capacity - rate.cost
-                       ELSE rate.capacity END AS tokens,
-                  rate.cost <= rate.capacity AS allowed
-       ) AS f
+       LATERAL pgrl_token_bucket_take(rate.capacity, rate.now_us, rate.now_us, rate.cost, rate.capacity,
+                                      rate.refill_per_us, rate.penalty, false) AS s
 ON CONFLICT (key) DO UPDATE
    SET (tokens, updated_at, full_at, allowed) = (
-       SELECT b.tokens, b.updated_at,
-              pgrl_token_bucket_full_at(b.updated_at, b.tokens, rate.capacity, rate.refill_per_us),
-              pgrl_token_bucket_refill(t.tokens, b.elapsed_us, rate.capacity, rate.refill_per_us) >= rate.cost
+       SELECT s.tokens, pgrl_ts(s.updated_at_us),
+              pgrl_token_bucket_refilled_at(pgrl_ts(s.updated_at_us), s.tokens, rate.capacity,
+                                        rate.refill_per_us),
+              s.allowed
          FROM rate,
-              LATERAL (SELECT pgrl_elapsed_us(t.updated_at, excluded.updated_at) AS elapsed_us) AS e,
-              LATERAL (SELECT pgrl_token_bucket_balance(t.tokens, e.elapsed_us, rate.capacity, rate.refill_per_us,
-                                                        rate.cost, rate.penalty) AS tokens,
-                              greatest(t.updated_at, excluded.updated_at) AS updated_at,
-                              e.elapsed_us) AS b)
+              LATERAL pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), rate.now_us, rate.cost,
+                                             rate.capacity, rate.refill_per_us, rate.penalty, false) AS s)
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
-          pgrl_epoch_us(updated_at) AS updated_at_us,
-          pgrl_epoch_us(full_at) AS full_at_us,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
           allowed,
           (SELECT "limit" FROM rate)::bigint AS "limit",
           (SELECT window_us FROM rate)::bigint AS window_us,
@@ -299,7 +304,7 @@ RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
 
 type TokenBucketTakePolicyParams struct {
 	Key         []byte
-	Cost        float64
+	Cost        int64
 	At          *time.Time
 	OverrideKey []byte
 	Policy      string

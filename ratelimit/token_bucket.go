@@ -63,7 +63,7 @@ func (tokenBucket) lockRank() int     { return 1 }
 
 func (tokenBucket) take(ctx context.Context, l *Limiter, db DB, k []byte, cost int64) (Decision, error) {
 	r, err := l.q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
-		Key: k, At: l.at(), Cost: float64(cost), Capacity: float64(l.cfg.Burst),
+		Key: k, At: l.at(), Cost: cost, Capacity: float64(l.cfg.Burst),
 		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
 	})
 	if err != nil {
@@ -74,7 +74,7 @@ func (tokenBucket) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 
 func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
 	r, err := l.q.TokenBucketTakePolicy(ctx, db, gen.TokenBucketTakePolicyParams{
-		Key: k, Cost: float64(cost), At: l.at(),
+		Key: k, Cost: cost, At: l.at(),
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
 	if err != nil {
@@ -85,12 +85,8 @@ func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 }
 
 func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	fcosts := make([]float64, len(costs))
-	for i, n := range costs {
-		fcosts[i] = float64(n)
-	}
 	rows, err := l.q.TokenBucketTakeMany(ctx, db, gen.TokenBucketTakeManyParams{
-		Keys: keys, Costs: fcosts, At: l.at(), Capacity: float64(l.cfg.Burst),
+		Keys: keys, Costs: costs, At: l.at(), Capacity: float64(l.cfg.Burst),
 		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
 	})
 	return inKeyOrder(keys, rows, err, func(row gen.TokenBucketTakeManyRow) string { return row.KeyHex },

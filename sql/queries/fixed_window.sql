@@ -1,81 +1,90 @@
 -- name: FixedWindowTake :one
 -- FixedWindowTake counts cost units against the key's current window in one
--- statement and returns the window's state after the check. The check is
--- allowed when count + cost <= max_count (compared as count <= max_count -
--- cost, which cannot overflow for any cost <= max_count). A denied check adds
--- nothing, unless penalty is set: then every attempt is counted, the count
--- stopping at the largest bigint (a negative cost, which only direct callers of
--- this query pass, takes units back). Windows are aligned on the database clock:
--- multiples of window_us microseconds since the Unix epoch, floored (also
--- before 1970). Instants are returned as microseconds since the Unix epoch,
--- so that no session setting (DateStyle, TimeZone) shapes them. at pins the
--- clock for tests; production leaves it nil and the database's now()
--- decides: the transaction's start, which for a check sent on its own is
--- the statement's, and which gives every check of one multi-limit batch the
--- same instant.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint) AS expires_us
-      FROM clock
-)
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT sqlc.arg(key)::bytea,
-       pgrl_from_epoch_us(win.expires_us),
-       CASE WHEN sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
-            THEN sqlc.arg(cost)::bigint ELSE 0 END,
-       sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
-  FROM win
+-- statement and returns the window's state after the check: the key's row of
+-- that window is inserted, or updated by the upsert's update arm, with what
+-- the fixed window's step (pgrl_fixed_window_take, migration 000012) makes
+-- of it. A check is allowed when count + cost <= max_count. A denied check
+-- adds nothing, unless penalty is set: then every attempt is counted, the
+-- count stopping at the largest bigint (a negative cost, which only direct
+-- callers of this query pass, takes units back). Windows are aligned on the
+-- database clock: multiples of window_us microseconds since the Unix epoch,
+-- floored (also before 1970). Instants are returned as microseconds since
+-- the Unix epoch, so that no session setting (DateStyle, TimeZone) shapes
+-- them; now_us is the check's instant, kept in the row's updated_at. at pins
+-- the clock for tests; production leaves it nil and the database's now()
+-- decides: the transaction's start, which for a check sent on its own is the
+-- statement's, and which gives every check of one multi-limit batch the same
+-- instant. The statement is one INSERT ... VALUES whose update arm calls
+-- only IMMUTABLE functions, reading the window from the proposed row
+-- (excluded), as a distributed PostgreSQL (Citus) requires.
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+VALUES (sqlc.arg(key)::bytea,
+        pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                              sqlc.arg(window_us)::bigint)),
+        (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                                   sqlc.arg(window_us)::bigint), 0,
+                                sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean,
+                                false)).count,
+        (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                                   sqlc.arg(window_us)::bigint), 0,
+                                sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean,
+                                false)).allowed,
+        pgrl_now(sqlc.narg(at)::timestamptz))
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
-                    THEN t.count + sqlc.arg(cost)::bigint
-                    WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - greatest(sqlc.arg(cost)::bigint, 0)
-                    THEN t.count + sqlc.arg(cost)::bigint
-                    ELSE 9223372036854775807 END,
-       allowed = t.count <= sqlc.arg(max_count)::bigint - sqlc.arg(cost)::bigint
-RETURNING count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us;
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
+                                       sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
+                                         sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us;
 
 -- name: FixedWindowTakeMany :many
 -- FixedWindowTakeMany is FixedWindowTake for several keys at once: it
 -- decides many checks of one limiter in one statement, one check per
 -- distinct key, so that concurrent checks can share one round trip. Each row
--- gets exactly the arithmetic of the single check. Rows are inserted, and so
+-- gets exactly the step of the single check. Rows are inserted, and so
 -- locked, in key order: concurrent batches never deadlock. Keys must be
--- distinct within one call (one statement cannot update a row twice) and
--- each cost at most max_count. Keys come back hex-encoded (key_hex), which
--- no session setting changes (bytea_output does change bytea's text form).
--- The update arm reads each check's cost back from the proposed row
--- (excluded), since it cannot see the arrays. Windows,
--- overflow and the returned instants are as in FixedWindowTake.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us, pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint) AS expires_us
-      FROM clock
-)
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT (sqlc.arg(keys)::bytea[])[i], pgrl_from_epoch_us(win.expires_us),
-       (sqlc.arg(costs)::bigint[])[i], (sqlc.arg(costs)::bigint[])[i] <= sqlc.arg(max_count)::bigint
-  FROM win, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+-- distinct within one call (one statement cannot update a row twice). Keys
+-- come back hex-encoded (key_hex), which no session setting changes
+-- (bytea_output does change bytea's text form). The update arm cannot see
+-- the arrays, so it reads each check's cost back from the proposed row: its
+-- count, which the step made the cost itself unless the cost alone is over
+-- max_count (then allowed is false, and any cost over max_count decides the
+-- same). Windows, overflow and the returned instants are as in
+-- FixedWindowTake.
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key,
+       pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                             sqlc.arg(window_us)::bigint)) AS expires_at,
+       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                                  sqlc.arg(window_us)::bigint), 0,
+                               (sqlc.arg(costs)::bigint[])[i], sqlc.arg(max_count)::bigint,
+                               sqlc.arg(penalty)::boolean, false)).count AS count,
+       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                                  sqlc.arg(window_us)::bigint), 0,
+                               (sqlc.arg(costs)::bigint[])[i], sqlc.arg(max_count)::bigint,
+                               sqlc.arg(penalty)::boolean, false)).allowed AS allowed,
+       pgrl_now(sqlc.narg(at)::timestamptz) AS updated_at
+  FROM generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET count = CASE WHEN t.count <= sqlc.arg(max_count)::bigint - excluded.count THEN t.count + excluded.count
-                    WHEN NOT sqlc.arg(penalty)::boolean THEN t.count
-                    WHEN t.count <= 9223372036854775807 - excluded.count THEN t.count + excluded.count
-                    ELSE 9223372036854775807 END,
-       allowed = t.count <= sqlc.arg(max_count)::bigint - excluded.count
-RETURNING encode(key, 'hex') AS key_hex, count, (SELECT expires_us FROM win)::bigint AS expires_at_us, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us;
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                       CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                            ELSE sqlc.arg(max_count)::bigint + 1 END,
+                                       sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                              ELSE sqlc.arg(max_count)::bigint + 1 END,
+                                         sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
+          pgrl_us(updated_at) AS now_us;
 
 -- name: FixedWindowPeek :one
 -- FixedWindowPeek reports the key's current window without counting anything.
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+      FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts) AS c
 ), win AS (
     SELECT clock.now_us, pgrl_window_end_us(clock.now_us, sqlc.arg(window_us)::bigint) AS expires_us
       FROM clock
@@ -139,30 +148,24 @@ SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolea
 -- policy and check again. max_count is the limit that was applied.
 WITH win AS MATERIALIZED (
     SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, sqlc.arg(cost)::bigint AS cost,
-           pgrl_window_end_us(pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
+           pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+           pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
                               sqlc.arg(window_us)::bigint) AS expires_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > coalesce(sqlc.narg(at)::timestamptz, now()))
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
      WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
        AND p.key_mode = sqlc.arg(key_mode)::text
        AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = sqlc.arg(window_us)::bigint
 )
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed)
-SELECT sqlc.arg(key)::bytea,
-       pgrl_from_epoch_us(win.expires_us),
-       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
-       win.cost <= win.max_count
-  FROM win
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(win.expires_us), s.count, s.allowed, win.ts
+  FROM win, LATERAL pgrl_fixed_window_take(win.expires_us, 0, win.cost, win.max_count, win.penalty, false) AS s
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET (count, allowed) = (
-       SELECT CASE WHEN t.count <= win.max_count - win.cost THEN t.count + win.cost
-                   WHEN NOT win.penalty THEN t.count
-                   WHEN t.count <= 9223372036854775807 - greatest(win.cost, 0) THEN t.count + win.cost
-                   ELSE 9223372036854775807 END,
-              t.count <= win.max_count - win.cost
-         FROM win)
-RETURNING count, pgrl_epoch_us(expires_at) AS expires_at_us, allowed,
-          pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())) AS now_us,
+   SET (count, allowed, updated_at) = (
+       SELECT s.count, s.allowed, excluded.updated_at
+         FROM win, LATERAL pgrl_fixed_window_take(win.expires_us, t.count, win.cost, win.max_count, win.penalty,
+                                                  false) AS s)
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us,
           (SELECT max_count FROM win)::bigint AS max_count;

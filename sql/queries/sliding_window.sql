@@ -7,117 +7,115 @@
 -- allowed when estimate + cost <= max_count (compared exactly, in numeric).
 -- When a new window has begun the row rolls forward: count becomes prev_count
 -- if the row's window was the one just before, else both restart at zero. A
--- denied check adds nothing unless penalty is set. The UPDATE arm reads the
--- current window's start from the proposed row; the rolled-forward counts,
--- the elapsed time and the comparison are the pgrl_sliding_window_*
--- functions of migration 000005, inlined by the planner. at pins the clock
--- for tests; production leaves it nil. Windows start at multiples of
--- window_us since the Unix epoch, floored (also before 1970); a penalised
--- count stops at the largest bigint. Instants are returned as microseconds
--- since the Unix epoch, shaped by no session setting.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, sqlc.arg(window_us)::bigint)) AS window_start
-      FROM clock
-)
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
-SELECT sqlc.arg(key)::bytea,
-       win.window_start,
-       CASE WHEN sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint OR sqlc.arg(penalty)::boolean
-            THEN sqlc.arg(cost)::bigint ELSE 0 END,
-       0,
-       win.window_start + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
-       sqlc.arg(cost)::bigint <= sqlc.arg(max_count)::bigint
-  FROM win
+-- denied check adds nothing unless penalty is set; a penalised count stops at
+-- the largest bigint. The sliding window's step (pgrl_sliding_window_take,
+-- migration 000012) decides; the update arm reads the check's instant from
+-- the proposed row (excluded.updated_at) and calls only IMMUTABLE functions,
+-- as a distributed PostgreSQL (Citus) requires. at pins the clock for tests;
+-- production leaves it nil. Windows start at multiples of window_us since
+-- the Unix epoch, floored (also before 1970). Instants are returned as
+-- microseconds since the Unix epoch, shaped by no session setting; now_us is
+-- the check's instant, kept in the row's updated_at.
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+VALUES (sqlc.arg(key)::bytea,
+        pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                                sqlc.arg(window_us)::bigint)),
+        (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                  sqlc.arg(window_us)::bigint,
+                                  sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean,
+                                  false)).count,
+        0,
+        pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                                sqlc.arg(window_us)::bigint) + 2 * sqlc.arg(window_us)::bigint),
+        (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                  sqlc.arg(window_us)::bigint,
+                                  sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean,
+                                  false)).allowed,
+        pgrl_now(sqlc.narg(at)::timestamptz))
 ON CONFLICT (key) DO UPDATE
-   SET window_start = greatest(t.window_start, excluded.window_start),
-       count = pgrl_saturating_add(
-                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                   CASE WHEN pgrl_sliding_window_allows(
-                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                              sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                                 sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                                 pgrl_sliding_window_elapsed_us(
-                                     pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
-                                     greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
-                          OR sqlc.arg(penalty)::boolean
-                        THEN sqlc.arg(cost)::bigint ELSE 0 END),
-       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                 sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-       expires_at = greatest(t.window_start, excluded.window_start)
-                    + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
-       allowed = pgrl_sliding_window_allows(
-                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                  sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                     sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                     pgrl_sliding_window_elapsed_us(
-                         pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
-                         greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
-RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
-          (SELECT now_us FROM win)::bigint AS now_us;
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us
+                                    + 2 * sqlc.arg(window_us)::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us;
 
 -- name: SlidingWindowTakeMany :many
 -- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
--- the rules of FixedWindowTakeMany. The update arm reads the current
--- window's start from the proposed row's window_start and the cost from its
--- count.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-), win AS (
-    SELECT clock.now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(clock.now_us, sqlc.arg(window_us)::bigint)) AS window_start
-      FROM clock
-)
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
-SELECT (sqlc.arg(keys)::bytea[])[i],
-       win.window_start,
-       (sqlc.arg(costs)::bigint[])[i],
-       0,
-       win.window_start + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
-       (sqlc.arg(costs)::bigint[])[i] <= sqlc.arg(max_count)::bigint
-  FROM win, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+-- the rules of FixedWindowTakeMany: the update arm reads each check's cost
+-- back from the proposed row's count (or, when the cost alone is over
+-- max_count, any such cost, which decides the same).
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                               sqlc.arg(window_us)::bigint)) AS window_start,
+       s.count, 0 AS prev_count,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                               sqlc.arg(window_us)::bigint)
+                          + 2 * sqlc.arg(window_us)::bigint) AS expires_at,
+       s.allowed,
+       pgrl_now(sqlc.narg(at)::timestamptz) AS updated_at
+  FROM generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                        sqlc.arg(window_us)::bigint,
+                                        (sqlc.arg(costs)::bigint[])[i], sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET window_start = greatest(t.window_start, excluded.window_start),
-       count = pgrl_saturating_add(
-                   pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                   CASE WHEN pgrl_sliding_window_allows(
-                                 pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                              sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-                                 pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                                 excluded.count, sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                                 pgrl_sliding_window_elapsed_us(
-                                     pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
-                                     greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
-                          OR sqlc.arg(penalty)::boolean
-                        THEN excluded.count ELSE 0 END),
-       prev_count = pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                 sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-       expires_at = greatest(t.window_start, excluded.window_start)
-                    + 2 * sqlc.arg(window_us)::bigint * interval '1 microsecond',
-       allowed = pgrl_sliding_window_allows(
-                     pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                  sqlc.arg(window_us)::bigint, t.count, t.prev_count),
-                     pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count),
-                     excluded.count, sqlc.arg(max_count)::bigint, sqlc.arg(window_us)::bigint,
-                     pgrl_sliding_window_elapsed_us(
-                         pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
-                         greatest(t.window_start, excluded.window_start), sqlc.arg(window_us)::bigint))
-RETURNING encode(key, 'hex') AS key_hex, pgrl_epoch_us(window_start) AS window_start_us, count, prev_count,
-          allowed, (SELECT now_us FROM win)::bigint AS now_us;
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us
+                                    + 2 * sqlc.arg(window_us)::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
+          allowed, pgrl_us(updated_at) AS now_us;
 
 -- name: SlidingWindowPeek :one
 -- SlidingWindowPeek reports the key's current and previous window counts as
 -- of now, rolled forward as a check would, without counting anything.
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+      FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts) AS c
 ), win AS MATERIALIZED (
     -- MATERIALIZED keeps window_start a column: pgrl_sliding_window_previous
     -- reads it twice, and PostgreSQL inlines a function only when an argument
@@ -181,38 +179,31 @@ SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_u
 WITH win AS MATERIALIZED (
     SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, sqlc.arg(cost)::bigint AS cost,
            sqlc.arg(window_us)::bigint AS window_us,
-           pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())) AS now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())),
+           pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+           pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
                                                    sqlc.arg(window_us)::bigint)) AS window_start
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > coalesce(sqlc.narg(at)::timestamptz, now()))
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
      WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
        AND p.key_mode = sqlc.arg(key_mode)::text
        AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = sqlc.arg(window_us)::bigint
 )
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed)
-SELECT sqlc.arg(key)::bytea,
-       win.window_start,
-       CASE WHEN win.cost <= win.max_count OR win.penalty THEN win.cost ELSE 0 END,
-       0,
-       win.window_start + 2 * win.window_us * interval '1 microsecond',
-       win.cost <= win.max_count
-  FROM win
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT sqlc.arg(key)::bytea, win.window_start, s.count, 0,
+       pgrl_from_epoch_us(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
+  FROM win,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, win.now_us, win.window_us, win.cost, win.max_count,
+                                        win.penalty, false) AS s
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed) = (
-       SELECT r.start, pgrl_saturating_add(r.cur, CASE WHEN r.allows OR win.penalty THEN win.cost ELSE 0 END),
-              r.prev, r.start + 2 * win.window_us * interval '1 microsecond', r.allows
+   SET (window_start, count, prev_count, expires_at, allowed, updated_at) = (
+       SELECT pgrl_ts(s.window_start_us), s.count, s.prev_count,
+              pgrl_ts(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
          FROM win,
-              LATERAL (SELECT greatest(t.window_start, excluded.window_start) AS start,
-                              pgrl_sliding_window_current(t.window_start, excluded.window_start, t.count) AS cur,
-                              pgrl_sliding_window_previous(t.window_start, excluded.window_start,
-                                                           win.window_us, t.count, t.prev_count) AS prev) AS w,
-              LATERAL (SELECT w.start, w.cur, w.prev,
-                              pgrl_sliding_window_allows(
-                                  w.prev, w.cur, win.cost, win.max_count, win.window_us,
-                                  pgrl_sliding_window_elapsed_us(win.now_us, w.start, win.window_us)) AS allows) AS r)
-RETURNING pgrl_epoch_us(window_start) AS window_start_us, count, prev_count, allowed,
-          pgrl_epoch_us(coalesce(sqlc.narg(at)::timestamptz, now())) AS now_us,
+              LATERAL pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count, win.now_us,
+                                               win.window_us, win.cost, win.max_count, win.penalty, false) AS s)
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us,
           (SELECT max_count FROM win)::bigint AS max_count;

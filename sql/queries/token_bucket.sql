@@ -1,92 +1,104 @@
 -- name: TokenBucketTake :one
 -- TokenBucketTake refills the key's bucket for the time since its last
 -- check, then spends cost tokens if the balance covers them, in one statement:
--- a first check inserts a full bucket minus cost, every later one is the
--- UPDATE arm of the same upsert. The balance never exceeds capacity. A denied
--- check spends nothing, unless penalty is set: then it is charged anyway and
--- the balance may fall as low as -capacity, never lower. The refill, the
--- charge and the time the bucket is full again are the pgrl_token_bucket_*
--- functions of migration 000005, which the planner inlines.
--- refill_per_us is tokens per microsecond. The balance is returned as the
--- bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
--- as microseconds since the Unix epoch: exact, and shaped by no session
--- setting (extra_float_digits, DateStyle, TimeZone).
--- Elapsed time is clamped at zero, so a check that waited on the row lock and
--- sees a newer updated_at than its own clock never refills backwards. at pins
--- the clock for tests; production leaves it nil.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-)
+-- a first check inserts a full bucket less what the check spends, every later
+-- one is the UPDATE arm of the same upsert. The token bucket's step
+-- (pgrl_token_bucket_take, migration 000012) decides: the balance never
+-- exceeds capacity; a denied check spends nothing, unless penalty is set:
+-- then it is charged anyway and the balance may fall as low as -capacity,
+-- never lower. refill_per_us is tokens per microsecond. The balance is
+-- returned as the bits of its float8 (tokens_bits; math.Float64frombits in
+-- Go) and instants as microseconds since the Unix epoch: exact, and shaped by
+-- no session setting (extra_float_digits, DateStyle, TimeZone). The update
+-- arm reads the check's instant from the proposed row (excluded.updated_at)
+-- and calls only IMMUTABLE functions, as a distributed PostgreSQL (Citus)
+-- requires. Elapsed time is clamped at zero, so a check that waited on the
+-- row lock and sees a newer updated_at than its own clock never refills
+-- backwards. at pins the clock for tests; production leaves it nil.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT sqlc.arg(key)::bytea,
-       f.tokens,
-       clock.ts,
-       pgrl_token_bucket_full_at(clock.ts, f.tokens, sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
-       f.allowed
-  FROM clock,
-       LATERAL (
-           SELECT CASE WHEN sqlc.arg(cost)::float8 <= sqlc.arg(capacity)::float8 OR sqlc.arg(penalty)::boolean
-                       THEN sqlc.arg(capacity)::float8 - sqlc.arg(cost)::float8
-                       ELSE sqlc.arg(capacity)::float8 END AS tokens,
-                  sqlc.arg(cost)::float8 <= sqlc.arg(capacity)::float8 AS allowed
-       ) AS f
+VALUES (sqlc.arg(key)::bytea,
+        (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+                                sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                sqlc.arg(penalty)::boolean, false)).tokens,
+        pgrl_now(sqlc.narg(at)::timestamptz),
+        pgrl_token_bucket_full_at(
+            pgrl_now(sqlc.narg(at)::timestamptz),
+            (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                    pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+                                    sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                    sqlc.arg(penalty)::boolean, false)).tokens,
+            sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+        (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+                                sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                sqlc.arg(penalty)::boolean, false)).allowed)
 ON CONFLICT (key) DO UPDATE
-   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                          sqlc.arg(cost)::float8, sqlc.arg(penalty)::boolean),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        sqlc.arg(cost)::bigint, sqlc.arg(capacity)::float8,
+                                        sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_full_at(
+       full_at = pgrl_token_bucket_refilled_at(
                      greatest(t.updated_at, excluded.updated_at),
-                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                               sqlc.arg(cost)::float8, sqlc.arg(penalty)::boolean),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                             pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                                             sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                             sqlc.arg(penalty)::boolean, false)).tokens,
                      sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
-       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8)
-                 >= sqlc.arg(cost)::float8
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         sqlc.arg(cost)::bigint, sqlc.arg(capacity)::float8,
+                                         sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                         false)).allowed
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
-          pgrl_epoch_us(updated_at) AS updated_at_us,
-          pgrl_epoch_us(full_at) AS full_at_us,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
           allowed;
 
 -- name: TokenBucketTakeMany :many
 -- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
--- rules of FixedWindowTakeMany. The update arm reads the check's instant
--- from the proposed row's updated_at and its cost as capacity minus the
--- proposed balance (exact for integer costs).
--- The balance and instants are returned as in TokenBucketTake.
-WITH clock AS (
-    SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
-)
+-- rules of FixedWindowTakeMany. The update arm reads the check's instant from
+-- the proposed row's updated_at and its cost as capacity less the proposed
+-- balance (exact for integer costs below 2^53), unless the cost alone is
+-- over the capacity (then allowed is false, and any such cost decides the
+-- same). The balance and instants are returned as in TokenBucketTake.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT (sqlc.arg(keys)::bytea[])[i],
-       sqlc.arg(capacity)::float8 - (sqlc.arg(costs)::float8[])[i],
-       clock.ts,
-       clock.ts + ((sqlc.arg(costs)::float8[])[i] / sqlc.arg(refill_per_us)::float8) * interval '1 microsecond',
-       (sqlc.arg(costs)::float8[])[i] <= sqlc.arg(capacity)::float8
-  FROM clock, generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, pgrl_now(sqlc.narg(at)::timestamptz) AS updated_at,
+       pgrl_token_bucket_full_at(pgrl_now(sqlc.narg(at)::timestamptz), s.tokens, sqlc.arg(capacity)::float8,
+                                 sqlc.arg(refill_per_us)::float8) AS full_at,
+       s.allowed
+  FROM generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                    pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                      (sqlc.arg(costs)::bigint[])[i], sqlc.arg(capacity)::float8,
+                                      sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                          sqlc.arg(capacity)::float8 - excluded.tokens, sqlc.arg(penalty)::boolean),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                             THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                        sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                        sqlc.arg(penalty)::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_full_at(
+       full_at = pgrl_token_bucket_refilled_at(
                      greatest(t.updated_at, excluded.updated_at),
-                     pgrl_token_bucket_balance(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                               sqlc.arg(capacity)::float8 - excluded.tokens,
-                                               sqlc.arg(penalty)::boolean),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                             CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                                  THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                             sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                             sqlc.arg(penalty)::boolean, false)).tokens,
                      sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
-       allowed = pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                          sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8)
-                 >= sqlc.arg(capacity)::float8 - excluded.tokens
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                              THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                         sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                         sqlc.arg(penalty)::boolean, false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
-          pgrl_epoch_us(updated_at) AS updated_at_us,
-          pgrl_epoch_us(full_at) AS full_at_us,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
           allowed;
 
 -- name: TokenBucketPeek :one
@@ -95,7 +107,7 @@ RETURNING encode(key, 'hex') AS key_hex,
 -- them: the balance's float8 bits and the instant in microseconds.
 WITH clock AS (
     SELECT c.ts, pgrl_epoch_us(c.ts) AS now_us
-      FROM (SELECT coalesce(sqlc.narg(at)::timestamptz, now()) AS ts) AS c
+      FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts) AS c
 )
 SELECT pgrl_float8_bits(coalesce(
            (SELECT pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, clock.ts),
@@ -159,12 +171,13 @@ WITH rate AS MATERIALIZED (
            coalesce(o.burst, p.burst, o."limit", p."limit")::float8 AS capacity,
            coalesce(o."limit", p."limit")::float8
                / round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint::float8 AS refill_per_us,
-           sqlc.arg(cost)::float8 AS cost,
-           coalesce(sqlc.narg(at)::timestamptz, now()) AS ts
+           sqlc.arg(cost)::bigint AS cost,
+           pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+           pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us
       FROM pgrl_policy AS p
       LEFT JOIN pgrl_policy_override AS o
         ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > coalesce(sqlc.narg(at)::timestamptz, now()))
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
        AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
        AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
            * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
@@ -173,31 +186,23 @@ WITH rate AS MATERIALIZED (
        AND p.key_mode = sqlc.arg(key_mode)::text
 )
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT sqlc.arg(key)::bytea,
-       f.tokens,
-       rate.ts,
-       pgrl_token_bucket_full_at(rate.ts, f.tokens, rate.capacity, rate.refill_per_us),
-       f.allowed
+SELECT sqlc.arg(key)::bytea, s.tokens, rate.ts,
+       pgrl_token_bucket_full_at(rate.ts, s.tokens, rate.capacity, rate.refill_per_us), s.allowed
   FROM rate,
-       LATERAL (
-           SELECT CASE WHEN rate.cost <= rate.capacity OR rate.penalty THEN rate.capacity - rate.cost
-                       ELSE rate.capacity END AS tokens,
-                  rate.cost <= rate.capacity AS allowed
-       ) AS f
+       LATERAL pgrl_token_bucket_take(rate.capacity, rate.now_us, rate.now_us, rate.cost, rate.capacity,
+                                      rate.refill_per_us, rate.penalty, false) AS s
 ON CONFLICT (key) DO UPDATE
    SET (tokens, updated_at, full_at, allowed) = (
-       SELECT b.tokens, b.updated_at,
-              pgrl_token_bucket_full_at(b.updated_at, b.tokens, rate.capacity, rate.refill_per_us),
-              pgrl_token_bucket_refill(t.tokens, b.elapsed_us, rate.capacity, rate.refill_per_us) >= rate.cost
+       SELECT s.tokens, pgrl_ts(s.updated_at_us),
+              pgrl_token_bucket_refilled_at(pgrl_ts(s.updated_at_us), s.tokens, rate.capacity,
+                                        rate.refill_per_us),
+              s.allowed
          FROM rate,
-              LATERAL (SELECT pgrl_elapsed_us(t.updated_at, excluded.updated_at) AS elapsed_us) AS e,
-              LATERAL (SELECT pgrl_token_bucket_balance(t.tokens, e.elapsed_us, rate.capacity, rate.refill_per_us,
-                                                        rate.cost, rate.penalty) AS tokens,
-                              greatest(t.updated_at, excluded.updated_at) AS updated_at,
-                              e.elapsed_us) AS b)
+              LATERAL pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), rate.now_us, rate.cost,
+                                             rate.capacity, rate.refill_per_us, rate.penalty, false) AS s)
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
-          pgrl_epoch_us(updated_at) AS updated_at_us,
-          pgrl_epoch_us(full_at) AS full_at_us,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
           allowed,
           (SELECT "limit" FROM rate)::bigint AS "limit",
           (SELECT window_us FROM rate)::bigint AS window_us,
