@@ -154,11 +154,11 @@ SELECT ($1::bytea[])[i] AS key,
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                            ELSE $5::bigint + 1 END,
+                                            ELSE 9223372036854775807 END,
                                        $5::bigint, $6::boolean, false)).count,
        allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
                                          CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                              ELSE $5::bigint + 1 END,
+                                              ELSE 9223372036854775807 END,
                                          $5::bigint, $6::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,

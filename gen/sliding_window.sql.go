@@ -198,28 +198,28 @@ ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
                                         CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                             ELSE 9223372036854775807 END, $5::bigint,
                                         $6::boolean, false)).window_start_us),
        count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
                                         CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                             ELSE 9223372036854775807 END, $5::bigint,
                                         $6::boolean, false)).count,
        prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
                                         CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                             ELSE 9223372036854775807 END, $5::bigint,
                                         $6::boolean, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
                                         CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                             ELSE 9223372036854775807 END, $5::bigint,
                                         $6::boolean, false)).window_start_us
                                     + 2 * $3::bigint),
        allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
                                         CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE $5::bigint + 1 END, $5::bigint,
+                                             ELSE 9223372036854775807 END, $5::bigint,
                                         $6::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,

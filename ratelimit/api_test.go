@@ -186,9 +186,9 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		pool := dbtest.PoolOn(t, dbtest.NewSchema(t))
 		l := testkit.NewLimiter(t, pool, cfg)
 		_, err := l.Allow(ctx, "k")
-		// 42883: a check names pgrl's arithmetic functions (migration 5)
-		// before its table, so a schema without them fails there first.
-		both(t, err, ratelimit.ErrNotMigrated, "42883")
+		// 42P01: a check's INSERT names its table before pgrl's functions,
+		// so a schema without them fails there first.
+		both(t, err, ratelimit.ErrNotMigrated, "42P01")
 		// It says where it looked: the schema, the database and the user.
 		require.Contains(t, err.Error(), "pgrl's tables are missing in schema")
 		require.Contains(t, err.Error(), "of database")

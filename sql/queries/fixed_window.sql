@@ -70,11 +70,11 @@ SELECT (sqlc.arg(keys)::bytea[])[i] AS key,
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                            ELSE sqlc.arg(max_count)::bigint + 1 END,
+                                            ELSE 9223372036854775807 END,
                                        sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).count,
        allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
                                          CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                              ELSE sqlc.arg(max_count)::bigint + 1 END,
+                                              ELSE 9223372036854775807 END,
                                          sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,

@@ -83,28 +83,28 @@ ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).window_start_us),
        count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).count,
        prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).window_start_us
                                     + 2 * sqlc.arg(window_us)::bigint),
        allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE sqlc.arg(max_count)::bigint + 1 END, sqlc.arg(max_count)::bigint,
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
