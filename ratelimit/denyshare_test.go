@@ -14,12 +14,15 @@ import (
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/internal/denywire"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
 // hourlyShared is a token bucket of one unit per hour that shares its
 // denials: once spent, a key is denied for about an hour.
-var hourlyShared = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, ShareDenials: true}
+// Its checks wait for PostgreSQL as long as the tests look (testkit.DecisionTimeout):
+// they assert which store answered, and a loaded machine answers late.
+var hourlyShared = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, ShareDenials: true, Timeout: testkit.DecisionTimeout}
 
 // listenDenials opens a connection of its own on schema s that LISTENs on
 // DenyChannel.
