@@ -761,11 +761,11 @@ func (r *runner) table(name string, tr *TableResult) error {
 func (r *runner) deleteByKey(name string, size int32) (int64, error) {
 	switch name {
 	case TableFixedWindow:
-		return r.q.FixedWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs, BatchSize: size})
+		return r.q.FixedWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
 	case TableTokenBucket:
-		return r.q.TokenBucketDeleteFullBatchByKey(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchByKeyParams{AtUs: r.cutoffUs, BatchSize: size})
+		return r.q.TokenBucketDeleteFullBatchByKey(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
 	default:
-		return r.q.SlidingWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs, BatchSize: size})
+		return r.q.SlidingWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
 	}
 }
 

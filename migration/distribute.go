@@ -274,3 +274,19 @@ func needsDistribution(ctx context.Context, q Querier, schemaName string) (bool,
 	}
 	return false, nil
 }
+
+// undistribute makes a distributed table local again (undistribute_table,
+// which copies its rows back to the coordinator), when the citus extension
+// exists and the table is distributed; otherwise it does nothing.
+func undistribute(ctx context.Context, q Querier, schemaName, table string) error {
+	citus, err := HasCitus(ctx, q)
+	if err != nil || !citus {
+		return err
+	}
+	d, err := distributionOf(ctx, q, schemaName, table)
+	if err != nil || d.Kind == DistributionLocal {
+		return err
+	}
+	_, err = q.Exec(ctx, "SELECT pg_catalog.undistribute_table($1::regclass)", qualified(schemaName, table))
+	return err
+}

@@ -575,6 +575,15 @@ func (m *Migrator) SetLayout(ctx context.Context, layout Layout, width time.Dura
 				return err
 			}
 			// Durations as whole microseconds: no session setting reads them.
+			if layout == LayoutPlain && st.Layout == LayoutPartitioned {
+				// Back to plain, set_layout renames the partitioned
+				// table's constraint, which Citus refuses on a
+				// distributed table: make it local first (Distribute
+				// distributes the new one below).
+				if err := undistribute(ctx, tx, schemaName, "pgrl_fixed_window"); err != nil {
+					return err
+				}
+			}
 			if err := tx.QueryRow(ctx, `SELECT pgrl_fixed_window_set_layout($1,
 				$2::bigint * interval '1 microsecond', $3::bigint * interval '1 microsecond')`,
 				string(layout), width.Microseconds(), lookahead.Microseconds()).Scan(&out); err != nil {

@@ -285,15 +285,13 @@ const fixedWindowDeleteExpiredBatchByKey = `-- name: FixedWindowDeleteExpiredBat
 DELETE FROM pgrl_fixed_window AS d
  WHERE (d.key, d.expires_at) IN (
            SELECT x.key, x.expires_at FROM pgrl_fixed_window AS x
-            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
-                                           statement_timestamp())
+            WHERE x.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
             LIMIT $2::integer)
-   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
-                                statement_timestamp())
+   AND d.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
 `
 
 type FixedWindowDeleteExpiredBatchByKeyParams struct {
-	AtUs      pgtype.Int8
+	AtUs      int64
 	BatchSize int32
 }
 
@@ -302,7 +300,9 @@ type FixedWindowDeleteExpiredBatchByKeyParams struct {
 // own. These batches name their rows by primary key instead: Citus runs the
 // inner SELECT (with its LIMIT) first, then sends each shard the DELETE of
 // its own keys. On plain PostgreSQL the ctid batches above stay in use (a TID
-// scan is cheaper than an index probe per row).
+// scan is cheaper than an index probe per row). at_us is required here: Citus
+// refuses a STABLE function (statement_timestamp()) inside coalesce in a
+// modification, and package cleanup always passes its cutoff.
 // FixedWindowDeleteExpiredBatchByKey is FixedWindowDeleteExpiredBatch naming
 // rows by primary key (key, expires_at), for Citus.
 func (q *Queries) FixedWindowDeleteExpiredBatchByKey(ctx context.Context, db DBTX, arg FixedWindowDeleteExpiredBatchByKeyParams) (int64, error) {
@@ -496,15 +496,13 @@ const slidingWindowDeleteExpiredBatchByKey = `-- name: SlidingWindowDeleteExpire
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.key IN (
            SELECT x.key FROM pgrl_sliding_window AS x
-            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
-                                           statement_timestamp())
+            WHERE x.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
             LIMIT $2::integer)
-   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
-                                statement_timestamp())
+   AND d.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
 `
 
 type SlidingWindowDeleteExpiredBatchByKeyParams struct {
-	AtUs      pgtype.Int8
+	AtUs      int64
 	BatchSize int32
 }
 
@@ -565,15 +563,13 @@ const tokenBucketDeleteFullBatchByKey = `-- name: TokenBucketDeleteFullBatchByKe
 DELETE FROM pgrl_token_bucket AS d
  WHERE d.key IN (
            SELECT x.key FROM pgrl_token_bucket AS x
-            WHERE x.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
-                                        statement_timestamp())
+            WHERE x.full_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
             LIMIT $2::integer)
-   AND d.full_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
-                             statement_timestamp())
+   AND d.full_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
 `
 
 type TokenBucketDeleteFullBatchByKeyParams struct {
-	AtUs      pgtype.Int8
+	AtUs      int64
 	BatchSize int32
 }
 

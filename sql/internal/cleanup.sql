@@ -141,7 +141,9 @@ DELETE FROM pgrl_sliding_window AS d
 -- own. These batches name their rows by primary key instead: Citus runs the
 -- inner SELECT (with its LIMIT) first, then sends each shard the DELETE of
 -- its own keys. On plain PostgreSQL the ctid batches above stay in use (a TID
--- scan is cheaper than an index probe per row).
+-- scan is cheaper than an index probe per row). at_us is required here: Citus
+-- refuses a STABLE function (statement_timestamp()) inside coalesce in a
+-- modification, and package cleanup always passes its cutoff.
 
 -- name: FixedWindowDeleteExpiredBatchByKey :execrows
 -- FixedWindowDeleteExpiredBatchByKey is FixedWindowDeleteExpiredBatch naming
@@ -149,11 +151,9 @@ DELETE FROM pgrl_sliding_window AS d
 DELETE FROM pgrl_fixed_window AS d
  WHERE (d.key, d.expires_at) IN (
            SELECT x.key, x.expires_at FROM pgrl_fixed_window AS x
-            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
-                                           statement_timestamp())
+            WHERE x.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
             LIMIT sqlc.arg(batch_size)::integer)
-   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
-                                statement_timestamp());
+   AND d.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
 
 -- name: TokenBucketDeleteFullBatchByKey :execrows
 -- TokenBucketDeleteFullBatchByKey is TokenBucketDeleteFullBatch naming rows
@@ -161,11 +161,9 @@ DELETE FROM pgrl_fixed_window AS d
 DELETE FROM pgrl_token_bucket AS d
  WHERE d.key IN (
            SELECT x.key FROM pgrl_token_bucket AS x
-            WHERE x.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
-                                        statement_timestamp())
+            WHERE x.full_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
             LIMIT sqlc.arg(batch_size)::integer)
-   AND d.full_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
-                             statement_timestamp());
+   AND d.full_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
 
 -- name: SlidingWindowDeleteExpiredBatchByKey :execrows
 -- SlidingWindowDeleteExpiredBatchByKey is SlidingWindowDeleteExpiredBatch
@@ -173,11 +171,9 @@ DELETE FROM pgrl_token_bucket AS d
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.key IN (
            SELECT x.key FROM pgrl_sliding_window AS x
-            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
-                                           statement_timestamp())
+            WHERE x.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
             LIMIT sqlc.arg(batch_size)::integer)
-   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
-                                statement_timestamp());
+   AND d.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
 
 -- name: FixedWindowPartitions :many
 -- FixedWindowPartitions lists the partitions of pgrl_fixed_window, oldest
