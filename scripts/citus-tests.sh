@@ -30,7 +30,7 @@ group() { # group NAME PACKAGE RUN-REGEX
 }
 
 # Distribution itself and rl-migrate on Citus.
-group migration ./migration/ '^(TestCitus|TestUpCreatesUnloggedTablesAndRoundTrips|TestUpToAndDownSteps|TestLayoutSwitchKeepsLiveRowsAndUnloggedPartitions|TestConcurrentUpInOneProcess)$' "$@"
+group migration ./migration/ '^(TestCitus.*|TestUpCreatesUnloggedTablesAndRoundTrips|TestUpToAndDownSteps|TestLayoutSwitchKeepsLiveRowsAndUnloggedPartitions|TestConcurrentUpInOneProcess)$' "$@"
 group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
 # The three algorithms, coalescing, check queues, AllowAll, AllowUpTo.
 group algorithms ./ratelimit/ '^(TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestCoalescedMatchesSequentialReplay|TestBatchesMatchSingleChecks|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllOrNothing|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx)$' "$@"
