@@ -235,8 +235,8 @@ type Partitions struct {
 	// LeftoversDropped names tables left detached by an interrupted earlier
 	// run, dropped now.
 	LeftoversDropped []string `json:"leftovers_dropped"`
-	// Detach is the form used: "concurrently" or "plain" (PostgreSQL 13, or
-	// a DEFAULT partition exists).
+	// Detach is the form used: "concurrently" or "plain" (PostgreSQL 13, a
+	// DEFAULT partition exists, or the database has the citus extension).
 	Detach string `json:"detach,omitempty"`
 }
 
@@ -724,12 +724,15 @@ func (r *runner) table(name string, tr *TableResult) error {
 		t0 := time.Now()
 		var n int64
 		var err error
-		switch name {
-		case TableFixedWindow:
+		switch {
+		case r.tables.Citus:
+			// A ctid names a row of one shard only: batches by primary key.
+			n, err = r.deleteByKey(name, size)
+		case name == TableFixedWindow:
 			n, err = r.q.FixedWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
-		case TableTokenBucket:
+		case name == TableTokenBucket:
 			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchParams{AtUs: r.cutoffUs, BatchSize: size})
-		case TableSlidingWindow:
+		case name == TableSlidingWindow:
 			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		}
 		if err != nil {
@@ -751,6 +754,19 @@ func (r *runner) table(name string, tr *TableResult) error {
 		tr.Vacuumed = true
 	}
 	return nil
+}
+
+// deleteByKey runs one batch of the primary-key deletes, which Citus
+// accepts on distributed tables (the ctid ones it refuses).
+func (r *runner) deleteByKey(name string, size int32) (int64, error) {
+	switch name {
+	case TableFixedWindow:
+		return r.q.FixedWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
+	case TableTokenBucket:
+		return r.q.TokenBucketDeleteFullBatchByKey(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
+	default:
+		return r.q.SlidingWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
+	}
 }
 
 func (r *runner) progress(name string, tr *TableResult) {
@@ -808,7 +824,8 @@ func (r *runner) partitions() error {
 	if err != nil {
 		return fmt.Errorf("list partitions: %w", err)
 	}
-	concurrently := r.tables.ServerVersionNum >= 140000
+	// Citus refuses DETACH CONCURRENTLY on distributed tables.
+	concurrently := r.tables.ServerVersionNum >= 140000 && !r.tables.Citus
 	for _, part := range parts {
 		if part.IsDefault {
 			// DETACH CONCURRENTLY is refused while a DEFAULT partition exists.

@@ -232,6 +232,10 @@ type Result struct {
 	Applied []Migration `json:"applied"`
 	// Reverted lists the migrations reverted, in order.
 	Reverted []Migration `json:"reverted"`
+	// Distributed lists the tables Up or UpTo distributed on Citus (see
+	// Distribute): empty without the citus extension and when they already
+	// were.
+	Distributed []string `json:"distributed,omitempty"`
 }
 
 // Changed reports whether the operation applied or reverted anything.
@@ -259,6 +263,11 @@ type Status struct {
 	// PartitionWidth is the width of the partitions in the partitioned
 	// layout, else zero.
 	PartitionWidth time.Duration `json:"-"`
+	// Citus is true when the citus extension exists in the database.
+	Citus bool `json:"citus"`
+	// Distribution says how each of pgrl's tables is stored (local without
+	// Citus; see Distribute).
+	Distribution []Distribution `json:"distribution"`
 }
 
 // Up applies every pending migration. Nothing pending is success.
@@ -306,7 +315,36 @@ func (m *Migrator) up(ctx context.Context, target uint, op func(*migrate.Migrate
 			return res, err
 		}
 	}
+	if res.Distributed, err = m.distribute(ctx); err != nil {
+		return res, err
+	}
 	return res, m.Grant(ctx, m.cfg.GrantTo...)
+}
+
+// distribute distributes pgrl's tables on Citus (see Distribute) when some
+// are not yet; it takes the migration lock only then, so that an up with
+// nothing to do stays a read.
+func (m *Migrator) distribute(ctx context.Context) ([]string, error) {
+	m.mu.Lock()
+	conn, schemaName, err := m.control(ctx)
+	var todo bool
+	if err == nil {
+		todo, err = needsDistribution(ctx, conn, schemaName)
+	}
+	m.mu.Unlock()
+	if err != nil || !todo {
+		return nil, err
+	}
+	var changed []string
+	err = m.withLock(ctx, needOwner, func(conn *pgx.Conn, schemaName string) error {
+		var err error
+		changed, err = Distribute(ctx, conn, schemaName)
+		return err
+	})
+	if len(changed) > 0 {
+		m.cfg.Logger.Info("distributed pgrl's tables on Citus", "schema", schemaName, "tables", strings.Join(changed, ","))
+	}
+	return changed, err
 }
 
 // upToDate reports whether the migrations table cleanly records version
@@ -469,7 +507,18 @@ func (m *Migrator) Status(ctx context.Context) (Status, error) {
 	if err := checkAccess(ctx, conn, schemaName, needUsage); err != nil {
 		return Status{}, err
 	}
-	return m.status(ctx, conn, schemaName)
+	st, err := m.status(ctx, conn, schemaName)
+	if err != nil {
+		return st, err
+	}
+	if st.Citus, err = HasCitus(ctx, conn); err != nil {
+		return st, err
+	}
+	st.Distribution, err = Distributions(ctx, conn, schemaName)
+	if st.Distribution == nil {
+		st.Distribution = []Distribution{}
+	}
+	return st, err
 }
 
 // SetLayout switches pgrl_fixed_window between LayoutPlain and
@@ -526,9 +575,25 @@ func (m *Migrator) SetLayout(ctx context.Context, layout Layout, width time.Dura
 				return err
 			}
 			// Durations as whole microseconds: no session setting reads them.
-			return tx.QueryRow(ctx, `SELECT pgrl_fixed_window_set_layout($1,
+			if layout == LayoutPlain && st.Layout == LayoutPartitioned {
+				// Back to plain, set_layout renames the partitioned
+				// table's constraint, which Citus refuses on a
+				// distributed table: make it local first (Distribute
+				// distributes the new one below).
+				if err := undistribute(ctx, tx, schemaName, "pgrl_fixed_window"); err != nil {
+					return err
+				}
+			}
+			if err := tx.QueryRow(ctx, `SELECT pgrl_fixed_window_set_layout($1,
 				$2::bigint * interval '1 microsecond', $3::bigint * interval '1 microsecond')`,
-				string(layout), width.Microseconds(), lookahead.Microseconds()).Scan(&out)
+				string(layout), width.Microseconds(), lookahead.Microseconds()).Scan(&out); err != nil {
+				return err
+			}
+			// Switching layouts builds a new, local pgrl_fixed_window:
+			// on Citus it is distributed again, in the same transaction,
+			// so that no check ever sees it undistributed.
+			_, err := Distribute(ctx, tx, schemaName)
+			return err
 		})
 		var pgErr *pgconn.PgError
 		if errors.As(err, &pgErr) && pgErr.Code == "22023" && strings.Contains(pgErr.Message, "partitions") {

@@ -35,11 +35,15 @@ Commands:
                            on the counter tables, SELECT on the policy tables,
                            EXECUTE on pgrl's functions, SELECT on the migrations
                            table for status), also when nothing was pending; every
-                           role must exist, which is checked before anything is done
+                           role must exist, which is checked before anything is done.
+                           When the database has the citus extension, up distributes
+                           the counter tables by key (colocated) and makes the policy
+                           and settings tables reference tables, once
   down [--all]             revert the newest applied migration; --all reverts every
                            one and drops pgrl's tables with all their counters
   status [--check]         show the version, applied and pending migrations and the
-                           layout; --check exits 4 when some are pending, 3 when dirty;
+                           layout (on Citus, each table's distribution); --check exits
+                           4 when some are pending, 3 when dirty;
                            the application's role may run it after up --grant-to
   force N                  record version N as applied and clear the dirty flag,
                            running no SQL (N=0: nothing applied); for after a repair
@@ -579,6 +583,13 @@ func (a *app) status(ctx context.Context, check bool) error {
 		}
 		fmt.Fprintf(a.stdout, "schema:           %s\nmigrations table: %s\nversion:          %d (latest %d)\ndirty:            %t\nlayout:           %s\napplied:          %s\npending:          %s\n",
 			st.Schema, st.Table, st.Version, st.Latest, st.Dirty, layout, applied, pending)
+		if st.Citus {
+			// On Citus, how each table is stored (see migration.Distribute).
+			fmt.Fprintf(a.stdout, "citus:            yes\n")
+			for _, d := range st.Distribution {
+				fmt.Fprintf(a.stdout, "  %-22s %s\n", d.Table, d)
+			}
+		}
 		if st.Dirty {
 			fmt.Fprintln(a.stderr, "rl-migrate: "+(&migration.DirtyError{Version: st.Version, Table: st.Schema + "." + st.Table}).Error())
 		}

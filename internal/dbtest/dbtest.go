@@ -25,6 +25,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/sql/schema"
 )
 
@@ -100,6 +101,8 @@ func NewSchema(t testing.TB) string {
 
 // Migrate applies every embedded up migration, in order, inside schemaName.
 // It does not record versions: tests of the migration tool use that tool.
+// When the database has the citus extension, the tables are distributed
+// the way rl-migrate up distributes them (migration.Distribute).
 func Migrate(t testing.TB, schemaName string) {
 	t.Helper()
 	ctx := context.Background()
@@ -115,7 +118,9 @@ func Migrate(t testing.TB, schemaName string) {
 
 // Apply runs every embedded up migration, in order, in one transaction on
 // conn: inside schemaName, or in the connection's default schema when
-// schemaName is empty. It records no version.
+// schemaName is empty. It records no version. Then, in a transaction of
+// its own, it calls migration.Distribute, which distributes pgrl's tables
+// when the database has the citus extension and does nothing otherwise.
 func Apply(ctx context.Context, conn *pgx.Conn, schemaName string) error {
 	names, err := fs.Glob(schema.FS, "*.up.sql")
 	if err != nil {
@@ -141,7 +146,23 @@ func Apply(ctx context.Context, conn *pgx.Conn, schemaName string) error {
 			return fmt.Errorf("apply %s: %w", n, err)
 		}
 	}
-	return tx.Commit(ctx)
+	if err := tx.Commit(ctx); err != nil {
+		return err
+	}
+	// On Citus, the tables are distributed as rl-migrate up distributes
+	// them, by the same function.
+	if schemaName == "" {
+		var s *string
+		if err := conn.QueryRow(ctx, "SELECT current_schema()").Scan(&s); err != nil {
+			return err
+		}
+		if s == nil {
+			return nil
+		}
+		schemaName = *s
+	}
+	_, err = migration.Distribute(ctx, conn, schemaName)
+	return err
 }
 
 // Option adjusts the pool configuration that Pool builds.

@@ -132,7 +132,8 @@ SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_wi
                    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS schema_name,
        current_setting('server_version_num')::integer AS server_version_num,
-       (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us
+       (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us,
+       EXISTS (SELECT 1 FROM pg_catalog.pg_extension AS e WHERE e.extname = 'citus')::boolean AS citus
 `
 
 type CleanupTablesRow struct {
@@ -144,6 +145,7 @@ type CleanupTablesRow struct {
 	SchemaName              string
 	ServerVersionNum        int32
 	NowUs                   int64
+	Citus                   bool
 }
 
 // Queries behind rl-cleanup and package cleanup.
@@ -178,8 +180,10 @@ type CleanupTablesRow struct {
 // DateStyle and TimeZone.
 // CleanupTables reports which pgrl tables exist in the search_path, whether
 // pgrl_fixed_window is partitioned, its partition width (0 when plain), the
-// schema it lives in, the server's version number and the database clock
-// (microseconds since the Unix epoch).
+// schema it lives in, the server's version number, the database clock
+// (microseconds since the Unix epoch) and whether the citus extension exists
+// in the database (Citus refuses DETACH CONCURRENTLY on distributed tables and
+// a ctid-based batch delete across shards).
 func (q *Queries) CleanupTables(ctx context.Context, db DBTX) (CleanupTablesRow, error) {
 	row := db.QueryRow(ctx, cleanupTables)
 	var i CleanupTablesRow
@@ -192,6 +196,7 @@ func (q *Queries) CleanupTables(ctx context.Context, db DBTX) (CleanupTablesRow,
 		&i.SchemaName,
 		&i.ServerVersionNum,
 		&i.NowUs,
+		&i.Citus,
 	)
 	return i, err
 }
@@ -269,6 +274,39 @@ type FixedWindowDeleteExpiredBatchParams struct {
 // returns how many it deleted; fewer than batch_size means none are left.
 func (q *Queries) FixedWindowDeleteExpiredBatch(ctx context.Context, db DBTX, arg FixedWindowDeleteExpiredBatchParams) (int64, error) {
 	result, err := db.Exec(ctx, fixedWindowDeleteExpiredBatch, arg.AtUs, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const fixedWindowDeleteExpiredBatchByKey = `-- name: FixedWindowDeleteExpiredBatchByKey :execrows
+
+DELETE FROM pgrl_fixed_window AS d
+ WHERE (d.key, d.expires_at) IN (
+           SELECT x.key, x.expires_at FROM pgrl_fixed_window AS x
+            WHERE x.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+            LIMIT $2::integer)
+   AND d.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+`
+
+type FixedWindowDeleteExpiredBatchByKeyParams struct {
+	AtUs      int64
+	BatchSize int32
+}
+
+// On Citus a ctid names a row of one shard only, and Citus refuses a
+// modification whose WHERE uses ctid with a subquery it has to plan on its
+// own. These batches name their rows by primary key instead: Citus runs the
+// inner SELECT (with its LIMIT) first, then sends each shard the DELETE of
+// its own keys. On plain PostgreSQL the ctid batches above stay in use (a TID
+// scan is cheaper than an index probe per row). at_us is required here: Citus
+// refuses a STABLE function (statement_timestamp()) inside coalesce in a
+// modification, and package cleanup always passes its cutoff.
+// FixedWindowDeleteExpiredBatchByKey is FixedWindowDeleteExpiredBatch naming
+// rows by primary key (key, expires_at), for Citus.
+func (q *Queries) FixedWindowDeleteExpiredBatchByKey(ctx context.Context, db DBTX, arg FixedWindowDeleteExpiredBatchByKeyParams) (int64, error) {
+	result, err := db.Exec(ctx, fixedWindowDeleteExpiredBatchByKey, arg.AtUs, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}
@@ -454,6 +492,30 @@ func (q *Queries) SlidingWindowDeleteExpiredBatch(ctx context.Context, db DBTX, 
 	return result.RowsAffected(), nil
 }
 
+const slidingWindowDeleteExpiredBatchByKey = `-- name: SlidingWindowDeleteExpiredBatchByKey :execrows
+DELETE FROM pgrl_sliding_window AS d
+ WHERE d.key IN (
+           SELECT x.key FROM pgrl_sliding_window AS x
+            WHERE x.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+            LIMIT $2::integer)
+   AND d.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+`
+
+type SlidingWindowDeleteExpiredBatchByKeyParams struct {
+	AtUs      int64
+	BatchSize int32
+}
+
+// SlidingWindowDeleteExpiredBatchByKey is SlidingWindowDeleteExpiredBatch
+// naming rows by primary key, for Citus.
+func (q *Queries) SlidingWindowDeleteExpiredBatchByKey(ctx context.Context, db DBTX, arg SlidingWindowDeleteExpiredBatchByKeyParams) (int64, error) {
+	result, err := db.Exec(ctx, slidingWindowDeleteExpiredBatchByKey, arg.AtUs, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const tokenBucketCountFull = `-- name: TokenBucketCountFull :one
 SELECT count(*)::bigint AS full_buckets
   FROM pgrl_token_bucket AS t
@@ -491,6 +553,30 @@ type TokenBucketDeleteFullBatchParams struct {
 // none are left.
 func (q *Queries) TokenBucketDeleteFullBatch(ctx context.Context, db DBTX, arg TokenBucketDeleteFullBatchParams) (int64, error) {
 	result, err := db.Exec(ctx, tokenBucketDeleteFullBatch, arg.AtUs, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const tokenBucketDeleteFullBatchByKey = `-- name: TokenBucketDeleteFullBatchByKey :execrows
+DELETE FROM pgrl_token_bucket AS d
+ WHERE d.key IN (
+           SELECT x.key FROM pgrl_token_bucket AS x
+            WHERE x.full_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+            LIMIT $2::integer)
+   AND d.full_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+`
+
+type TokenBucketDeleteFullBatchByKeyParams struct {
+	AtUs      int64
+	BatchSize int32
+}
+
+// TokenBucketDeleteFullBatchByKey is TokenBucketDeleteFullBatch naming rows
+// by primary key, for Citus.
+func (q *Queries) TokenBucketDeleteFullBatchByKey(ctx context.Context, db DBTX, arg TokenBucketDeleteFullBatchByKeyParams) (int64, error) {
+	result, err := db.Exec(ctx, tokenBucketDeleteFullBatchByKey, arg.AtUs, arg.BatchSize)
 	if err != nil {
 		return 0, err
 	}

@@ -30,8 +30,10 @@
 -- name: CleanupTables :one
 -- CleanupTables reports which pgrl tables exist in the search_path, whether
 -- pgrl_fixed_window is partitioned, its partition width (0 when plain), the
--- schema it lives in, the server's version number and the database clock
--- (microseconds since the Unix epoch).
+-- schema it lives in, the server's version number, the database clock
+-- (microseconds since the Unix epoch) and whether the citus extension exists
+-- in the database (Citus refuses DETACH CONCURRENTLY on distributed tables and
+-- a ctid-based batch delete across shards).
 SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_window_exists,
        (to_regclass('pgrl_token_bucket'::text) IS NOT NULL)::boolean AS token_bucket_exists,
        (to_regclass('pgrl_sliding_window'::text) IS NOT NULL)::boolean AS sliding_window_exists,
@@ -42,7 +44,8 @@ SELECT (to_regclass('pgrl_fixed_window'::text) IS NOT NULL)::boolean AS fixed_wi
                    JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
                   WHERE c.oid = to_regclass('pgrl_fixed_window'::text)), '')::text AS schema_name,
        current_setting('server_version_num')::integer AS server_version_num,
-       (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us;
+       (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us,
+       EXISTS (SELECT 1 FROM pg_catalog.pg_extension AS e WHERE e.extname = 'citus')::boolean AS citus;
 
 -- name: FixedWindowPartitionSeconds :one
 -- FixedWindowPartitionSeconds returns the width of pgrl_fixed_window's
@@ -132,6 +135,45 @@ DELETE FROM pgrl_sliding_window AS d
             LIMIT sqlc.arg(batch_size)::integer))
    AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
                                 statement_timestamp());
+
+-- On Citus a ctid names a row of one shard only, and Citus refuses a
+-- modification whose WHERE uses ctid with a subquery it has to plan on its
+-- own. These batches name their rows by primary key instead: Citus runs the
+-- inner SELECT (with its LIMIT) first, then sends each shard the DELETE of
+-- its own keys. On plain PostgreSQL the ctid batches above stay in use (a TID
+-- scan is cheaper than an index probe per row). at_us is required here: Citus
+-- refuses a STABLE function (statement_timestamp()) inside coalesce in a
+-- modification, and package cleanup always passes its cutoff.
+
+-- name: FixedWindowDeleteExpiredBatchByKey :execrows
+-- FixedWindowDeleteExpiredBatchByKey is FixedWindowDeleteExpiredBatch naming
+-- rows by primary key (key, expires_at), for Citus.
+DELETE FROM pgrl_fixed_window AS d
+ WHERE (d.key, d.expires_at) IN (
+           SELECT x.key, x.expires_at FROM pgrl_fixed_window AS x
+            WHERE x.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
+            LIMIT sqlc.arg(batch_size)::integer)
+   AND d.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
+
+-- name: TokenBucketDeleteFullBatchByKey :execrows
+-- TokenBucketDeleteFullBatchByKey is TokenBucketDeleteFullBatch naming rows
+-- by primary key, for Citus.
+DELETE FROM pgrl_token_bucket AS d
+ WHERE d.key IN (
+           SELECT x.key FROM pgrl_token_bucket AS x
+            WHERE x.full_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
+            LIMIT sqlc.arg(batch_size)::integer)
+   AND d.full_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
+
+-- name: SlidingWindowDeleteExpiredBatchByKey :execrows
+-- SlidingWindowDeleteExpiredBatchByKey is SlidingWindowDeleteExpiredBatch
+-- naming rows by primary key, for Citus.
+DELETE FROM pgrl_sliding_window AS d
+ WHERE d.key IN (
+           SELECT x.key FROM pgrl_sliding_window AS x
+            WHERE x.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
+            LIMIT sqlc.arg(batch_size)::integer)
+   AND d.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
 
 -- name: FixedWindowPartitions :many
 -- FixedWindowPartitions lists the partitions of pgrl_fixed_window, oldest

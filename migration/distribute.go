@@ -1,0 +1,292 @@
+package migration
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// On Citus (distributed PostgreSQL), pgrl's tables are spread over the
+// cluster when the citus extension exists in the database: the counter
+// tables are distributed by key, colocated with each other, so that every
+// check touches one shard; the small configuration tables are reference
+// tables, copied to every node, so that a check that reads a policy joins
+// it on the shard. A plain table on a Citus coordinator would work, but
+// silently: every check would run on the coordinator alone, which is what
+// Citus was brought in to avoid. So Up, UpTo, SetLayout and the test helper
+// of this repository distribute without being asked, through Distribute.
+
+// Kinds of Distribution.
+const (
+	// DistributionLocal is an ordinary table of the node it is on (always,
+	// without Citus).
+	DistributionLocal = "local"
+	// DistributionDistributed is a table hash-distributed over shards.
+	DistributionDistributed = "distributed"
+	// DistributionReference is a table copied to every node.
+	DistributionReference = "reference"
+	// DistributionCitusLocal is a table Citus knows but keeps on the
+	// coordinator (a "Citus local table").
+	DistributionCitusLocal = "citus_local"
+)
+
+// DistributedTables are the tables Distribute distributes by their key
+// column, colocated with each other: the counters every check writes.
+var DistributedTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
+
+// ReferenceTables are the tables Distribute makes reference tables: small,
+// written rarely, read by checks (policies) or by the partition functions.
+var ReferenceTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_policy_override"}
+
+// DistributionColumn is the column the counter tables are distributed by.
+const DistributionColumn = "key"
+
+// Distribution is how Citus stores one of pgrl's tables.
+type Distribution struct {
+	// Table is the table's name.
+	Table string `json:"table"`
+	// Kind is DistributionLocal, DistributionDistributed,
+	// DistributionReference or DistributionCitusLocal.
+	Kind string `json:"kind"`
+	// Column is the distribution column of a distributed table.
+	Column string `json:"column,omitempty"`
+	// Shards is how many shards a distributed table has (1 for a reference
+	// table).
+	Shards int `json:"shards,omitempty"`
+	// ColocationID is Citus's colocation group of a distributed table:
+	// tables with the same one keep the same keys on the same node.
+	ColocationID int `json:"colocation_id,omitempty"`
+}
+
+// String is "distributed by key, 32 shards", "reference", "local", ….
+func (d Distribution) String() string {
+	switch d.Kind {
+	case DistributionDistributed:
+		return fmt.Sprintf("distributed by %s, %d shards, colocation %d", d.Column, d.Shards, d.ColocationID)
+	case DistributionCitusLocal:
+		return "Citus local table (coordinator only)"
+	}
+	return d.Kind
+}
+
+// Querier is what Distribute and Distributions need of a connection: a
+// *pgx.Conn, a pgx.Tx or a pool.
+type Querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// HasCitus reports whether the citus extension exists in the database.
+func HasCitus(ctx context.Context, q Querier) (bool, error) {
+	var ok bool
+	err := q.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')").Scan(&ok)
+	return ok, err
+}
+
+// Distributions reports how each of pgrl's tables that exists in schemaName
+// is stored, counters first. Without the citus extension every table is
+// DistributionLocal.
+func Distributions(ctx context.Context, q Querier, schemaName string) ([]Distribution, error) {
+	citus, err := HasCitus(ctx, q)
+	if err != nil {
+		return nil, err
+	}
+	var out []Distribution
+	for _, t := range append(append([]string{}, DistributedTables...), ReferenceTables...) {
+		var exists bool
+		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
+			return nil, err
+		}
+		if !exists {
+			continue
+		}
+		d := Distribution{Table: t, Kind: DistributionLocal}
+		if citus {
+			if d, err = distributionOf(ctx, q, schemaName, t); err != nil {
+				return nil, err
+			}
+		}
+		out = append(out, d)
+	}
+	return out, nil
+}
+
+// distributionOf reads Citus's metadata for one table (the extension exists).
+func distributionOf(ctx context.Context, q Querier, schemaName, table string) (Distribution, error) {
+	d := Distribution{Table: table, Kind: DistributionLocal}
+	var method, model string
+	var column *string
+	var shards, colocation int
+	err := q.QueryRow(ctx, `SELECT p.partmethod::text, p.repmodel::text,
+	       CASE WHEN p.partmethod = 'h' THEN pg_catalog.column_to_column_name(p.logicalrelid, p.partkey) END,
+	       (SELECT count(*)::int FROM pg_catalog.pg_dist_shard AS s WHERE s.logicalrelid = p.logicalrelid),
+	       p.colocationid::int
+	  FROM pg_catalog.pg_dist_partition AS p WHERE p.logicalrelid = $1::regclass`, qualified(schemaName, table)).
+		Scan(&method, &model, &column, &shards, &colocation)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return d, nil
+	case err != nil:
+		return d, err
+	}
+	switch {
+	case method == "h":
+		d.Kind, d.Shards, d.ColocationID = DistributionDistributed, shards, colocation
+		if column != nil {
+			d.Column = *column
+		}
+	case method == "n" && model == "t":
+		d.Kind, d.Shards = DistributionReference, shards
+	case method == "n":
+		d.Kind = DistributionCitusLocal
+	}
+	return d, nil
+}
+
+// Distribute distributes pgrl's tables in schemaName when the citus
+// extension exists in the database, and does nothing otherwise: the counter
+// tables (DistributedTables) by key, colocated with each other, with
+// create_distributed_table (not its _concurrently form, which refuses
+// UNLOGGED tables), and the configuration tables (ReferenceTables) with
+// create_reference_table. Tables already distributed, and tables that do
+// not exist, are left alone, so it is idempotent; it returns the tables it
+// changed. It runs on q as given: inside the caller's transaction when q is
+// one. The shard count is Citus's (citus.shard_count, 32 by default; a
+// session may set another).
+//
+// The policy tables carry triggers (they keep updated_at, check keys and
+// notify listeners), which Citus refuses to distribute unless
+// citus.enable_unsafe_triggers is on: Distribute turns it on for its own
+// transaction only. The triggers then fire on each placement of the
+// reference tables, the coordinator's included.
+func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, error) {
+	citus, err := HasCitus(ctx, q)
+	if err != nil || !citus {
+		return nil, err
+	}
+	var changed []string
+	colocateWith := ""
+	var pending []string
+	for _, t := range DistributedTables {
+		var exists bool
+		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
+			return nil, err
+		}
+		if !exists {
+			continue
+		}
+		d, err := distributionOf(ctx, q, schemaName, t)
+		if err != nil {
+			return nil, err
+		}
+		switch d.Kind {
+		case DistributionDistributed:
+			if colocateWith == "" {
+				colocateWith = qualified(schemaName, t)
+			}
+		case DistributionLocal:
+			pending = append(pending, t)
+		default:
+			return nil, fmt.Errorf("pgrl migration: %s is a %s; pgrl distributes it by %s: undistribute it (SELECT undistribute_table('%s')) and run up again",
+				qualified(schemaName, t), d, DistributionColumn, qualified(schemaName, t))
+		}
+	}
+	var refs []string
+	for _, t := range ReferenceTables {
+		var exists bool
+		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
+			return nil, err
+		}
+		if !exists {
+			continue
+		}
+		d, err := distributionOf(ctx, q, schemaName, t)
+		if err != nil {
+			return nil, err
+		}
+		if d.Kind == DistributionLocal {
+			refs = append(refs, t)
+		}
+	}
+	if len(pending) == 0 && len(refs) == 0 {
+		return nil, nil
+	}
+	run := func(q Querier) error {
+		if _, err := q.Exec(ctx, "SET LOCAL citus.enable_unsafe_triggers TO on"); err != nil {
+			return err
+		}
+		// A policy override refers to its policy: the referenced table first.
+		for _, t := range refs {
+			if _, err := q.Exec(ctx, "SELECT pg_catalog.create_reference_table($1::regclass)", qualified(schemaName, t)); err != nil {
+				return fmt.Errorf("make %s a reference table: %w", qualified(schemaName, t), err)
+			}
+			changed = append(changed, t)
+		}
+		for _, t := range pending {
+			with := colocateWith
+			if with == "" {
+				with = "default"
+			}
+			if _, err := q.Exec(ctx, "SELECT pg_catalog.create_distributed_table($1::regclass, $2, colocate_with => $3)",
+				qualified(schemaName, t), DistributionColumn, with); err != nil {
+				return fmt.Errorf("distribute %s by %s: %w", qualified(schemaName, t), DistributionColumn, err)
+			}
+			if colocateWith == "" {
+				colocateWith = qualified(schemaName, t)
+			}
+			changed = append(changed, t)
+		}
+		return nil
+	}
+	if tx, ok := q.(pgx.Tx); ok {
+		err = run(tx)
+	} else if b, ok := q.(interface {
+		Begin(context.Context) (pgx.Tx, error)
+	}); ok {
+		err = pgx.BeginFunc(ctx, b, func(tx pgx.Tx) error { return run(tx) })
+	} else {
+		err = run(q)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("pgrl migration: %w", err)
+	}
+	return changed, nil
+}
+
+// needsDistribution reports whether the citus extension exists and one of
+// pgrl's tables in schemaName is still an ordinary local table.
+func needsDistribution(ctx context.Context, q Querier, schemaName string) (bool, error) {
+	citus, err := HasCitus(ctx, q)
+	if err != nil || !citus {
+		return false, err
+	}
+	ds, err := Distributions(ctx, q, schemaName)
+	if err != nil {
+		return false, err
+	}
+	for _, d := range ds {
+		if d.Kind == DistributionLocal {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// undistribute makes a distributed table local again (undistribute_table,
+// which copies its rows back to the coordinator), when the citus extension
+// exists and the table is distributed; otherwise it does nothing.
+func undistribute(ctx context.Context, q Querier, schemaName, table string) error {
+	citus, err := HasCitus(ctx, q)
+	if err != nil || !citus {
+		return err
+	}
+	d, err := distributionOf(ctx, q, schemaName, table)
+	if err != nil || d.Kind == DistributionLocal {
+		return err
+	}
+	_, err = q.Exec(ctx, "SELECT pg_catalog.undistribute_table($1::regclass)", qualified(schemaName, table))
+	return err
+}
