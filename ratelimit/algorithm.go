@@ -68,9 +68,11 @@ type algorithm interface {
 	dead(m *MemoryLimiter, st memState, now int64) bool
 	// roll brings st forward to now without counting, as a peek sees it.
 	roll(m *MemoryLimiter, st memState, now int64) memState
-	// takeMemory applies one check of cost to st at now, as the SQL does,
-	// and returns the new state and whether the check was allowed.
-	takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool)
+	// takeMemory applies one check of cost (a partial grant when upTo) to
+	// st at now with the algorithm's step (step.go), as the SQL does, and
+	// returns the new state, whether the check was allowed and the units
+	// granted.
+	takeMemory(m *MemoryLimiter, st memState, now, cost int64, upTo bool) (memState, bool, int64)
 	// decideMemory builds a check's decision from the state after it.
 	decideMemory(m *MemoryLimiter, allowed bool, st memState, now, cost int64) Decision
 	// peekMemory builds a peek's decision from the state rolled to now.

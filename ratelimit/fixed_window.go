@@ -129,19 +129,11 @@ func (fixedWindow) roll(m *MemoryLimiter, st memState, now int64) memState {
 	return st
 }
 
-func (fixedWindow) takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool) {
+func (fixedWindow) takeMemory(m *MemoryLimiter, st memState, now, cost int64, upTo bool) (memState, bool, int64) {
 	// One window per key: with the monotonic clock windows only move
 	// forward, so the current one is all that matters.
-	end := m.windowEnd(now)
-	var count int64
-	if st.at == end {
-		count = st.count
-	}
-	allowed := count <= m.cfg.Limit-cost // count+cost could overflow
-	if allowed || m.cfg.Penalty {
-		count = satAdd(count, cost)
-	}
-	return memState{at: end, count: count}, allowed
+	end, count := fixedWindowRow(st.at, st.count, now, m.windowUs)
+	return fixedWindowStep(end, count, cost, m.cfg.Limit, m.cfg.Penalty, upTo)
 }
 
 func (fixedWindow) decideMemory(m *MemoryLimiter, allowed bool, st memState, now, _ int64) Decision {

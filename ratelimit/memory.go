@@ -174,8 +174,6 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 	if err := m.cfg.checkAsk(a); err != nil {
 		return Decision{}, err
 	}
-	a = m.cfg.ceiling(a)
-	n := a.n
 	now := m.nowUs()
 	k := lookupKey(key)
 	sh := m.keys.shard(k)
@@ -188,28 +186,15 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 	} else {
 		sh.touch(node)
 	}
-	st := node.val
-	if !a.upTo {
-		var allowed bool
-		st, allowed = m.alg.takeMemory(m, st, now, n)
-		node.val = st
-		sh.mu.Unlock()
-		return a.settle(shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, n))), nil
-	}
-	// A partial grant takes what a check would find left (Remaining, which
-	// the SQL computes the same way), or under Penalty is charged its whole
-	// ask, n (at most the capacity, see ceiling).
-	got := min(n, m.alg.peekMemory(m, m.alg.roll(m, st, now), now).Remaining)
-	charge := got
-	if m.cfg.Penalty {
-		charge = n
-	}
-	if charge > 0 {
-		st, _ = m.alg.takeMemory(m, st, now, charge)
-	}
+	// The step caps a partial grant's ask at the capacity (see
+	// Config.ceiling) and charges it whole under Penalty.
+	st, allowed, granted := m.alg.takeMemory(m, node.val, now, a.n, a.upTo)
 	node.val = st
 	sh.mu.Unlock()
-	return shadowed(&m.cfg, &m.shadowLogged, m.decide(got > 0, st, now, 1).granting(got)), nil
+	if !a.upTo {
+		return a.settle(shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, a.n))), nil
+	}
+	return shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, 1).granting(granted)), nil
 }
 
 // fallbackAsk is allowAsk for the limiter m answers for under
@@ -269,13 +254,9 @@ func (m *MemoryLimiter) nowUs() int64 {
 // windowEnd is the end of the aligned window holding now, as in SQL.
 func (m *MemoryLimiter) windowEnd(now int64) int64 { return m.windowStart(now) + m.windowUs }
 
-// windowStart is the start of the aligned window holding now, as in SQL:
-// now floored to a multiple of the window, also before 1970 (Go's %
-// truncates towards zero, as PostgreSQL's does, so a negative remainder is
-// moved up by one window).
-func (m *MemoryLimiter) windowStart(now int64) int64 {
-	return now - ((now%m.windowUs)+m.windowUs)%m.windowUs
-}
+// windowStart is the start of the aligned window holding now, as in SQL
+// (see windowStartUs).
+func (m *MemoryLimiter) windowStart(now int64) int64 { return windowStartUs(now, m.windowUs) }
 
 // sweepPerCall is how many dead keys a call may drop from the least
 // recently used end of its shard.

@@ -199,23 +199,8 @@ func (slidingWindow) roll(m *MemoryLimiter, st memState, now int64) memState {
 	return st
 }
 
-func (slidingWindow) takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool) {
-	// A state from a later window (only with a pinned clock that went
-	// back) is kept, as the SQL keeps the row's window.
-	ws := max(st.at, m.windowStart(now))
-	var cur, prev int64
-	switch {
-	case st.at >= ws:
-		cur, prev = st.count, st.prev
-	case st.at == ws-m.windowUs:
-		prev = st.count
-	}
-	e := min(max(now-ws, 0), m.windowUs)
-	allowed := slidingFits(prev, cur, cost, e, m.windowUs, m.cfg.Limit)
-	if allowed || m.cfg.Penalty {
-		cur = satAdd(cur, cost)
-	}
-	return memState{at: ws, count: cur, prev: prev}, allowed
+func (slidingWindow) takeMemory(m *MemoryLimiter, st memState, now, cost int64, upTo bool) (memState, bool, int64) {
+	return slidingWindowStep(st.at, st.count, st.prev, now, m.windowUs, cost, m.cfg.Limit, m.cfg.Penalty, upTo)
 }
 
 func (slidingWindow) decideMemory(m *MemoryLimiter, allowed bool, st memState, now, cost int64) Decision {

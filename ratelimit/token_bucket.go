@@ -186,20 +186,8 @@ func (tokenBucket) roll(m *MemoryLimiter, st memState, now int64) memState {
 	return st
 }
 
-func (tokenBucket) takeMemory(m *MemoryLimiter, st memState, now, cost int64) (memState, bool) {
-	avail := min(m.capacity, st.tokens+float64(max(now-st.at, 0))*m.refillPerUs)
-	c := float64(cost)
-	allowed := avail >= c
-	switch {
-	case allowed:
-		st.tokens = avail - c
-	case m.cfg.Penalty:
-		st.tokens = max(avail-c, -m.capacity)
-	default:
-		st.tokens = avail
-	}
-	st.at = max(st.at, now)
-	return st, allowed
+func (tokenBucket) takeMemory(m *MemoryLimiter, st memState, now, cost int64, upTo bool) (memState, bool, int64) {
+	return tokenBucketStep(st.tokens, st.at, now, cost, m.capacity, m.refillPerUs, m.cfg.Penalty, upTo)
 }
 
 func (tokenBucket) decideMemory(m *MemoryLimiter, allowed bool, st memState, _, cost int64) Decision {
