@@ -31,10 +31,7 @@ type stepVector struct {
 	RefillPerUs float64 `json:"refill_per_us"`
 	Penalty     bool    `json:"penalty"`
 	UpTo        bool    `json:"up_to"`
-	// SQLDefect, when set, is why the SQL step is known to give another
-	// result than the rule (and the Go step) for this vector.
-	SQLDefect string `json:"sql_defect,omitempty"`
-	Want      struct {
+	Want        struct {
 		State   stepState `json:"state"`
 		Allowed bool      `json:"allowed"`
 		Granted int64     `json:"granted"`
@@ -212,15 +209,6 @@ func TestStepVectorsSQL(t *testing.T) {
 			}
 			if err != nil {
 				t.Fatal(err)
-			}
-			if v.SQLDefect != "" {
-				// A known defect of the SQL step: fail once it is fixed,
-				// so that the mark goes.
-				if len(v.diff(got)) == 0 {
-					t.Errorf("the SQL step now agrees; drop the vector's sql_defect (%s)", v.SQLDefect)
-					return
-				}
-				t.Skipf("known SQL defect: %s; SQL gives %v", v.SQLDefect, v.diff(got))
 			}
 			v.check(t, got)
 		})

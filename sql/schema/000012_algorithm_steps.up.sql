@@ -191,13 +191,20 @@ $$;
 -- pgrl_sliding_window_room is how many more units the weighted estimate
 --   previous * (window_us - elapsed) / window_us + current
 -- admits at elapsed microseconds into the current window: the largest u
--- with estimate + u <= max_count, exact in numeric.
+-- with estimate + u <= max_count, that is
+--   floor((max_count * window_us - previous * (window_us - elapsed)) / window_us) - current,
+-- exact: numeric's / rounds its quotient (to 16 significant digits or so),
+-- which can round a quotient just below an integer up to it, so the floor
+-- is taken with div(), which truncates, after shifting the dividend by
+-- 2^63 windows to make it non-negative (previous is at most 2^63 - 1).
 CREATE FUNCTION pgrl_sliding_window_room(previous bigint, current bigint, max_count bigint, window_us bigint,
                                          elapsed bigint)
 RETURNS numeric
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT floor((max_count::numeric * window_us - previous::numeric * (window_us - elapsed)) / window_us) - current
+    SELECT div(max_count::numeric * window_us - previous::numeric * (window_us - elapsed)
+               + 9223372036854775808 * window_us::numeric, window_us)
+           - 9223372036854775808 - current
 $$;
 
 -- pgrl_sliding_window_take is the sliding window's step: a row of the
