@@ -35,6 +35,7 @@ import (
 	"github.com/golang-migrate/migrate/v4/database"
 	pgxmigrate "github.com/golang-migrate/migrate/v4/database/pgx/v5"
 	"github.com/golang-migrate/migrate/v4/source/iofs"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -336,11 +337,20 @@ func (m *Migrator) distribute(ctx context.Context) ([]string, error) {
 		return nil, err
 	}
 	var changed []string
-	err = m.withLock(ctx, needOwner, func(conn *pgx.Conn, schemaName string) error {
-		var err error
-		changed, err = Distribute(ctx, conn, schemaName)
-		return err
-	})
+	// Citus breaks a distributed deadlock (40P01) by cancelling one of its
+	// transactions, which may be ours while another instance distributes
+	// the same tables: nothing of it remains, and it is tried again.
+	for attempt := 1; ; attempt++ {
+		err = m.withLock(ctx, needOwner, func(conn *pgx.Conn, schemaName string) error {
+			var err error
+			changed, err = Distribute(ctx, conn, schemaName)
+			return err
+		})
+		var pgErr *pgconn.PgError
+		if attempt == 3 || !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.DeadlockDetected {
+			break
+		}
+	}
 	if len(changed) > 0 {
 		m.cfg.Logger.Info("distributed pgrl's tables on Citus", "schema", schemaName, "tables", strings.Join(changed, ","))
 	}

@@ -83,8 +83,11 @@ func measureBaseline(t *testing.T, url string) machineBaseline {
 		// A pool of its own each round, so that every check opens its
 		// connection.
 		pool := baselinePool(t, url)
+		// It measures how long checks take here, so it waits as long as
+		// they take: the default Timeout would cut a cold check on a
+		// loaded machine short and measure nothing.
 		l, err := ratelimit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour,
-			OnFailure: ratelimit.FailError, DisableCoalescing: true})
+			OnFailure: ratelimit.FailError, DisableCoalescing: true, Timeout: testkit.DecisionTimeout})
 		require.NoError(t, err)
 		if round == 0 {
 			// The server may still be starting up after a restart: wait

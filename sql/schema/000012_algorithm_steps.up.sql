@@ -263,7 +263,8 @@ $$;
 
 -- The check queues (migrations 000006 and 000010) decide each check with
 -- their algorithm's step, as every statement does; their signatures and
--- results are unchanged.
+-- results are unchanged. A column's instant is read with pgrl_us, which a
+-- distributed PostgreSQL accepts in RETURNING.
 CREATE OR REPLACE FUNCTION pgrl_fixed_window_take_queue(
     keys bytea[], costs bigint[], up_to boolean[], ends integer[],
     max_counts bigint[], windows_us bigint[], penalties boolean[], at timestamptz)
@@ -328,7 +329,7 @@ DECLARE
     s      pgrl_token_bucket_step;
 BEGIN
     FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
-        SELECT t.tokens, pgrl_epoch_us(t.updated_at) INTO bal, upd
+        SELECT t.tokens, pgrl_us(t.updated_at) INTO bal, upd
           FROM pgrl_token_bucket AS t
          WHERE t.key = keys[k]
            FOR UPDATE;
@@ -336,7 +337,7 @@ BEGIN
             INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
             VALUES (keys[k], capacities[k], ts, ts, true)
             ON CONFLICT (key) DO UPDATE SET tokens = t.tokens
-            RETURNING t.tokens, pgrl_epoch_us(t.updated_at) INTO bal, upd;
+            RETURNING t.tokens, pgrl_us(t.updated_at) INTO bal, upd;
         END IF;
         FOR i IN first .. ends[k] LOOP
             s := pgrl_token_bucket_take(bal, upd, now_at, costs[i], capacities[k], refills_per_us[k],
@@ -380,7 +381,7 @@ DECLARE
 BEGIN
     FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
         starts := pgrl_window_start_us(now_at, windows_us[k]);
-        SELECT pgrl_epoch_us(t.window_start), t.count, t.prev_count INTO ws, cur, prev
+        SELECT pgrl_us(t.window_start), t.count, t.prev_count INTO ws, cur, prev
           FROM pgrl_sliding_window AS t
          WHERE t.key = keys[k]
            FOR UPDATE;
@@ -389,7 +390,7 @@ BEGIN
                                                   updated_at)
             VALUES (keys[k], pgrl_from_epoch_us(starts), 0, 0, pgrl_from_epoch_us(starts + 2 * windows_us[k]), true, ts)
             ON CONFLICT (key) DO UPDATE SET count = t.count
-            RETURNING pgrl_epoch_us(t.window_start), t.count, t.prev_count INTO ws, cur, prev;
+            RETURNING pgrl_us(t.window_start), t.count, t.prev_count INTO ws, cur, prev;
         END IF;
         FOR i IN first .. ends[k] LOOP
             s := pgrl_sliding_window_take(ws, cur, prev, now_at, windows_us[k], costs[i], max_counts[k],
