@@ -43,10 +43,13 @@
 // A denied take changes nothing unless Penalty is set: then the attempt is
 // counted (fixed and sliding window, saturating at the largest int64) or
 // charged (token bucket, balance never below -Capacity). A Cost of 0 is a
-// check that counts nothing. Costs must be at most MaxCount (Capacity): a
-// single take denies a larger cost, but the …TakeMany forms do not check it
-// on a key's first row (they store it). A negative cost takes units back;
-// only direct callers can pass one (the library refuses it).
+// check that counts nothing. A cost above MaxCount (Capacity) is denied by
+// every form, the …TakeMany forms included. A negative cost takes units
+// back; only direct callers can pass one (the library refuses it).
+//
+// Every take decides with its algorithm's step function of migration 000012
+// (pgrl_fixed_window_take, pgrl_token_bucket_take, pgrl_sliding_window_take),
+// the arithmetic written once in SQL, which the planner inlines.
 //
 // The …TakeMany forms decide one check per key in one statement, with
 // exactly the single take's arithmetic. Keys must be distinct within a call

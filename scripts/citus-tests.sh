@@ -29,18 +29,32 @@ group() { # group NAME PACKAGE RUN-REGEX
 	go test -count=1 -short -timeout 10m -run "$run" "$pkg" "${@:4}" || failed+=("$name")
 }
 
+# What runs on Citus today, and is held to it here. Not yet on Citus, and
+# so not run here (docs/SCALING.md, "Not yet on Citus", says why and what
+# each needs): the coalesced batch statement of distinct keys (…TakeMany:
+# Citus plans its INSERT … SELECT without the parameters' types, 42P18), an
+# AllOrNothing decision (a pgx batch is an implicit transaction, which Citus
+# commits statement by statement on the workers, so the abort does not
+# undo what the earlier statements counted), checks that read their stored
+# policy in the statement (a sub-select inside an INSERT, 0A000) and the
+# policy tables' triggers on reference tables, a full rl-migrate down, and
+# dropping a partition while checks run.
+
 # Distribution itself and rl-migrate on Citus.
-group migration ./migration/ '^(TestCitus.*|TestUpCreatesUnloggedTablesAndRoundTrips|TestUpToAndDownSteps|TestLayoutSwitchKeepsLiveRowsAndUnloggedPartitions|TestConcurrentUpInOneProcess)$' "$@"
+group migration ./migration/ '^(TestCitus.*|TestUpToAndDownSteps|TestLayoutSwitchKeepsLiveRowsAndUnloggedPartitions|TestConcurrentUpInOneProcess)$' "$@"
 group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
-# The three algorithms, coalescing, check queues, AllowAll, AllowUpTo.
-group algorithms ./ratelimit/ '^(TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestCoalescedMatchesSequentialReplay|TestBatchesMatchSingleChecks|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllOrNothing|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx)$' "$@"
-group gen ./gen/ '^(Example.*)$' "$@"
-# Policies and overrides.
-group policy ./policy/ '^(TestSetGetListDelete|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestChangedPolicyReloadedOnce|TestPolicyNewWindowStartsAfresh)$' "$@"
+# The three algorithms' statements, check queues, AllowUpTo, AllowAll of one
+# algorithm, the …Tx forms.
+group algorithms ./ratelimit/ '^(TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
+group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
+# A stored key written in SQL.
+group policy ./policy/ '^(TestStoredKeyInSQL)$' "$@"
 # Both cleanup modes.
-group cleanup ./cleanup/ '^(TestCitus.*|TestDryRunCountsAndDeletesNothing|TestPartitionDryRunDropsNothing|TestPartitionModeDropsPastPartitionWhileChecksRun|TestSecondRunIsSkippedWhileFirstHoldsTheLock)$' "$@"
-# Several OS processes on one key: exactly the limit admitted.
-group multiprocess ./tests/ '^(TestMultiprocessExactlyTheLimit|TestMultiprocessPenaltyCountsEveryAttempt|TestMultiConcurrentOverlappingNoDeadlock|TestPolicyMultiprocessExact|TestAppLoginLimitSharedByTwoProcesses)$' "$@"
+group cleanup ./cleanup/ '^(TestCitus.*|TestDryRunCountsAndDeletesNothing|TestPartitionDryRunDropsNothing|TestSecondRunIsSkippedWhileFirstHoldsTheLock)$' "$@"
+# Several OS processes on one key of a distributed table: exactly the limit
+# admitted (4 processes × 50 calls, limit 20, every algorithm), and every
+# attempt counted under penalty.
+group multiprocess ./tests/ '^(TestMultiprocessExactlyTheLimit|TestMultiprocessPenaltyCountsEveryAttempt)$' "$@"
 
 if [[ ${#failed[@]} -gt 0 ]]; then
 	pgrl_log "Citus: failed: ${failed[*]}"
