@@ -40,12 +40,15 @@ func watchDenialsInto(t *testing.T, cache *policy.Cache, s string) *policy.Liste
 
 // hourly is a token bucket of one unit per hour: once spent, a check is
 // denied for about an hour, whatever the instant.
-var hourly = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}
+// Its checks wait for PostgreSQL as long as the tests look: they assert
+// which store answered.
+var hourly = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, Timeout: testkit.DecisionTimeout}
 
 // sharer is the limiter that learns a denial from PostgreSQL and shares it.
 func sharer(t *testing.T, pool *pgxpool.Pool, cfg ratelimit.Config) *ratelimit.Limiter {
 	t.Helper()
 	cfg.ShareDenials = true
+	cfg.Timeout = max(cfg.Timeout, testkit.DecisionTimeout)
 	l, err := ratelimit.New(pool, cfg)
 	require.NoError(t, err)
 	return l

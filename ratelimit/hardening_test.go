@@ -137,7 +137,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 	// A bucket that refills in decades (1 a second, burst 1e9) is accepted
 	// and decides exactly.
 	ctx := context.Background()
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "slow", Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second,
+	l, err := ratelimit.New(pool, ratelimit.Config{Name: "slow", Timeout: testkit.DecisionTimeout, Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second,
 		DenyCacheSize: -1, Now: testkit.Pinned(base)})
 	require.NoError(t, err)
 	d, err := l.AllowN(ctx, "k", 1e9)

@@ -26,7 +26,9 @@ const denyChildEnv = "PGRL_TEST_DENY_CHILD_URL"
 
 // denyShared is the limit both processes check: one unit per hour, so a
 // spent key is denied for about an hour.
-var denyShared = ratelimit.Config{Name: "signup:email", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}
+// Its checks wait for PostgreSQL as long as the tests look: they assert
+// which store answered.
+var denyShared = ratelimit.Config{Name: "signup:email", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, Timeout: testkit.DecisionTimeout}
 
 // denyReport is process B's answer to one command.
 type denyReport struct {

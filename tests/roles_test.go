@@ -19,6 +19,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -88,7 +89,7 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 		var limiters []*ratelimit.Limiter
 		for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.TokenBucket, ratelimit.SlidingWindow} {
 			name := fmt.Sprintf("%s-%s", layout, alg)
-			l, err := ratelimit.New(app, ratelimit.Config{Name: name, Algorithm: alg, Limit: 1000, Window: time.Minute,
+			l, err := ratelimit.New(app, ratelimit.Config{Timeout: testkit.DecisionTimeout, Name: name, Algorithm: alg, Limit: 1000, Window: time.Minute,
 				OnFailure: ratelimit.FailError, DenyCacheSize: -1})
 			require.NoError(t, err, name)
 			limiters = append(limiters, l)
