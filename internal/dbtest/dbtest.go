@@ -318,6 +318,15 @@ func ForExamples() (*pgxpool.Pool, string, func(), error) {
 		drop()
 		return nil, "", nil, err
 	}
+	// Open a few connections before the examples run, as a running
+	// application's pool has them: the examples use the default Timeout,
+	// and on a loaded machine opening a connection can take longer than it,
+	// which would hand an example's check to the failure policy.
+	if err := warm(ctx, pool, 4); err != nil {
+		pool.Close()
+		drop()
+		return nil, "", nil, err
+	}
 	return pool, name, func() { pool.Close(); drop() }, nil
 }
 
@@ -362,4 +371,33 @@ func ObjectsIn(t testing.TB, dbURL, schemaName string) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// warm opens n connections of pool at once and returns them to it.
+func warm(ctx context.Context, pool *pgxpool.Pool, n int) error {
+	conns := make([]*pgxpool.Conn, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conns[i], errs[i] = pool.Acquire(ctx)
+			if errs[i] == nil {
+				errs[i] = conns[i].Ping(ctx)
+			}
+		}()
+	}
+	wg.Wait()
+	for _, c := range conns {
+		if c != nil {
+			c.Release()
+		}
+	}
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
