@@ -121,7 +121,9 @@ func measureBaseline(t *testing.T, url string) machineBaseline {
 
 	pool := baselinePool(t, url)
 	defer pool.Close()
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour, OnFailure: ratelimit.FailError})
+	// Measured, not bounded: its checks wait as long as they take here.
+	l, err := ratelimit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour, OnFailure: ratelimit.FailError,
+		Timeout: testkit.DecisionTimeout})
 	require.NoError(t, err)
 	for _, d := range []time.Duration{200 * time.Millisecond, 500 * time.Millisecond} {
 		// The first round opens the pool's connections; the second is the
