@@ -31,7 +31,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"regexp"
 	"strings"
 	"time"
 
@@ -101,11 +100,9 @@ func (p Policy) same(q Policy) bool {
 		p.Burst == q.Burst && p.Penalty == q.Penalty && p.KeyMode == q.KeyMode
 }
 
-var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,127}$`)
-
 // Validate refuses what the table's constraints or ratelimit.Config would.
 func (p Policy) Validate() error {
-	if !nameRE.MatchString(p.Name) {
+	if !ratelimit.ValidPolicyName(p.Name) {
 		return invalid(ratelimit.ErrInvalidName, "%q; %s", p.Name, constraintFix["pgrl_policy_name_check"])
 	}
 	if p.Algorithm == "" {

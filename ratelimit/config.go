@@ -368,8 +368,18 @@ type Config struct {
 	Now func() time.Time
 }
 
-// policyName is the pattern of pgrl_policy.name (its CHECK constraint).
-var policyName = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,127}$`)
+// PolicyNamePattern is the one pattern a stored policy's name matches: 1
+// to 128 of A-Z a-z 0-9 _ . : / + -, starting with a letter or digit.
+// Config.Policy, package policy, rl-policy and pgrl_policy.name's CHECK
+// constraint (migration 000007) all apply it; a test holds the constraint
+// to it.
+const PolicyNamePattern = `^[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,127}$`
+
+var policyName = regexp.MustCompile(PolicyNamePattern)
+
+// ValidPolicyName reports whether name matches PolicyNamePattern, so that
+// it can name a stored policy.
+func ValidPolicyName(name string) bool { return policyName.MatchString(name) }
 
 // capacity is the most units one check can ask for.
 func (c Config) capacity() int64 {
@@ -466,7 +476,7 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Spread == 0 {
 		c.Spread = DefaultSpread
 	}
-	if c.Policy != "" && !policyName.MatchString(c.Policy) {
+	if c.Policy != "" && !ValidPolicyName(c.Policy) {
 		return c, invalid(ErrInvalidName, "policy %q for %q; a policy name is 1 to 128 of A-Z a-z 0-9 _ . : / + - (starting with a letter or digit), as pgrl_policy.name", c.Policy, c.Name)
 	}
 	if c.Policy != "" && c.Spread > 1 {

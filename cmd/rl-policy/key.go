@@ -12,7 +12,6 @@ import (
 	"flag"
 	"fmt"
 	"math"
-	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -27,10 +26,6 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-// policyNameRE is the pattern of pgrl_policy.name (its CHECK constraint):
-// a NAME that does not match cannot be a stored policy, so it is not
-// looked up (a name with a NUL byte would not even reach the table).
-var policyNameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.:/+-]{0,127}$`)
 
 // shapeFlags describe a limiter defined in code, with the names and
 // defaults of ratelimit.Config. They are read as text so that a bad value
@@ -182,7 +177,9 @@ func (a *app) key(ctx context.Context, rest []string) error {
 // resolveKey finds the limiter named name: the stored policy of that name,
 // at the rate that applies to key, or else the one the flags describe.
 func resolveKey(ctx context.Context, tx pgx.Tx, name, key string, flagCfg ratelimit.Config, shapeGiven []string) (keyTarget, error) {
-	if policyNameRE.MatchString(name) {
+	// A name that does not match cannot be a stored policy, so it is not
+	// looked up (a NUL byte would not even reach the table).
+	if ratelimit.ValidPolicyName(name) {
 		p, err := lookupPolicy(ctx, tx, name)
 		switch {
 		case err == nil:
