@@ -51,21 +51,20 @@ RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_
 -- count, which the step made the cost itself unless the cost alone is over
 -- max_count (then allowed is false, and any cost over max_count decides the
 -- same). Windows, overflow and the returned instants are as in
--- FixedWindowTake.
+-- FixedWindowTake. The statement's own figures sit in a one-row subquery
+-- that is not flattened (OFFSET 0), so that a prepared statement's generic
+-- plan costs what a custom one does and PostgreSQL stops planning it anew
+-- for every batch (with the figures spelled out per row it never did, and
+-- planning took longer than running).
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
-SELECT (sqlc.arg(keys)::bytea[])[i] AS key,
-       pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                             sqlc.arg(window_us)::bigint)) AS expires_at,
-       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                                  sqlc.arg(window_us)::bigint), 0,
-                               (sqlc.arg(costs)::bigint[])[i], sqlc.arg(max_count)::bigint,
-                               sqlc.arg(penalty)::boolean, false)).count AS count,
-       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                                  sqlc.arg(window_us)::bigint), 0,
-                               (sqlc.arg(costs)::bigint[])[i], sqlc.arg(max_count)::bigint,
-                               sqlc.arg(penalty)::boolean, false)).allowed AS allowed,
-       pgrl_now(sqlc.narg(at)::timestamptz) AS updated_at
-  FROM generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i
+SELECT (sqlc.arg(keys)::bytea[])[i], pgrl_from_epoch_us(p.end_us), s.count, s.allowed, p.ts
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS end_us,
+               sqlc.arg(max_count)::bigint AS max_count, sqlc.arg(penalty)::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_fixed_window_take(p.end_us, 0, (sqlc.arg(costs)::bigint[])[i], p.max_count, p.penalty,
+                                      false) AS s
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
