@@ -137,7 +137,8 @@ func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowT
 
 const fixedWindowTakeMany = `-- name: FixedWindowTakeMany :many
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
-SELECT ($1::bytea[])[i], pgrl_from_epoch_us(p.end_us), s.count, s.allowed, p.ts
+SELECT ($1::bytea[])[i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
+       p.ts AS updated_at
   FROM (SELECT pgrl_now($2::timestamptz) AS ts,
                pgrl_window_end_us(pgrl_now_us($2::timestamptz), $3::bigint) AS end_us,
                $4::bigint AS max_count, $5::boolean AS penalty

@@ -179,48 +179,45 @@ func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWin
 
 const slidingWindowTakeMany = `-- name: SlidingWindowTakeMany :many
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
-SELECT ($1::bytea[])[i] AS key,
-       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
-                                               $3::bigint)) AS window_start,
-       s.count, 0 AS prev_count,
-       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
-                                               $3::bigint)
-                          + 2 * $3::bigint) AS expires_at,
-       s.allowed,
-       pgrl_now($2::timestamptz) AS updated_at
-  FROM generate_subscripts($1::bytea[], 1) AS i,
-       LATERAL pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
-                                        $3::bigint,
-                                        ($4::bigint[])[i], $5::bigint,
-                                        $6::boolean, false) AS s
+SELECT ($1::bytea[])[i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
+       0::bigint AS prev_count, pgrl_from_epoch_us(p.start_us + 2 * p.window_us) AS expires_at, s.allowed,
+       p.ts AS updated_at
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us($2::timestamptz), $3::bigint) AS start_us,
+               $3::bigint AS window_us, $4::bigint AS max_count,
+               $5::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, p.window_us, ($6::bigint[])[i],
+                                        p.max_count, p.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
-                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $5::bigint,
-                                        $6::boolean, false)).window_start_us),
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).window_start_us),
        count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
-                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $5::bigint,
-                                        $6::boolean, false)).count,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).count,
        prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
-                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $5::bigint,
-                                        $6::boolean, false)).prev_count,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
-                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $5::bigint,
-                                        $6::boolean, false)).window_start_us
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).window_start_us
                                     + 2 * $3::bigint),
        allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $3::bigint,
-                                        CASE WHEN excluded.allowed OR $6::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $5::bigint,
-                                        $6::boolean, false)).allowed,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
           allowed, pgrl_us(updated_at) AS now_us
@@ -230,9 +227,9 @@ type SlidingWindowTakeManyParams struct {
 	Keys     [][]byte
 	At       *time.Time
 	WindowUs int64
-	Costs    []int64
 	MaxCount int64
 	Penalty  bool
+	Costs    []int64
 }
 
 type SlidingWindowTakeManyRow struct {
@@ -247,15 +244,16 @@ type SlidingWindowTakeManyRow struct {
 // SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
 // the rules of FixedWindowTakeMany: the update arm reads each check's cost
 // back from the proposed row's count (or, when the cost alone is over
-// max_count, any such cost, which decides the same).
+// max_count, any such cost, which decides the same). Its figures sit in an
+// unflattened one-row subquery, as FixedWindowTakeMany's do.
 func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
 	rows, err := db.Query(ctx, slidingWindowTakeMany,
 		arg.Keys,
 		arg.At,
 		arg.WindowUs,
-		arg.Costs,
 		arg.MaxCount,
 		arg.Penalty,
+		arg.Costs,
 	)
 	if err != nil {
 		return nil, err

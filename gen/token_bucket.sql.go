@@ -159,39 +159,39 @@ func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketT
 
 const tokenBucketTakeMany = `-- name: TokenBucketTakeMany :many
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT ($1::bytea[])[i] AS key, s.tokens, pgrl_now($2::timestamptz) AS updated_at,
-       pgrl_token_bucket_full_at(pgrl_now($2::timestamptz), s.tokens, $3::float8,
-                                 $4::float8) AS full_at,
-       s.allowed
-  FROM generate_subscripts($1::bytea[], 1) AS i,
-       LATERAL pgrl_token_bucket_take($3::float8, pgrl_now_us($2::timestamptz),
-                                    pgrl_now_us($2::timestamptz),
-                                      ($5::bigint[])[i], $3::float8,
-                                      $4::float8, $6::boolean, false) AS s
+SELECT ($1::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
+       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us,
+               $3::float8 AS capacity, $4::float8 AS refill_per_us,
+               $5::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, ($6::bigint[])[i], p.capacity,
+                                      p.refill_per_us, p.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                        CASE WHEN excluded.allowed OR $6::boolean
+                                        CASE WHEN excluded.allowed OR $5::boolean
                                              THEN ($3::float8 - excluded.tokens)::bigint
                                                  ELSE floor($3::float8)::bigint + 1 END,
                                         $3::float8, $4::float8,
-                                        $6::boolean, false)).tokens,
+                                        $5::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = pgrl_token_bucket_refilled_at(
                      greatest(t.updated_at, excluded.updated_at),
                      (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                             CASE WHEN excluded.allowed OR $6::boolean
+                                             CASE WHEN excluded.allowed OR $5::boolean
                                                   THEN ($3::float8 - excluded.tokens)::bigint
                                                  ELSE floor($3::float8)::bigint + 1 END,
                                              $3::float8, $4::float8,
-                                             $6::boolean, false)).tokens,
+                                             $5::boolean, false)).tokens,
                      $3::float8, $4::float8),
        allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                         CASE WHEN excluded.allowed OR $6::boolean
+                                         CASE WHEN excluded.allowed OR $5::boolean
                                               THEN ($3::float8 - excluded.tokens)::bigint
                                                  ELSE floor($3::float8)::bigint + 1 END,
                                          $3::float8, $4::float8,
-                                         $6::boolean, false)).allowed
+                                         $5::boolean, false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_us(updated_at) AS updated_at_us,
@@ -204,8 +204,8 @@ type TokenBucketTakeManyParams struct {
 	At          *time.Time
 	Capacity    float64
 	RefillPerUs float64
-	Costs       []int64
 	Penalty     bool
+	Costs       []int64
 }
 
 type TokenBucketTakeManyRow struct {
@@ -221,15 +221,17 @@ type TokenBucketTakeManyRow struct {
 // the proposed row's updated_at and its cost as capacity less the proposed
 // balance (exact for integer costs below 2^53), unless the cost alone is
 // over the capacity (then allowed is false, and any such cost decides the
-// same). The balance and instants are returned as in TokenBucketTake.
+// same). The balance and instants are returned as in TokenBucketTake. Its
+// figures sit in an unflattened one-row subquery, as FixedWindowTakeMany's
+// do.
 func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeMany,
 		arg.Keys,
 		arg.At,
 		arg.Capacity,
 		arg.RefillPerUs,
-		arg.Costs,
 		arg.Penalty,
+		arg.Costs,
 	)
 	if err != nil {
 		return nil, err

@@ -57,7 +57,8 @@ RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_
 -- for every batch (with the figures spelled out per row it never did, and
 -- planning took longer than running).
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
-SELECT (sqlc.arg(keys)::bytea[])[i], pgrl_from_epoch_us(p.end_us), s.count, s.allowed, p.ts
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
+       p.ts AS updated_at
   FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
                pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS end_us,
                sqlc.arg(max_count)::bigint AS max_count, sqlc.arg(penalty)::boolean AS penalty

@@ -62,22 +62,20 @@ RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
 -- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
 -- the rules of FixedWindowTakeMany: the update arm reads each check's cost
 -- back from the proposed row's count (or, when the cost alone is over
--- max_count, any such cost, which decides the same).
+-- max_count, any such cost, which decides the same). Its figures sit in an
+-- unflattened one-row subquery, as FixedWindowTakeMany's do.
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
-SELECT (sqlc.arg(keys)::bytea[])[i] AS key,
-       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                               sqlc.arg(window_us)::bigint)) AS window_start,
-       s.count, 0 AS prev_count,
-       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                               sqlc.arg(window_us)::bigint)
-                          + 2 * sqlc.arg(window_us)::bigint) AS expires_at,
-       s.allowed,
-       pgrl_now(sqlc.narg(at)::timestamptz) AS updated_at
-  FROM generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
-       LATERAL pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                        sqlc.arg(window_us)::bigint,
-                                        (sqlc.arg(costs)::bigint[])[i], sqlc.arg(max_count)::bigint,
-                                        sqlc.arg(penalty)::boolean, false) AS s
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
+       0::bigint AS prev_count, pgrl_from_epoch_us(p.start_us + 2 * p.window_us) AS expires_at, s.allowed,
+       p.ts AS updated_at
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS start_us,
+               sqlc.arg(window_us)::bigint AS window_us, sqlc.arg(max_count)::bigint AS max_count,
+               sqlc.arg(penalty)::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, p.window_us, (sqlc.arg(costs)::bigint[])[i],
+                                        p.max_count, p.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,

@@ -60,17 +60,19 @@ RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
 -- the proposed row's updated_at and its cost as capacity less the proposed
 -- balance (exact for integer costs below 2^53), unless the cost alone is
 -- over the capacity (then allowed is false, and any such cost decides the
--- same). The balance and instants are returned as in TokenBucketTake.
+-- same). The balance and instants are returned as in TokenBucketTake. Its
+-- figures sit in an unflattened one-row subquery, as FixedWindowTakeMany's
+-- do.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, pgrl_now(sqlc.narg(at)::timestamptz) AS updated_at,
-       pgrl_token_bucket_full_at(pgrl_now(sqlc.narg(at)::timestamptz), s.tokens, sqlc.arg(capacity)::float8,
-                                 sqlc.arg(refill_per_us)::float8) AS full_at,
-       s.allowed
-  FROM generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
-       LATERAL pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                    pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                      (sqlc.arg(costs)::bigint[])[i], sqlc.arg(capacity)::float8,
-                                      sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false) AS s
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
+       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               sqlc.arg(capacity)::float8 AS capacity, sqlc.arg(refill_per_us)::float8 AS refill_per_us,
+               sqlc.arg(penalty)::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, (sqlc.arg(costs)::bigint[])[i], p.capacity,
+                                      p.refill_per_us, p.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
