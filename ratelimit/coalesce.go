@@ -43,6 +43,10 @@ type coalescer struct {
 
 	batched       atomic.Uint64 // checks decided in statements of two or more
 	warnedMissing atomic.Bool   // a missing queue function was logged
+	// queuesOnly is set once the server refused a set-based batch statement
+	// (…TakeMany) as unsupported, as a distributed PostgreSQL (Citus) does:
+	// from then on every batch goes as a check queue, which it runs.
+	queuesOnly atomic.Bool
 
 	mu       sync.Mutex
 	inFlight int
@@ -360,7 +364,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	for _, group := range statements(batch) {
 		l := group[0].l
 		sent := l.localNow()
-		err := takeMany(ctx, group)
+		err := c.takeMany(ctx, group)
 		var pgErr *pgconn.PgError
 		if err != nil && errors.As(err, &pgErr) {
 			// The statement failed as a whole: decide each check on its
@@ -425,12 +429,12 @@ func (c *coalescer) remember(r *pendingCheck, sent time.Time) {
 
 // takeMany decides checks of one algorithm in one statement: the set-based
 // batch of single checks when they are all of one limiter, each of another
-// key, and each asks for all of its cost; else the queue statement, which
-// updates each key's row once for all of its checks and takes each key's
-// limit with it.
-func takeMany(ctx context.Context, group []*pendingCheck) error {
+// key, and each asks for all of its cost; else, or when the server does not
+// support that statement, the queue statement, which updates each key's row
+// once for all of its checks and takes each key's limit with it.
+func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 	l := group[0].l
-	simple := true
+	simple := !c.queuesOnly.Load()
 	seen := make(map[string]bool, len(group))
 	for _, r := range group {
 		simple = simple && r.l == l && !r.ask.upTo && !seen[r.id]
@@ -445,7 +449,16 @@ func takeMany(ctx context.Context, group []*pendingCheck) error {
 			keys[i], costs[i] = r.skey, r.ask.n
 		}
 		decs, err = l.alg.takeMany(ctx, l, l.db, keys, costs)
-	} else {
+		if kind, pgErr := pgerr.Classify(err); kind == pgerr.Unsupported {
+			// Nothing was counted: the statement was refused whole.
+			if c.queuesOnly.CompareAndSwap(false, true) {
+				l.cfg.Logger.Info("pgrl: this server does not run the set-based batch statement, so coalesced checks go as check queues",
+					"limiter", l.cfg.Name, "sqlstate", pgErr.Code, "error", pgErr.Message)
+			}
+			simple = false
+		}
+	}
+	if !simple {
 		decs, err = l.alg.takeQueue(ctx, l.db, newCheckQueue(group))
 	}
 	if err != nil {

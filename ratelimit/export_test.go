@@ -22,7 +22,7 @@ func TakeMany(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]
 		skey := l.key(key)
 		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
 	}
-	if err := takeMany(ctx, batch); err != nil {
+	if err := newCoalescer(len(keys), 1).takeMany(ctx, batch); err != nil {
 		return nil, err
 	}
 	ds := make([]Decision, len(batch))
@@ -59,7 +59,7 @@ func TakeBatch(ctx context.Context, l *Limiter, keys []string, costs []int64, up
 		skey := l.key(key)
 		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i], upTo: upTo[i]}}
 	}
-	if err := takeMany(ctx, batch); err != nil {
+	if err := newCoalescer(len(keys), 1).takeMany(ctx, batch); err != nil {
 		return nil, err
 	}
 	ds := make([]Decision, len(batch))

@@ -31,9 +31,7 @@ group() { # group NAME PACKAGE RUN-REGEX
 
 # What runs on Citus today, and is held to it here. Not yet on Citus, and
 # so not run here (docs/SCALING.md, "Not yet on Citus", says why and what
-# each needs): the coalesced batch statement of distinct keys (…TakeMany:
-# Citus plans its INSERT … SELECT without the parameters' types, 42P18), an
-# AllOrNothing decision (a pgx batch is an implicit transaction, which Citus
+# each needs): an AllOrNothing decision (a pgx batch is an implicit transaction, which Citus
 # commits statement by statement on the workers, so the abort does not
 # undo what the earlier statements counted), checks that read their stored
 # policy in the statement (a sub-select inside an INSERT, 0A000) and the
@@ -44,9 +42,11 @@ group() { # group NAME PACKAGE RUN-REGEX
 # Distribution itself and rl-migrate on Citus.
 group migration ./migration/ '^(TestCitus.*|TestLayoutSwitchKeepsLiveRowsAndUnloggedPartitions|TestConcurrentUpInOneProcess)$' "$@"
 group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
-# The three algorithms' statements, check queues, AllowUpTo, AllowAll of one
-# algorithm, the …Tx forms.
-group algorithms ./ratelimit/ '^(TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
+# The three algorithms' statements, check queues, coalesced batches (Citus
+# refuses the set-based …TakeMany, 42P18, and the coalescer then sends every
+# batch as a check queue), AllowUpTo, AllowAll of one algorithm, the …Tx
+# forms.
+group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestCoalescedMatchesSequentialReplay|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
 group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
 # A stored key written in SQL.
 group policy ./policy/ '^(TestStoredKeyInSQL)$' "$@"
