@@ -26,7 +26,6 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-
 // shapeFlags describe a limiter defined in code, with the names and
 // defaults of ratelimit.Config. They are read as text so that a bad value
 // gets a message naming the flag and an example.
