@@ -43,6 +43,9 @@ func requireDistributed(t *testing.T, st migration.Status) {
 	for _, table := range migration.ReferenceTables {
 		require.Equal(t, migration.DistributionReference, kinds[table].Kind, table)
 	}
+	for _, table := range migration.CoordinatorTables {
+		require.Equal(t, migration.DistributionLocal, kinds[table].Kind, table)
+	}
 }
 
 // TestCitusUpDistributes: on Citus, up distributes the counters by key,
@@ -120,7 +123,7 @@ func TestDistributeWithoutCitusDoesNothing(t *testing.T) {
 	require.Empty(t, changed)
 	ds, err := migration.Distributions(ctx, dbtest.Admin(t), s)
 	require.NoError(t, err)
-	require.Len(t, ds, len(migration.DistributedTables)+len(migration.ReferenceTables))
+	require.Len(t, ds, len(migration.DistributedTables)+len(migration.ReferenceTables)+len(migration.CoordinatorTables))
 	for _, d := range ds {
 		require.Equal(t, migration.DistributionLocal, d.Kind, d.Table)
 	}

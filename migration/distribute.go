@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -12,12 +13,13 @@ import (
 // On Citus (distributed PostgreSQL), pgrl's tables are spread over the
 // cluster when the citus extension exists in the database: the counter
 // tables are distributed by key, colocated with each other, so that every
-// check touches one shard; the small configuration tables are reference
-// tables, copied to every node, so that a check that reads a policy joins
-// it on the shard. A plain table on a Citus coordinator would work, but
-// silently: every check would run on the coordinator alone, which is what
-// Citus was brought in to avoid. So Up, UpTo, SetLayout and the test helper
-// of this repository distribute without being asked, through Distribute.
+// check touches one shard; the partition settings are a reference table,
+// copied to every node; the policy tables stay ordinary tables of the
+// coordinator (CoordinatorTables says why). A plain counter table on a
+// Citus coordinator would work, but silently: every check would run on the
+// coordinator alone, which is what Citus was brought in to avoid. So Up,
+// UpTo, SetLayout and the test helper of this repository distribute without
+// being asked, through Distribute.
 
 // Kinds of Distribution.
 const (
@@ -38,8 +40,20 @@ const (
 var DistributedTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
 
 // ReferenceTables are the tables Distribute makes reference tables: small,
-// written rarely, read by checks (policies) or by the partition functions.
-var ReferenceTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_policy_override"}
+// written rarely, read by the partition functions.
+var ReferenceTables = []string{"pgrl_partition_settings"}
+
+// CoordinatorTables are the tables that stay ordinary tables of the
+// coordinator: the policies and their overrides. Their triggers keep
+// updated_at, guard the key mode and NOTIFY the processes that cache
+// policies, which listen on the coordinator; on a reference table Citus
+// would fire them on every node's placement, under the shard's name, and
+// refuses the sub-selects that writing a policy uses. Checks never read
+// them: a policy limiter caches its policy and checks with plain takes (a
+// check that reads its policy in the statement is refused by Citus, with
+// ratelimit.ErrUnsupported). Distribute turns a reference table of these
+// back into an ordinary one.
+var CoordinatorTables = []string{"pgrl_policy", "pgrl_policy_override"}
 
 // DistributionColumn is the column the counter tables are distributed by.
 const DistributionColumn = "key"
@@ -95,7 +109,7 @@ func Distributions(ctx context.Context, q Querier, schemaName string) ([]Distrib
 		return nil, err
 	}
 	var out []Distribution
-	for _, t := range append(append([]string{}, DistributedTables...), ReferenceTables...) {
+	for _, t := range slices.Concat(DistributedTables, ReferenceTables, CoordinatorTables) {
 		var exists bool
 		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
 			return nil, err
@@ -150,18 +164,18 @@ func distributionOf(ctx context.Context, q Querier, schemaName, table string) (D
 // extension exists in the database, and does nothing otherwise: the counter
 // tables (DistributedTables) by key, colocated with each other, with
 // create_distributed_table (not its _concurrently form, which refuses
-// UNLOGGED tables), and the configuration tables (ReferenceTables) with
-// create_reference_table. Tables already distributed, and tables that do
-// not exist, are left alone, so it is idempotent; it returns the tables it
+// UNLOGGED tables), the partition settings (ReferenceTables) with
+// create_reference_table, and it turns CoordinatorTables that an earlier
+// version distributed back into ordinary tables. Tables already where they
+// belong, and tables that do not exist, are left alone, so it is
+// idempotent; it returns the tables it
 // changed. It runs on q as given: inside the caller's transaction when q is
 // one. The shard count is Citus's (citus.shard_count, 32 by default; a
 // session may set another).
 //
-// The policy tables carry triggers (they keep updated_at, check keys and
-// notify listeners), which Citus refuses to distribute unless
-// citus.enable_unsafe_triggers is on: Distribute turns it on for its own
-// transaction only. The triggers then fire on each placement of the
-// reference tables, the coordinator's included.
+// The counter tables carry no triggers; citus.enable_unsafe_triggers is on
+// for Distribute's own transaction only, so that a schema whose policy
+// tables an earlier version made reference tables can be turned back.
 func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, error) {
 	citus, err := HasCitus(ctx, q)
 	if err != nil || !citus {
@@ -211,14 +225,45 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 			refs = append(refs, t)
 		}
 	}
-	if len(pending) == 0 && len(refs) == 0 {
+	var locals []string
+	for _, t := range CoordinatorTables {
+		var exists bool
+		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
+			return nil, err
+		}
+		if !exists {
+			continue
+		}
+		d, err := distributionOf(ctx, q, schemaName, t)
+		if err != nil {
+			return nil, err
+		}
+		if d.Kind != DistributionLocal {
+			locals = append(locals, t)
+		}
+	}
+	if len(pending) == 0 && len(refs) == 0 && len(locals) == 0 {
 		return nil, nil
 	}
 	run := func(q Querier) error {
 		if _, err := q.Exec(ctx, "SET LOCAL citus.enable_unsafe_triggers TO on"); err != nil {
 			return err
 		}
-		// A policy override refers to its policy: the referenced table first.
+		for _, t := range locals {
+			var still bool
+			if err := q.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition WHERE logicalrelid = $1::regclass)",
+				qualified(schemaName, t)).Scan(&still); err != nil {
+				return err
+			}
+			if !still { // undistributed with the other one, by their foreign key
+				continue
+			}
+			if _, err := q.Exec(ctx, "SELECT pg_catalog.undistribute_table($1::regclass, cascade_via_foreign_keys => true)",
+				qualified(schemaName, t)); err != nil {
+				return fmt.Errorf("make %s an ordinary table of the coordinator again: %w", qualified(schemaName, t), err)
+			}
+			changed = append(changed, t)
+		}
 		for _, t := range refs {
 			if _, err := q.Exec(ctx, "SELECT pg_catalog.create_reference_table($1::regclass)", qualified(schemaName, t)); err != nil {
 				return fmt.Errorf("make %s a reference table: %w", qualified(schemaName, t), err)
@@ -257,7 +302,8 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 }
 
 // needsDistribution reports whether the citus extension exists and one of
-// pgrl's tables in schemaName is still an ordinary local table.
+// pgrl's tables in schemaName is not where Distribute puts it: a counter or
+// reference table still an ordinary local table, or a policy table not one.
 func needsDistribution(ctx context.Context, q Querier, schemaName string) (bool, error) {
 	citus, err := HasCitus(ctx, q)
 	if err != nil || !citus {
@@ -268,7 +314,7 @@ func needsDistribution(ctx context.Context, q Querier, schemaName string) (bool,
 		return false, err
 	}
 	for _, d := range ds {
-		if d.Kind == DistributionLocal {
+		if (d.Kind == DistributionLocal) != slices.Contains(CoordinatorTables, d.Table) {
 			return true, nil
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -60,6 +61,17 @@ type Limiter struct {
 	warned sync.Map
 }
 
+// citusLogged is set once NewLimiter has logged that it checks from the
+// cache because the database is a Citus coordinator.
+var citusLogged atomic.Bool
+
+// onCitus reports whether the citus extension exists in db's database.
+func onCitus(ctx context.Context, db DB) (bool, error) {
+	var ok bool
+	err := db.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')").Scan(&ok)
+	return ok, err
+}
+
 // built is the ratelimit.Limiter of one load of the policy: it is built
 // again whenever the cache entry is replaced (the policy or one of its
 // overrides reloaded), so that no deny cache outlives a change.
@@ -72,7 +84,10 @@ type built struct {
 // NewLimiter returns a limiter for the policy named name in db. It loads
 // the cache when it has not been loaded, and fails with ErrNotFound when
 // no such policy exists, or with ratelimit's error when opts.Config is
-// invalid.
+// invalid. On Citus (the citus extension exists in db) it checks as
+// Options.FromCache says, whatever opts says: Citus does not run a check
+// that reads its policy in the statement.
+
 func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter, error) {
 	c := opts.Cache
 	if c == nil {
@@ -89,7 +104,25 @@ func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter
 			return nil, err
 		}
 	}
-	l := &Limiter{name: name, db: db, cache: c, base: opts.Config, inStatement: !opts.FromCache}
+	inStatement := !opts.FromCache
+	if inStatement {
+		citus, err := onCitus(ctx, db)
+		if err != nil {
+			return nil, mapErr(err)
+		}
+		if citus {
+			inStatement = false
+			if citusLogged.CompareAndSwap(false, true) {
+				logger := opts.Config.Logger
+				if logger == nil {
+					logger = slog.Default()
+				}
+				logger.Info("pgrl: on Citus, policy limiters check with the policy as last loaded into their Cache (Options.FromCache): a check that reads its policy in the statement does not run there; keep the Cache current with a Listener",
+					"policy", name)
+			}
+		}
+	}
+	l := &Limiter{name: name, db: db, cache: c, base: opts.Config, inStatement: inStatement}
 	if _, err := l.current(); err != nil {
 		return nil, err
 	}

@@ -34,8 +34,8 @@ group() { # group NAME PACKAGE RUN-REGEX
 # each needs): an AllOrNothing decision (a pgx batch is an implicit transaction, which Citus
 # commits statement by statement on the workers, so the abort does not
 # undo what the earlier statements counted), checks that read their stored
-# policy in the statement (a sub-select inside an INSERT, 0A000) and the
-# policy tables' triggers on reference tables, rl-migrate down (Citus's DDL
+# policy in the statement (ratelimit.Config.Policy: Citus refuses it),
+# rl-migrate down (Citus's DDL
 # propagation refuses some steps and breaks others as distributed
 # deadlocks, 40P01), and dropping a partition while checks run.
 
@@ -48,8 +48,12 @@ group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
 # forms.
 group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestCoalescedMatchesSequentialReplay|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
 group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
-# A stored key written in SQL.
-group policy ./policy/ '^(TestStoredKeyInSQL)$' "$@"
+# Policies and overrides: written through package policy and in plain SQL
+# (the policy tables stay ordinary tables of the coordinator, where their
+# triggers and NOTIFY work), their rules, and applied by policy limiters,
+# which on Citus check with the cached policy (a check that reads its policy
+# in the statement does not run there).
+group policy ./policy/ '^(TestCitus.*|TestSetGetListDelete|TestBadInputRefused|TestConfigRulesAreTheTablesRules|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestKeyModeChangeWithOverridesRefused|TestKeyModeChangeWithOverridesRefusedInSQL)$' "$@"
 # Both cleanup modes.
 group cleanup ./cleanup/ '^(TestCitus.*|TestDryRunCountsAndDeletesNothing|TestPartitionDryRunDropsNothing|TestSecondRunIsSkippedWhileFirstHoldsTheLock)$' "$@"
 # Several OS processes on one key of a distributed table: exactly the limit

@@ -48,10 +48,14 @@ func TestCitusUpAndStatus(t *testing.T) {
 	for _, table := range migration.ReferenceTables {
 		require.Equal(t, migration.DistributionReference, kinds[table], table)
 	}
+	for _, table := range migration.CoordinatorTables {
+		require.Equal(t, migration.DistributionLocal, kinds[table], table)
+	}
 
 	stdout, stderr, code = runFn(t, db(s, "status")...)
 	require.Equal(t, cli.ExitOK, code, stderr)
 	require.Contains(t, stdout, "citus:            yes")
 	require.Regexp(t, `pgrl_token_bucket\s+distributed by key, \d+ shards`, stdout)
-	require.Regexp(t, `pgrl_policy\s+reference`, stdout)
+	require.Regexp(t, `pgrl_partition_settings\s+reference`, stdout)
+	require.Regexp(t, `pgrl_policy\s+local`, stdout)
 }
