@@ -245,6 +245,23 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
 		defer cancel()
 	}
+	if tx == nil && mode == AllOrNothing {
+		// On Citus a batch's implicit transaction does not make the vote's
+		// abort undo the checks before it: the batch goes in a transaction
+		// of its own, committed or rolled back as the savepoint is.
+		t, err := first.citusTx(cctx, db)
+		if err != nil {
+			err = first.explain(ctx, err)
+			if isConfigError(err) {
+				return MultiDecision{}, err
+			}
+			first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
+			return fallbackAll(ctx, checks, err)
+		}
+		if t != nil {
+			sp, db = t, t
+		}
+	}
 
 	// One statement per algorithm: the checks of limiters that share a
 	// table (and a clock) go in one queue statement, which takes each key's
@@ -342,12 +359,18 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	}
 	if sp != nil {
 		// Keep what the batch did only when it succeeded and was not voted
-		// down; either way the caller's transaction stays usable.
+		// down; either way the caller's transaction stays usable. A
+		// transaction of the decision's own (on Citus) ends within its
+		// Timeout.
+		endCtx := ctx
+		if tx == nil {
+			endCtx = cctx
+		}
 		var spErr error
 		if sendErr != nil || denied {
-			spErr = sp.Rollback(ctx)
+			spErr = sp.Rollback(endCtx)
 		} else {
-			spErr = sp.Commit(ctx)
+			spErr = sp.Commit(endCtx)
 		}
 		if sendErr == nil && spErr != nil {
 			sendErr = spErr
@@ -413,6 +436,39 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	}
 	return out, nil
 }
+
+// citusTx returns a transaction begun on db when db is a Citus coordinator,
+// and nil otherwise. Whether it is one is asked once per limiter.
+func (l *Limiter) citusTx(ctx context.Context, db DB) (pgx.Tx, error) {
+	switch l.citus.Load() {
+	case citusNo:
+		return nil, nil
+	case citusUnknown:
+		var ok bool
+		if err := db.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')").Scan(&ok); err != nil {
+			return nil, err
+		}
+		if !ok {
+			l.citus.Store(citusNo)
+			return nil, nil
+		}
+		l.citus.Store(citusYes)
+	}
+	b, ok := db.(interface {
+		Begin(context.Context) (pgx.Tx, error)
+	})
+	if !ok {
+		return nil, invalid(ErrUnsupported, "an AllOrNothing decision on Citus runs in a transaction, and %T cannot begin one: pass a *pgxpool.Pool or a *pgx.Conn, or use AllowAllTx", db)
+	}
+	return b.Begin(ctx)
+}
+
+// What Limiter.citus holds.
+const (
+	citusUnknown int32 = iota
+	citusNo
+	citusYes
+)
 
 // fallbackAll answers every check by its limiter's failure policy.
 func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecision, error) {

@@ -212,6 +212,39 @@ func (p *pooled) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	return &pooledBatch{BatchResults: c.SendBatch(ctx, b), release: func() { p.release(c) }}
 }
 
+// Begin begins a transaction on a connection of the share, which returns to
+// the pool when the transaction ends.
+func (p *pooled) Begin(ctx context.Context) (pgx.Tx, error) {
+	c, err := p.acquire(ctx)
+	if err != nil {
+		return nil, err
+	}
+	tx, err := c.Begin(ctx)
+	if err != nil {
+		p.release(c)
+		return nil, err
+	}
+	return &pooledTx{Tx: tx, release: func() { p.release(c) }}, nil
+}
+
+// pooledTx is a transaction of the share: its connection returns to the pool
+// when it commits or rolls back.
+type pooledTx struct {
+	pgx.Tx
+	once    sync.Once
+	release func()
+}
+
+func (t *pooledTx) Commit(ctx context.Context) error {
+	defer t.once.Do(t.release)
+	return t.Tx.Commit(ctx)
+}
+
+func (t *pooledTx) Rollback(ctx context.Context) error {
+	defer t.once.Do(t.release)
+	return t.Tx.Rollback(ctx)
+}
+
 type pooledRows struct {
 	pgx.Rows
 	once    sync.Once

@@ -31,9 +31,7 @@ group() { # group NAME PACKAGE RUN-REGEX
 
 # What runs on Citus today, and is held to it here. Not yet on Citus, and
 # so not run here (docs/SCALING.md, "Not yet on Citus", says why and what
-# each needs): an AllOrNothing decision (a pgx batch is an implicit transaction, which Citus
-# commits statement by statement on the workers, so the abort does not
-# undo what the earlier statements counted), checks that read their stored
+# each needs): checks that read their stored
 # policy in the statement (ratelimit.Config.Policy: Citus refuses it),
 # rl-migrate down (Citus's DDL
 # propagation refuses some steps and breaks others as distributed
@@ -44,9 +42,10 @@ group migration ./migration/ '^(TestCitus.*|TestLayoutSwitchKeepsLiveRowsAndUnlo
 group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
 # The three algorithms' statements, check queues, coalesced batches (Citus
 # refuses the set-based …TakeMany, 42P18, and the coalescer then sends every
-# batch as a check queue), AllowUpTo, AllowAll of one algorithm, the …Tx
+# batch as a check queue), AllowUpTo, AllowAll of one algorithm and of
+# several (AllOrNothing runs in a transaction of its own there), the …Tx
 # forms.
-group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestCoalescedMatchesSequentialReplay|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
+group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestCoalescedMatchesSequentialReplay|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowAllOrNothing|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
 group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
 # Policies and overrides: written through package policy and in plain SQL
 # (the policy tables stay ordinary tables of the coordinator, where their
@@ -59,7 +58,7 @@ group cleanup ./cleanup/ '^(TestCitus.*|TestDryRunCountsAndDeletesNothing|TestPa
 # Several OS processes on one key of a distributed table: exactly the limit
 # admitted (4 processes × 50 calls, limit 20, every algorithm), and every
 # attempt counted under penalty.
-group multiprocess ./tests/ '^(TestMultiprocessExactlyTheLimit|TestMultiprocessPenaltyCountsEveryAttempt)$' "$@"
+group multiprocess ./tests/ '^(TestMultiprocessExactlyTheLimit|TestMultiprocessPenaltyCountsEveryAttempt|TestMultiSingleAlgorithmConsumes|TestMultiBadInputsConsumeNothing)$' "$@"
 
 if [[ ${#failed[@]} -gt 0 ]]; then
 	pgrl_log "Citus: failed: ${failed[*]}"
