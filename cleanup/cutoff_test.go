@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -74,7 +75,10 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				if mode == cleanup.ModePartitions {
 					partitionTwoSeconds(t, db)
 				}
-				cfg := ratelimit.Config{Name: "cutoff", Algorithm: alg, Limit: 2, Window: window}
+				// Every check must be PostgreSQL's answer: wait for it as long as
+				// it takes on a busy machine (a late answer under the default
+				// Timeout would come from the memory tier).
+				cfg := ratelimit.Config{Name: "cutoff", Algorithm: alg, Limit: 2, Window: window, Timeout: testkit.DecisionTimeout}
 				outside, err := ratelimit.New(db, cfg)
 				require.NoError(t, err)
 				inside, err := ratelimit.New(db, cfg)
@@ -92,6 +96,7 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				for i, want := range []bool{true, true, false} {
 					d, err := outside.Allow(ctx, "k")
 					require.NoError(t, err)
+					require.Equal(t, ratelimit.StorePostgres, d.Store, "check %d outside the transaction: %s", i+1, d.Reason)
 					require.Equal(t, want, d.Allowed, "check %d outside the transaction", i+1)
 					last = d
 				}
