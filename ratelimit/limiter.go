@@ -257,24 +257,23 @@ func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, erro
 }
 
 // allowWithin asks PostgreSQL, answering by Config.Timeout at the latest,
-// whatever the caller's context: the check runs on its own goroutine and
-// the caller stops waiting at the deadline, whatever the driver is still
-// doing with the connection.
+// whatever the caller's context. The statement runs on the caller's
+// goroutine under a context that ends at the Timeout: pgx stops at a
+// context's deadline (it sets the connection's deadline, and waiting for a
+// pooled connection or for a coalesced batch ends with the context too), so
+// handing each check to a goroutine of its own, which cost 30 to 45 µs per
+// check at one caller (docs/BENCHMARKS.md), buys nothing;
+// TestStallDefaultConfigBounded holds it to the bound against a server that
+// stops answering.
 func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
-	ch := make(chan takeResult, 1)
-	go func() {
-		d, err := l.allowDB(cctx, key, a)
-		ch <- takeResult{d, err}
-	}()
-	select {
-	case r := <-ch:
-		return r.d, r.err
-	case <-cctx.Done():
+	d, err := l.allowDB(cctx, key, a)
+	if err != nil && cctx.Err() != nil {
 		// The statement may still reach the database and count.
 		return Decision{}, cctx.Err()
 	}
+	return d, err
 }
 
 // asWhole reports a decision of row (l itself, or one of its spread rows)

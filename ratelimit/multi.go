@@ -498,11 +498,6 @@ func isMultiDenied(err error) bool {
 	return errors.As(err, &pgErr) && pgErr.Code == errMultiDenied
 }
 
-type takeResult struct {
-	d   Decision
-	err error
-}
-
 // deferred is a gen.DBTX that, instead of running a generated query,
 // records its SQL and arguments so that several queries go out in one
 // pgx.Batch, and then blocks the generated code's Scan until the batch's
