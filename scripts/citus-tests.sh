@@ -52,7 +52,7 @@ group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
 # triggers and NOTIFY work), their rules, and applied by policy limiters,
 # which on Citus check with the cached policy (a check that reads its policy
 # in the statement does not run there).
-group policy ./policy/ '^(TestCitus.*|TestSetGetListDelete|TestBadInputRefused|TestConfigRulesAreTheTablesRules|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestKeyModeChangeWithOverridesRefused|TestKeyModeChangeWithOverridesRefusedInSQL)$' "$@"
+group policy ./policy/ '^(TestCitus.*|TestApplicationRoleReadsOnly|TestPermissionNamesTheGrant|TestSetGetListDelete|TestBadInputRefused|TestConfigRulesAreTheTablesRules|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestKeyModeChangeWithOverridesRefused|TestKeyModeChangeWithOverridesRefusedInSQL)$' "$@"
 # Both cleanup modes.
 group cleanup ./cleanup/ '^(TestCitus.*|TestDryRunCountsAndDeletesNothing|TestPartitionDryRunDropsNothing|TestSecondRunIsSkippedWhileFirstHoldsTheLock)$' "$@"
 # Several OS processes on one key of a distributed table: exactly the limit

@@ -266,7 +266,10 @@ func URLAsWithSchema(role, schemaName string) string {
 	}
 	q := u.Query()
 	q.Set("search_path", schemaName)
-	u.RawQuery = q.Encode()
+	// Encode writes a space as "+", which libpq-style URL parsing keeps as
+	// a plus (options=-c name=value would become "-c+name=value"); "%20" it
+	// decodes. A literal "+" is already "%2B".
+	u.RawQuery = strings.ReplaceAll(q.Encode(), "+", "%20")
 	return u.String()
 }
 
