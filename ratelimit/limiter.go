@@ -648,6 +648,12 @@ func mapErr(err error) error {
 	case pgerr.Input:
 		return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
 	case pgerr.Unsupported:
+		if pgErr.Severity == "FATAL" {
+			// Refused while connecting: a setting the connection string
+			// passes (options=-c name=value, a runtime parameter) is wrong.
+			return fmt.Errorf("%w (a setup error, not an outage: the server refused the connection's settings; fix the "+
+				"connection string's options or runtime parameters): %w", ErrUnsupported, pgErr)
+		}
 		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this "+
 			"version of pgrl, use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md): %w", ErrUnsupported, pgErr)
 	}

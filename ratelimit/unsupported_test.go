@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -151,4 +152,24 @@ func TestUnsupportedNeverReachesTheFailurePolicy(t *testing.T) {
 			require.Equal(t, int64(100), d.Remaining, "no AllowAll consumed the other limit")
 		})
 	}
+}
+
+// A setting the server refuses while connecting (options=-c with an unknown
+// parameter: FATAL 42704) is a setup error too, and its message names the
+// connection string as the thing to fix, not the migrations.
+func TestRefusedConnectionSettingNamesTheConnectionString(t *testing.T) {
+	t.Parallel()
+	_, s := dbtest.Pool(t)
+	url := dbtest.URLWithSchema(s) + "&options=-c%20pgrlnosuchsetting%3D1"
+	pool, err := pgxpool.New(context.Background(), url)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "badsetting", Limit: 5, Window: time.Minute})
+	d, err := l.Allow(context.Background(), "k")
+	require.ErrorIs(t, err, ratelimit.ErrUnsupported, "%+v", d)
+	require.ErrorContains(t, err, "fix the connection string")
+	require.NotContains(t, err.Error(), "rl-migrate up")
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "FATAL", pgErr.Severity)
 }
