@@ -87,7 +87,6 @@ type built struct {
 // invalid. On Citus (the citus extension exists in db) it checks as
 // Options.FromCache says, whatever opts says: Citus does not run a check
 // that reads its policy in the statement.
-
 func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter, error) {
 	c := opts.Cache
 	if c == nil {
