@@ -108,24 +108,7 @@ func Distributions(ctx context.Context, q Querier, schemaName string) ([]Distrib
 	if err != nil {
 		return nil, err
 	}
-	var out []Distribution
-	for _, t := range slices.Concat(DistributedTables, ReferenceTables, CoordinatorTables) {
-		var exists bool
-		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
-			return nil, err
-		}
-		if !exists {
-			continue
-		}
-		d := Distribution{Table: t, Kind: DistributionLocal}
-		if citus {
-			if d, err = distributionOf(ctx, q, schemaName, t); err != nil {
-				return nil, err
-			}
-		}
-		out = append(out, d)
-	}
-	return out, nil
+	return existing(ctx, q, schemaName, slices.Concat(DistributedTables, ReferenceTables, CoordinatorTables), citus)
 }
 
 // distributionOf reads Citus's metadata for one table (the extension exists).
@@ -184,18 +167,12 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 	var changed []string
 	colocateWith := ""
 	var pending []string
-	for _, t := range DistributedTables {
-		var exists bool
-		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
-			return nil, err
-		}
-		if !exists {
-			continue
-		}
-		d, err := distributionOf(ctx, q, schemaName, t)
-		if err != nil {
-			return nil, err
-		}
+	counters, err := existing(ctx, q, schemaName, DistributedTables, true)
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range counters {
+		t := d.Table
 		switch d.Kind {
 		case DistributionDistributed:
 			if colocateWith == "" {
@@ -208,38 +185,24 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 				qualified(schemaName, t), d, DistributionColumn, qualified(schemaName, t))
 		}
 	}
+	configs, err := existing(ctx, q, schemaName, ReferenceTables, true)
+	if err != nil {
+		return nil, err
+	}
 	var refs []string
-	for _, t := range ReferenceTables {
-		var exists bool
-		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
-			return nil, err
-		}
-		if !exists {
-			continue
-		}
-		d, err := distributionOf(ctx, q, schemaName, t)
-		if err != nil {
-			return nil, err
-		}
+	for _, d := range configs {
 		if d.Kind == DistributionLocal {
-			refs = append(refs, t)
+			refs = append(refs, d.Table)
 		}
 	}
+	policies, err := existing(ctx, q, schemaName, CoordinatorTables, true)
+	if err != nil {
+		return nil, err
+	}
 	var locals []string
-	for _, t := range CoordinatorTables {
-		var exists bool
-		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
-			return nil, err
-		}
-		if !exists {
-			continue
-		}
-		d, err := distributionOf(ctx, q, schemaName, t)
-		if err != nil {
-			return nil, err
-		}
+	for _, d := range policies {
 		if d.Kind != DistributionLocal {
-			locals = append(locals, t)
+			locals = append(locals, d.Table)
 		}
 	}
 	if len(pending) == 0 && len(refs) == 0 && len(locals) == 0 {
@@ -299,6 +262,31 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 		return nil, fmt.Errorf("pgrl migration: %w", err)
 	}
 	return changed, nil
+}
+
+// existing returns the distribution of each of tables that exists in
+// schemaName, in order: from Citus's metadata when citus is set, else
+// DistributionLocal.
+func existing(ctx context.Context, q Querier, schemaName string, tables []string, citus bool) ([]Distribution, error) {
+	var out []Distribution
+	for _, t := range tables {
+		var exists bool
+		if err := q.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", qualified(schemaName, t)).Scan(&exists); err != nil {
+			return nil, err
+		}
+		if !exists {
+			continue
+		}
+		d := Distribution{Table: t, Kind: DistributionLocal}
+		if citus {
+			var err error
+			if d, err = distributionOf(ctx, q, schemaName, t); err != nil {
+				return nil, err
+			}
+		}
+		out = append(out, d)
+	}
+	return out, nil
 }
 
 // needsDistribution reports whether the citus extension exists and one of
