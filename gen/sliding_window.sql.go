@@ -281,43 +281,61 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 }
 
 const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
-WITH win AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, $2::bigint AS cost,
-           $3::bigint AS window_us,
-           pgrl_now($4::timestamptz) AS ts,
-           pgrl_now_us($4::timestamptz) AS now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($4::timestamptz),
-                                                   $3::bigint)) AS window_start
-      FROM pgrl_policy AS p
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = $5::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($4::timestamptz))
-     WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
-       AND p.key_mode = $7::text
-       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = $3::bigint
-)
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
-SELECT $1::bytea, win.window_start, s.count, 0,
-       pgrl_from_epoch_us(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
-  FROM win,
-       LATERAL pgrl_sliding_window_take(NULL, 0, 0, win.now_us, win.window_us, win.cost, win.max_count,
-                                        win.penalty, false) AS s
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
+                                      policy_limit, policy_penalty)
+SELECT $1::bytea, pgrl_from_epoch_us(f.start_us),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, $2::bigint, $3::bigint,
+                                 f.max_count, f.penalty, false)).count,
+       0,
+       pgrl_from_epoch_us(f.start_us + 2 * $2::bigint),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, $2::bigint, $3::bigint,
+                                 f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now($4::timestamptz) AS ts,
+               pgrl_now_us($4::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us($4::timestamptz), $2::bigint) AS start_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = $5::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($4::timestamptz))
+         WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
+           AND p.key_mode = $7::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = $2::bigint) AS f
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed, updated_at) = (
-       SELECT pgrl_ts(s.window_start_us), s.count, s.prev_count,
-              pgrl_ts(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
-         FROM win,
-              LATERAL pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count, win.now_us,
-                                               win.window_us, win.cost, win.max_count, win.penalty, false) AS s)
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us
+                                    + 2 * $2::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
 RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
           pgrl_us(updated_at) AS now_us,
-          (SELECT max_count FROM win)::bigint AS max_count
+          policy_limit::bigint AS max_count
 `
 
 type SlidingWindowTakePolicyParams struct {
 	Key         []byte
-	Cost        int64
 	WindowUs    int64
+	Cost        int64
 	At          *time.Time
 	OverrideKey []byte
 	Policy      string
@@ -338,12 +356,13 @@ type SlidingWindowTakePolicyRow struct {
 // FixedWindowTakePolicy: no row comes back, and nothing is counted, when
 // the policy (with the key's override) no longer has window_us, is no
 // longer a sliding window, no longer stores keys in key_mode, or does not
-// exist. max_count is the limit that was applied.
+// exist. max_count is the limit that was applied. As there, the update arm
+// reads the figures from the proposed row.
 func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyParams) (SlidingWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTakePolicy,
 		arg.Key,
-		arg.Cost,
 		arg.WindowUs,
+		arg.Cost,
 		arg.At,
 		arg.OverrideKey,
 		arg.Policy,

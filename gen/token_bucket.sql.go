@@ -258,50 +258,66 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 }
 
 const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
-WITH rate AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS "limit",
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
-           coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
-           p.penalty,
-           coalesce(o.burst, p.burst, o."limit", p."limit")::float8 AS capacity,
-           coalesce(o."limit", p."limit")::float8
-               / round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint::float8 AS refill_per_us,
-           $2::bigint AS cost,
-           pgrl_now($3::timestamptz) AS ts,
-           pgrl_now_us($3::timestamptz) AS now_us
-      FROM pgrl_policy AS p
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = $4::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($3::timestamptz))
-       AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
-       AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
-           * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
-           <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
-     WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
-       AND p.key_mode = $6::text
-)
-INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-SELECT $1::bytea, s.tokens, rate.ts,
-       pgrl_token_bucket_full_at(rate.ts, s.tokens, rate.capacity, rate.refill_per_us), s.allowed
-  FROM rate,
-       LATERAL pgrl_token_bucket_take(rate.capacity, rate.now_us, rate.now_us, rate.cost, rate.capacity,
-                                      rate.refill_per_us, rate.penalty, false) AS s
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
+                                    policy_limit, policy_window_us, policy_burst, policy_penalty)
+SELECT $1::bytea,
+       (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, $2::bigint, f.burst::float8,
+                               f."limit"::float8 / f.window_us::float8, f.penalty, false)).tokens,
+       f.ts,
+       pgrl_token_bucket_full_at(
+           f.ts,
+           (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, $2::bigint, f.burst::float8,
+                                   f."limit"::float8 / f.window_us::float8, f.penalty, false)).tokens,
+           f.burst::float8, f."limit"::float8 / f.window_us::float8),
+       (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, $2::bigint, f.burst::float8,
+                               f."limit"::float8 / f.window_us::float8, f.penalty, false)).allowed,
+       f."limit", f.window_us, f.burst, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
+               round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
+               coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
+               p.penalty,
+               pgrl_now($3::timestamptz) AS ts,
+               pgrl_now_us($3::timestamptz) AS now_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = $4::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($3::timestamptz))
+           AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
+           AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
+               * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
+               <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
+         WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
+           AND p.key_mode = $6::text) AS f
 ON CONFLICT (key) DO UPDATE
-   SET (tokens, updated_at, full_at, allowed) = (
-       SELECT s.tokens, pgrl_ts(s.updated_at_us),
-              pgrl_token_bucket_refilled_at(pgrl_ts(s.updated_at_us), s.tokens, rate.capacity,
-                                        rate.refill_per_us),
-              s.allowed
-         FROM rate,
-              LATERAL pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), rate.now_us, rate.cost,
-                                             rate.capacity, rate.refill_per_us, rate.penalty, false) AS s)
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        $2::bigint, excluded.policy_burst::float8,
+                                        excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                        excluded.policy_penalty, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_refilled_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                             pgrl_us(excluded.updated_at), $2::bigint,
+                                             excluded.policy_burst::float8,
+                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                             excluded.policy_penalty, false)).tokens,
+                     excluded.policy_burst::float8,
+                     excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         $2::bigint, excluded.policy_burst::float8,
+                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                         excluded.policy_penalty, false)).allowed,
+       policy_limit = excluded.policy_limit,
+       policy_window_us = excluded.policy_window_us,
+       policy_burst = excluded.policy_burst,
+       policy_penalty = excluded.policy_penalty
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_us(updated_at) AS updated_at_us,
           pgrl_us(full_at) AS full_at_us,
           allowed,
-          (SELECT "limit" FROM rate)::bigint AS "limit",
-          (SELECT window_us FROM rate)::bigint AS window_us,
-          (SELECT burst FROM rate)::bigint AS burst
+          policy_limit::bigint AS "limit",
+          policy_window_us::bigint AS window_us,
+          policy_burst::bigint AS burst
 `
 
 type TokenBucketTakePolicyParams struct {
@@ -336,6 +352,9 @@ type TokenBucketTakePolicyRow struct {
 // no longer stores keys in key_mode ('hashed' or 'readable'), or does not
 // exist, nothing is counted and no row comes back: reload the policy and
 // check again. limit, window_us and burst are the rate that was applied.
+// The rate read in the insert arm reaches the update arm in the proposed
+// row (excluded.policy_limit and the rest; migration 000013): capacity is
+// the burst and refill_per_us is limit / window_us, as the library has them.
 func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenBucketTakePolicyParams) (TokenBucketTakePolicyRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTakePolicy,
 		arg.Key,

@@ -234,13 +234,22 @@ func TestLayoutSwitchKeepsLiveRowsAndUnloggedPartitions(t *testing.T) {
 	_, err = m.Up(ctx)
 	require.NoError(t, err)
 	pool := dbtest.PoolOn(t, s)
-	_, err = pool.Exec(ctx, `INSERT INTO pgrl_fixed_window (key, expires_at, count, allowed)
-		SELECT int4send(i), now() + interval '10 minutes' + i * interval '1 minute', i, true FROM generate_series(1, 50) i`)
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_fixed_window (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
+		SELECT int4send(i), now() + interval '10 minutes' + i * interval '1 minute', i, true, now(),
+		       CASE WHEN i % 3 = 0 THEN 100 + i END, CASE WHEN i % 3 = 0 THEN i % 2 = 0 END
+		  FROM generate_series(1, 50) i`)
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `INSERT INTO pgrl_fixed_window (key, expires_at, count, allowed) VALUES ('dead', now() - interval '1 hour', 9, false)`)
 	require.NoError(t, err)
-	liveSum := func() (n, sum int64) {
-		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*), coalesce(sum(count), 0) FROM pgrl_fixed_window WHERE expires_at > now()`).Scan(&n, &sum))
+	// liveSum counts the live rows and digests every column of them, so
+	// that a switch that lost a column (such as the policy figures of
+	// migration 000013) or a column's comment shows.
+	liveSum := func() (n int64, sum string) {
+		require.NoError(t, pool.QueryRow(ctx, `
+SELECT count(*), md5(string_agg(t::text, ',' ORDER BY key)) || ' ' || (
+       SELECT string_agg(a.attname || '=' || coalesce(col_description(a.attrelid, a.attnum), '-'), ',' ORDER BY a.attnum)
+         FROM pg_attribute AS a WHERE a.attrelid = 'pgrl_fixed_window'::regclass AND a.attnum > 0 AND NOT a.attisdropped)
+  FROM pgrl_fixed_window AS t WHERE expires_at > now()`).Scan(&n, &sum))
 		return n, sum
 	}
 	n0, sum0 := liveSum()

@@ -145,27 +145,32 @@ SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolea
 -- policy (with the key's override) no longer has window_us, is no longer a
 -- fixed window, no longer stores keys in key_mode ('hashed' or 'readable'),
 -- or does not exist, nothing is counted and no row comes back: reload the
--- policy and check again. max_count is the limit that was applied.
-WITH win AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, sqlc.arg(cost)::bigint AS cost,
-           pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
-           pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                              sqlc.arg(window_us)::bigint) AS expires_us
-      FROM pgrl_policy AS p
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
-     WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
-       AND p.key_mode = sqlc.arg(key_mode)::text
-       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = sqlc.arg(window_us)::bigint
-)
-INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
-SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(win.expires_us), s.count, s.allowed, win.ts
-  FROM win, LATERAL pgrl_fixed_window_take(win.expires_us, 0, win.cost, win.max_count, win.penalty, false) AS s
+-- policy and check again. max_count is the limit that was applied. The
+-- figures read in the insert arm reach the update arm in the proposed row
+-- (excluded.policy_limit, excluded.policy_penalty; migration 000013), so the
+-- statement reads the policy once.
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
+SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.end_us),
+       (pgrl_fixed_window_take(f.end_us, 0, sqlc.arg(cost)::bigint, f.max_count, f.penalty, false)).count,
+       (pgrl_fixed_window_take(f.end_us, 0, sqlc.arg(cost)::bigint, f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS end_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+         WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
+           AND p.key_mode = sqlc.arg(key_mode)::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = sqlc.arg(window_us)::bigint) AS f
 ON CONFLICT (key, expires_at) DO UPDATE
-   SET (count, allowed, updated_at) = (
-       SELECT s.count, s.allowed, excluded.updated_at
-         FROM win, LATERAL pgrl_fixed_window_take(win.expires_us, t.count, win.cost, win.max_count, win.penalty,
-                                                  false) AS s)
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
+                                       excluded.policy_limit, excluded.policy_penalty, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
+                                         excluded.policy_limit, excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
 RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us,
-          (SELECT max_count FROM win)::bigint AS max_count;
+          policy_limit::bigint AS max_count;

@@ -173,35 +173,54 @@ SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_u
 -- FixedWindowTakePolicy: no row comes back, and nothing is counted, when
 -- the policy (with the key's override) no longer has window_us, is no
 -- longer a sliding window, no longer stores keys in key_mode, or does not
--- exist. max_count is the limit that was applied.
-WITH win AS MATERIALIZED (
-    SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, sqlc.arg(cost)::bigint AS cost,
-           sqlc.arg(window_us)::bigint AS window_us,
-           pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
-           pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
-           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                                   sqlc.arg(window_us)::bigint)) AS window_start
-      FROM pgrl_policy AS p
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
-       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
-     WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
-       AND p.key_mode = sqlc.arg(key_mode)::text
-       AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = sqlc.arg(window_us)::bigint
-)
-INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
-SELECT sqlc.arg(key)::bytea, win.window_start, s.count, 0,
-       pgrl_from_epoch_us(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
-  FROM win,
-       LATERAL pgrl_sliding_window_take(NULL, 0, 0, win.now_us, win.window_us, win.cost, win.max_count,
-                                        win.penalty, false) AS s
+-- exist. max_count is the limit that was applied. As there, the update arm
+-- reads the figures from the proposed row.
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
+                                      policy_limit, policy_penalty)
+SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.start_us),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, sqlc.arg(window_us)::bigint, sqlc.arg(cost)::bigint,
+                                 f.max_count, f.penalty, false)).count,
+       0,
+       pgrl_from_epoch_us(f.start_us + 2 * sqlc.arg(window_us)::bigint),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, sqlc.arg(window_us)::bigint, sqlc.arg(cost)::bigint,
+                                 f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS start_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+         WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
+           AND p.key_mode = sqlc.arg(key_mode)::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = sqlc.arg(window_us)::bigint) AS f
 ON CONFLICT (key) DO UPDATE
-   SET (window_start, count, prev_count, expires_at, allowed, updated_at) = (
-       SELECT pgrl_ts(s.window_start_us), s.count, s.prev_count,
-              pgrl_ts(s.window_start_us + 2 * win.window_us), s.allowed, win.ts
-         FROM win,
-              LATERAL pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count, win.now_us,
-                                               win.window_us, win.cost, win.max_count, win.penalty, false) AS s)
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us
+                                    + 2 * sqlc.arg(window_us)::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
 RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
           pgrl_us(updated_at) AS now_us,
-          (SELECT max_count FROM win)::bigint AS max_count;
+          policy_limit::bigint AS max_count;
