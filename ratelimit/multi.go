@@ -250,7 +250,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		t, err := first.citusTx(cctx, db)
 		if err != nil {
 			err = first.explain(ctx, err)
-			if isConfigError(err) {
+			if IsConfigError(err) {
 				return MultiDecision{}, err
 			}
 			first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
@@ -379,7 +379,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
 		err := first.explain(ctx, sendErr)
-		if isConfigError(err) || isMissingPartition(sendErr) {
+		if IsConfigError(err) || isMissingPartition(sendErr) {
 			if isMissingPartition(sendErr) && !slices.ContainsFunc(order, func(it item) bool {
 				l := it.c.Limiter
 				return l.alg.partitioned() && !l.cfg.CreatePartitions
