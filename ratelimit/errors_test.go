@@ -11,7 +11,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/migration"
+	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -117,4 +120,15 @@ func TestIsConfigErrorFromChecks(t *testing.T) {
 	_, err = l.Allow(ctx, "k")
 	require.Error(t, err)
 	require.False(t, ratelimit.IsConfigError(err), "%v", err)
+}
+
+// TestOneErrPermission: the ErrPermission of every package is one value, so
+// errors.Is matches whichever a caller tests against.
+func TestOneErrPermission(t *testing.T) {
+	t.Parallel()
+	for name, err := range map[string]error{
+		"policy": policy.ErrPermission, "cleanup": cleanup.ErrPermission, "migration": migration.ErrPermission,
+	} {
+		require.True(t, err == ratelimit.ErrPermission, name) // the same value, not only a match
+	}
 }
