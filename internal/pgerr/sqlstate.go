@@ -159,8 +159,9 @@ func IsTooManyPartitions(err error) bool {
 func IsMultiDenied(err error) bool { return hasCode(err, MultiDenied) }
 
 // IsPendingDetach reports a DETACH PARTITION refused because an earlier
-// DETACH ... CONCURRENTLY was interrupted: its hint asks for FINALIZE.
+// DETACH ... CONCURRENTLY was interrupted (55000, with a hint that asks for
+// FINALIZE).
 func IsPendingDetach(err error) bool {
 	pgErr := pgError(err)
-	return pgErr != nil && strings.Contains(pgErr.Hint, "FINALIZE")
+	return pgErr != nil && pgErr.Code == pgerrcode.ObjectNotInPrerequisiteState && strings.Contains(pgErr.Hint, "FINALIZE")
 }
