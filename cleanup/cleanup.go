@@ -32,11 +32,9 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -892,8 +890,7 @@ func (r *runner) detach(parent, part string, concurrently bool) error {
 		return err
 	}
 	_, err := r.conn.Exec(r.ctx, "ALTER TABLE "+parent+" DETACH PARTITION "+part+" CONCURRENTLY")
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && strings.Contains(pgErr.Hint, "FINALIZE") {
+	if pgerr.IsPendingDetach(err) {
 		_, err = r.conn.Exec(r.ctx, "ALTER TABLE "+parent+" DETACH PARTITION "+part+" FINALIZE")
 	}
 	return err

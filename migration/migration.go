@@ -35,7 +35,6 @@ import (
 	"github.com/golang-migrate/migrate/v4/database"
 	pgxmigrate "github.com/golang-migrate/migrate/v4/database/pgx/v5"
 	"github.com/golang-migrate/migrate/v4/source/iofs"
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -346,8 +345,7 @@ func (m *Migrator) distribute(ctx context.Context) ([]string, error) {
 			changed, err = Distribute(ctx, conn, schemaName)
 			return err
 		})
-		var pgErr *pgconn.PgError
-		if attempt == 3 || !errors.As(err, &pgErr) || pgErr.Code != pgerrcode.DeadlockDetected {
+		if attempt == 3 || !pgerr.IsDeadlock(err) {
 			break
 		}
 	}
@@ -606,7 +604,7 @@ func (m *Migrator) SetLayout(ctx context.Context, layout Layout, width time.Dura
 			return err
 		})
 		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) && pgErr.Code == "22023" && strings.Contains(pgErr.Message, "partitions") {
+		if pgerr.IsTooManyPartitions(err) && errors.As(err, &pgErr) {
 			// The live windows reach further than MaxPartitions partitions.
 			return &PartitionCountError{Width: width, Lookahead: lookahead, Detail: pgErr.Message + " (" + pgErr.Hint + ")"}
 		}

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/jackc/pgerrcode"
-
 	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -93,7 +91,7 @@ func mapErr(err error) error {
 		// Without a connection to ask, the message cannot tell a read
 		// from a write: it names the grants of a write.
 		return fmt.Errorf("policy: %w", pgerr.Denied(pgErr, pgerr.PolicyWrite))
-	case pgErr.Code == pgerrcode.ForeignKeyViolation:
+	case pgerr.IsForeignKeyViolation(pgErr):
 		return fmt.Errorf("%w: %s: %w", ErrNotFound, constraintFix[pgErr.ConstraintName], pgErr)
 	case kind == pgerr.Unsupported:
 		return fmt.Errorf("%w: run `rl-migrate up` with this version of pgrl: %w", ratelimit.ErrUnsupported, pgErr)

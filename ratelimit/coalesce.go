@@ -10,7 +10,6 @@ import (
 	"time"
 	"weak"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgrl/pgrl/internal/pgerr"
@@ -369,8 +368,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		if err != nil && errors.As(err, &pgErr) {
 			// The statement failed as a whole: decide each check on its
 			// own so that every error reaches the check it belongs to.
-			if kind, _ := pgerr.Classify(pgErr); kind == pgerr.Undefined && pgErr.Code == pgerrcode.UndefinedFunction &&
-				c.warnedMissing.CompareAndSwap(false, true) {
+			if pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
 				l.cfg.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
 					"limiter", l.cfg.Name, "error", pgErr.Message)
 			}

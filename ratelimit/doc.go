@@ -167,7 +167,15 @@
 // server refuses as such (SQLSTATE class 0A or 42: a schema another pgrl
 // version migrated, Citus refusing an upsert) gives ErrUnsupported, logged
 // once per limiter. None of them is answered by the failure policy or
-// counts towards the breaker.
+// counts towards the breaker; IsConfigError reports them and the other
+// errors that are the caller's to fix.
+//
+// The database's errors cross into this package at one boundary: every
+// SQLSTATE is read in one place, shared with pgrl's other packages and
+// tools, and mapped there to one of the errors above, with the
+// *pgconn.PgError kept in the chain for errors.As. Any other database error
+// is an outage, answered by the failure policy. Test with errors.Is and
+// IsConfigError, not with SQLSTATEs.
 //
 // The counter tables are UNLOGGED: PostgreSQL empties them after a crash,
 // and a standby promoted by a failover starts with empty counters, so every

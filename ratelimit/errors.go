@@ -3,6 +3,7 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/internal/pgerr"
@@ -121,6 +122,33 @@ var (
 	// package policy's Limiter does this itself and checks again.
 	ErrPolicyChanged = errors.New("ratelimit: the stored policy no longer matches the limiter; nothing was counted")
 )
+
+// configErrors are the errors IsConfigError reports.
+var configErrors = []error{
+	// The setup of the database.
+	ErrNotMigrated, ErrReadOnly, ErrNoPartition, ErrPermission, ErrUnsupported, ErrPolicyChanged,
+	// The request, refused by PostgreSQL or before it is sent.
+	ErrInvalidInput, ErrKeyTooLong, ErrInvalidCost, ErrCostExceedsLimit,
+	ErrNilDB, ErrNilLimiter, ErrEmptyMulti, ErrDuplicateCheck, ErrMixedDatabases, ErrInvalidMultiMode,
+	// The limiter's configuration, refused by New.
+	ErrInvalidName, ErrInvalidAlgorithm, ErrInvalidLimit, ErrInvalidWindow, ErrInvalidBurst,
+	ErrInvalidPolicy, ErrInvalidTimeout, ErrInvalidOption,
+}
+
+// IsConfigError reports whether err is the caller's to fix: the setup of
+// the database (ErrNotMigrated, ErrReadOnly, ErrNoPartition, ErrPermission,
+// ErrUnsupported, ErrPolicyChanged), the request (ErrInvalidInput,
+// ErrKeyTooLong, ErrInvalidCost, ...) or the limiter's configuration
+// (ErrInvalidLimit, ...) is wrong. Retrying the same call fails the same way
+// until that is fixed; the failure policy, the breaker and the memory tier
+// never answer such an error, so a check returns it whatever OnFailure says.
+//
+// It is false for nil, for an outage (a check returns it only under
+// FailError, and then a retry may succeed), for ErrPartitionMissing (retry
+// the transaction) and for the caller's own context ending.
+func IsConfigError(err error) bool {
+	return err != nil && slices.ContainsFunc(configErrors, func(target error) bool { return errors.Is(err, target) })
+}
 
 func invalid(base error, format string, args ...any) error {
 	return fmt.Errorf("%w: %s", base, fmt.Sprintf(format, args...))

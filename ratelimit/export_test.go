@@ -96,3 +96,6 @@ func TakeMixed(ctx context.Context, limiters []*Limiter, keys []string, costs []
 // FallbackKeys reports how many keys l's memory tier (the FailToMemory
 // fallback) holds.
 func FallbackKeys(l *Limiter) int { return l.memory.Len() }
+
+// MapErr is mapErr: a database error as a check returns it.
+var MapErr = mapErr

@@ -235,7 +235,7 @@ func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, erro
 			return Decision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
 		err = l.explain(ctx, err)
-		if isConfigError(err) {
+		if IsConfigError(err) {
 			l.breaker.success(probe) // the database answered
 			return Decision{}, err
 		}
@@ -632,7 +632,7 @@ func isMissingPartition(err error) bool {
 // shares. The *pgconn.PgError stays in the chain for errors.As, the typed
 // error for errors.Is. An error already mapped is returned as is.
 func mapErr(err error) error {
-	if err == nil || isConfigError(err) {
+	if err == nil || IsConfigError(err) {
 		return err
 	}
 	kind, pgErr := pgerr.Classify(err)

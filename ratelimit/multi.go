@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
@@ -65,9 +66,6 @@ func (m MultiDecision) RetryAfter() time.Duration {
 	}
 	return r
 }
-
-// errMultiDenied is the SQLSTATE MultiRequireAllowed raises.
-const errMultiDenied = "PGRL1"
 
 // batcher is what sends a pgx.Batch: a pool, a connection or a transaction.
 type batcher interface {
@@ -252,7 +250,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		t, err := first.citusTx(cctx, db)
 		if err != nil {
 			err = first.explain(ctx, err)
-			if isConfigError(err) {
+			if IsConfigError(err) {
 				return MultiDecision{}, err
 			}
 			first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
@@ -350,7 +348,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	if vote != nil && sendErr == nil {
 		sendErr = vote.err
 	}
-	denied := vote != nil && isMultiDenied(sendErr)
+	denied := vote != nil && pgerr.IsMultiDenied(sendErr)
 	if denied {
 		sendErr = nil
 	}
@@ -381,7 +379,7 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
 		err := first.explain(ctx, sendErr)
-		if isConfigError(err) || isMissingPartition(sendErr) {
+		if IsConfigError(err) || isMissingPartition(sendErr) {
 			if isMissingPartition(sendErr) && !slices.ContainsFunc(order, func(it item) bool {
 				l := it.c.Limiter
 				return l.alg.partitioned() && !l.cfg.CreatePartitions
@@ -493,11 +491,6 @@ func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecisio
 	return out, nil
 }
 
-func isMultiDenied(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == errMultiDenied
-}
-
 // deferred is a gen.DBTX that, instead of running a generated query,
 // records its SQL and arguments so that several queries go out in one
 // pgx.Batch, and then blocks the generated code's Scan until the batch's
@@ -597,7 +590,7 @@ func runBatch(ctx context.Context, db DB, b *pgx.Batch, stmts []*deferred) (err 
 		}
 		if e != nil {
 			cerr := br.Close()
-			if cerr == nil || isMultiDenied(e) {
+			if cerr == nil || pgerr.IsMultiDenied(e) {
 				cerr = e
 			}
 			// Later statements never ran: the transaction is aborted.

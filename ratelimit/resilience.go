@@ -176,15 +176,6 @@ func callerErr(ctx context.Context) error {
 	return context.DeadlineExceeded
 }
 
-// isConfigError reports errors that a failure policy must not hide: they
-// mean the setup or the request is wrong, not that the database is briefly
-// unavailable. They never reach the breaker or the memory fallback.
-func isConfigError(err error) bool {
-	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrNoPartition) ||
-		errors.Is(err, ErrPermission) || errors.Is(err, ErrInvalidInput) || errors.Is(err, ErrKeyTooLong) ||
-		errors.Is(err, ErrPolicyChanged) || errors.Is(err, ErrUnsupported)
-}
-
 // fallback answers a check the database could not, by the failure policy.
 func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) (Decision, error) {
 	reason := fmt.Sprintf("database unavailable (%v): %s", cause, l.cfg.OnFailure)

@@ -349,7 +349,7 @@ func mapErr(err error) error {
 		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
 	case kind == pgerr.Permission:
 		return fmt.Errorf("pgrl ulule store: %w", pgerr.Denied(pgErr, storeNeed))
-	case kind == pgerr.Input && !strings.HasPrefix(pgErr.Code, "23"):
+	case kind == pgerr.Input && !pgerr.IsConstraintViolation(pgErr):
 		return fmt.Errorf("%w: %w; keep each key's count within ±9.2e18 per window", ErrInvalidCount, err)
 	case kind == pgerr.Unsupported:
 		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this version of pgrl): %w",

@@ -103,18 +103,18 @@ func Explain(err error) string {
 			"use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md", pgErr.Message, pgErr.Code)
 	}
 	if pgErr != nil {
-		switch pgErr.Code {
-		case "28P01", "28000":
+		switch {
+		case pgerr.IsAuthFailure(pgErr):
 			return fmt.Sprintf("authentication failed (%s): check the user and password in --database-url, DATABASE_URL or PGUSER/PGPASSWORD", pgErr.Message)
-		case "3D000":
+		case pgerr.IsMissingDatabase(pgErr):
 			return fmt.Sprintf("%s: create the database first, or point --database-url at an existing one", pgErr.Message)
-		case "55P03":
+		case pgerr.IsLockTimeout(pgErr):
 			return fmt.Sprintf("%s: another session holds a conflicting lock; retry when it has finished, or raise --lock-timeout", pgErr.Message)
-		case "57014":
+		case pgerr.IsQueryCanceled(pgErr):
 			return fmt.Sprintf("%s: the statement ran past its timeout; retry, or raise --statement-timeout", pgErr.Message)
-		case "25006":
+		case kind == pgerr.ReadOnly:
 			return fmt.Sprintf("%s: this server is a read-only standby; point the tool at the primary", pgErr.Message)
-		case "42501":
+		case kind == pgerr.Permission:
 			return fmt.Sprintf("%s: the database user lacks a privilege; run as the owner of pgrl's tables or grant it", pgErr.Message)
 		}
 		return fmt.Sprintf("%s (SQLSTATE %s)", pgErr.Message, pgErr.Code)

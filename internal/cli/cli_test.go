@@ -42,6 +42,16 @@ func TestExplain(t *testing.T) {
 	require.Contains(t, Explain(&pgconn.PgError{Code: "42P01", Message: `relation "pgrl_fixed_window" does not exist`}), "rl-migrate up")
 	require.Contains(t, Explain(&pgconn.PgError{Code: "0A000", Message: "functions used in the DO UPDATE SET clause of INSERTs on distributed tables must be marked IMMUTABLE"}), "docs/SCALING.md")
 	require.Contains(t, Explain(&pgconn.PgError{Code: "3F000", Message: `schema "rl" does not exist`}), "rl-migrate up")
+	// Each code Explain names a fix for, and one it does not.
+	for code, fix := range map[string]string{
+		"28P01": "check the user and password", "28000": "check the user and password",
+		"3D000": "create the database first", "57014": "raise --statement-timeout",
+		"25006": "read-only standby", "42501": "lacks a privilege", "40001": "(SQLSTATE 40001)",
+	} {
+		require.Contains(t, Explain(&pgconn.PgError{Code: code, Message: "m"}), fix, code)
+	}
+	// 0A000 during recovery is a standby's refusal, as 25006 is.
+	require.Contains(t, Explain(&pgconn.PgError{Code: "0A000", Message: "cannot execute INSERT during recovery"}), "read-only standby")
 	// A permission error names its grant: Explain keeps its words.
 	denied := pgerr.Denied(&pgconn.PgError{Code: "42501", Message: "permission denied for schema rl"}, pgerr.Need{})
 	require.Equal(t, "wrapped: "+denied.Error(), Explain(fmt.Errorf("wrapped: %w", denied)))

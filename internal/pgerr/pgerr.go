@@ -1,10 +1,15 @@
 // Package pgerr is where every pgrl package reads a database error. Classify
 // sorts a *pgconn.PgError by its SQLSTATE (named with pgerrcode) into what it
 // means to pgrl: missing objects, a missing privilege, a read-only server, a
-// missing partition, bad input, SQL that does not fit the server. Diagnose asks the catalog which grant the
-// role lacks, since PostgreSQL's error alone often cannot say: a schema
-// without USAGE is left off the search_path silently, so its tables look
-// missing (42P01) although the fix is a grant, not a migration.
+// missing partition, bad input, SQL that does not fit the server. A few
+// predicates (IsLockTimeout, IsDeadlock, IsAuthFailure, ...) name the codes
+// one operation handles on its own. These, in sqlstate.go, are the only code
+// in pgrl that compares SQLSTATEs; every other package calls them.
+//
+// Diagnose asks the catalog which grant the role lacks, since PostgreSQL's
+// error alone often cannot say: a schema without USAGE is left off the
+// search_path silently, so its tables look missing (42P01) although the fix
+// is a grant, not a migration.
 //
 // ratelimit.ErrPermission, policy.ErrPermission, cleanup.ErrPermission and
 // migration.ErrPermission are ErrPermission, so errors.Is matches whichever
@@ -19,7 +24,6 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -29,84 +33,6 @@ import (
 // ErrPermission is matched (with errors.Is) by every *PermissionError: the
 // database role lacks a privilege on pgrl's schema, tables or functions.
 var ErrPermission = errors.New("permission denied on pgrl's objects")
-
-// Kind is what a database error means to pgrl.
-type Kind int
-
-// The kinds of Classify.
-const (
-	// Other: none of the kinds below, such as an outage or a timeout.
-	Other Kind = iota
-	// Undefined: a table, schema or pgrl_ function is not found (42P01,
-	// 3F000, 42883 naming pgrl_). Migrations may be missing, or a schema
-	// lacks USAGE and hides them: Diagnose tells which.
-	Undefined
-	// Permission: 42501, a privilege is missing.
-	Permission
-	// ReadOnly: the server or the session refuses writes (25006, or 0A000
-	// on a standby during recovery).
-	ReadOnly
-	// NoPartition: no partition of a partitioned table accepts the row
-	// (23514 "no partition").
-	NoPartition
-	// Input: the statement's input is refused, a data exception, a
-	// constraint or a program limit (classes 22, 23 and 54).
-	Input
-	// Unsupported: the statement does not fit this server, a setup error
-	// and never an outage: class 0A (feature not supported, such as Citus
-	// refusing an upsert on a distributed table) or class 42 (syntax error
-	// or access rule violation: an ambiguous operator or function, an
-	// undefined function or operator naming no pgrl_ function, a datatype
-	// mismatch, a wrong object type), as when the schema was migrated by
-	// another pgrl version or the server is not a supported PostgreSQL.
-	// The more specific kinds above take precedence (42501 is Permission,
-	// 42P01 and 42883 naming pgrl_ are Undefined, 0A000 during recovery is
-	// ReadOnly). A 0A000 "cached plan must not change result type" is
-	// Other: a schema change under a prepared statement, which pgx drops,
-	// so the next attempt prepares it again.
-	Unsupported
-)
-
-// Classify returns the Kind of err and the *pgconn.PgError in its chain
-// (Other and nil when it holds none).
-func Classify(err error) (Kind, *pgconn.PgError) {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
-		return Other, nil
-	}
-	code, class := pgErr.Code, ""
-	if len(code) >= 2 {
-		class = code[:2]
-	}
-	switch {
-	case code == pgerrcode.UndefinedTable, code == pgerrcode.InvalidSchemaName,
-		code == pgerrcode.UndefinedFunction && strings.Contains(pgErr.Message, "pgrl_"):
-		return Undefined, pgErr
-	case code == pgerrcode.InsufficientPrivilege:
-		return Permission, pgErr
-	case code == pgerrcode.ReadOnlySQLTransaction,
-		code == pgerrcode.FeatureNotSupported && strings.Contains(pgErr.Message, "during recovery"):
-		return ReadOnly, pgErr
-	case code == pgerrcode.CheckViolation && strings.Contains(pgErr.Message, "no partition"):
-		return NoPartition, pgErr
-	case class == pgerrcode.DataException[:2], class == pgerrcode.IntegrityConstraintViolation[:2],
-		class == pgerrcode.ProgramLimitExceeded[:2]:
-		return Input, pgErr
-	case code == pgerrcode.FeatureNotSupported && strings.Contains(pgErr.Message, "cached plan must not change result type"):
-		return Other, pgErr
-	case class == pgerrcode.FeatureNotSupported[:2], class == pgerrcode.SyntaxErrorOrAccessRuleViolation[:2]:
-		// By class, not pgerrcode's Is… lists, which name only the codes
-		// it knew of: a newer server's code of the class counts too.
-		return Unsupported, pgErr
-	}
-	return Other, pgErr
-}
-
-// IsLockTimeout reports a statement abandoned by lock_timeout (55P03).
-func IsLockTimeout(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.LockNotAvailable
-}
 
 // PermissionError reports the privileges a role lacks on pgrl's objects and
 // the statements that grant them. It matches ErrPermission.
