@@ -22,8 +22,8 @@ import (
 const StatementTimeoutParam = "statement_timeout"
 
 // Observer receives what a limiter does, for metrics (package
-// ratelimit/metrics implements it for Prometheus). Its methods are called on
-// the checking goroutine and must be fast and safe for concurrent use.
+// github.com/pgrl/pgrl/metrics implements it for Prometheus). Its methods are
+// called on the checking goroutine and must be fast and safe for concurrent use.
 type Observer interface {
 	// ObserveDecision is called after every check that counts (Allow,
 	// AllowN, AllowNTx, and each limit of AllowAll) with the

@@ -39,7 +39,7 @@ if [[ ${#majors[@]} -eq 0 ]]; then
 fi
 
 # The packages whose tests send SQL, and the multi-process tests.
-sql_pkgs=(./migration/... ./cleanup/... ./ratelimit/... ./policy/... ./cmd/rl-migrate/... ./cmd/rl-cleanup/... ./cmd/rl-policy/...)
+sql_pkgs=(./migration/... ./cleanup/... ./ratelimit/... ./metrics/... ./policy/... ./cmd/rl-migrate/... ./cmd/rl-cleanup/... ./cmd/rl-policy/...)
 multi_run='^(TestMultiprocess|TestMultiConcurrent|TestMultiSingleAlgorithm|TestMultiBadInputs|TestPolicyTwoProcesses)'
 
 bin=$(mktemp -d)

@@ -12,9 +12,9 @@ import (
 
 	"github.com/pgrl/pgrl/clientip"
 	"github.com/pgrl/pgrl/httplimit"
+	"github.com/pgrl/pgrl/metrics"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
-	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
 
 // The app's limits. Choose the store by what a wrong count would cost: a

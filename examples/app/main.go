@@ -78,10 +78,10 @@ import (
 
 	"github.com/pgrl/pgrl/clientip"
 	"github.com/pgrl/pgrl/httplimit"
+	"github.com/pgrl/pgrl/metrics"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
-	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
 
 // DefaultDatabaseURL is the database used when neither --database-url nor

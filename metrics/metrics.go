@@ -1,16 +1,36 @@
-// Package metrics exports what pgrl's limiters do as Prometheus metrics.
-// It lives apart from package ratelimit so that the core does not force
-// the Prometheus client on applications that do not use it.
+// Package metrics exports what pgrl does as Prometheus metrics: the
+// decisions, check latency, breaker state and deny-cache hits of the
+// limiters of package ratelimit, and the state of a package policy
+// listener and its cache.
 //
-// A Collector implements ratelimit.Observer. Create one per registry and set
+// It sits above both of those packages and nothing in pgrl imports it, so
+// only applications that import it link the Prometheus client.
+//
+// Register the collectors with the registry your /metrics handler serves
+// (prometheus.DefaultRegisterer when the registry passed is nil). A
+// Collector implements ratelimit.Observer: create one per registry and set
 // it as the Observer of every limiter; the limiter's name becomes the
-// "limiter" label:
+// "limiter" label. A PolicyCollector reads a policy.Listener and its Cache
+// at each scrape:
 //
-//	col, err := metrics.New(prometheus.DefaultRegisterer)
+//	reg := prometheus.NewRegistry()
+//	col, err := metrics.New(reg)
 //	...
 //	lim, err := ratelimit.New(pool, ratelimit.Config{Name: "api", ..., Observer: col})
+//	col.Init("api") // optional: the per-limiter series exist at zero before the first check
+//	...
+//	l, err := policy.Watch(ctx, listenerURL, cache, policy.ListenerOptions{})
+//	...
+//	_, err = metrics.NewPolicyCollector(reg, l, cache)
+//	...
+//	http.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
 //
-// The series (documented with their labels in docs/METRICS.md):
+// Registering a second Collector or PolicyCollector with the same registry
+// fails: the metric names are taken. Share one Collector between all
+// limiters.
+//
+// The series of a Collector (documented with their labels in
+// docs/METRICS.md):
 //
 //   - pgrl_decisions_total{limiter, outcome, store}: checks by outcome
 //     (allowed, denied, shadow_denied, not_counted, error) and by what answered them
@@ -21,8 +41,7 @@
 //   - pgrl_deny_cache_hits_total{limiter}: checks the local deny cache
 //     answered without a round trip.
 //
-// NewPolicyCollector exports a policy.Listener and its Cache (limits
-// stored in the database) as the pgrl_policy_* series.
+// A PolicyCollector exports the pgrl_policy_* series (see PolicyCollector).
 //
 // Events (the breaker opening and closing, outages) are logged by the
 // limiters themselves through their Config.Logger (log/slog); the

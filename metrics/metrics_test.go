@@ -20,8 +20,8 @@ import (
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/metrics"
 	"github.com/pgrl/pgrl/ratelimit"
-	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
 
 var base = time.Date(2031, 3, 4, 5, 6, 10, 0, time.UTC)
@@ -57,7 +57,7 @@ func scrape(t *testing.T, url string) (samples map[string]string, types map[stri
 // documentedSeries reads the series names from docs/METRICS.md's table.
 func documentedSeries(t *testing.T) []string {
 	t.Helper()
-	b, err := os.ReadFile("../../docs/METRICS.md")
+	b, err := os.ReadFile("../docs/METRICS.md")
 	require.NoError(t, err)
 	var names []string
 	for _, m := range regexp.MustCompile("(?m)^\\| `(pgrl_[a-z_]+)`").FindAllStringSubmatch(string(b), -1) {

@@ -13,9 +13,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/metrics"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
-	"github.com/pgrl/pgrl/ratelimit/metrics"
 )
 
 // The policy collector's series are scraped with the listener's counters
@@ -65,7 +65,7 @@ func TestPolicyCollector(t *testing.T) {
 	require.Equal(t, "counter", types[metrics.PolicyNotificationsTotal])
 	require.Equal(t, "gauge", types[metrics.PolicyListenerConnected])
 
-	doc, err := os.ReadFile("../../docs/METRICS.md")
+	doc, err := os.ReadFile("../docs/METRICS.md")
 	require.NoError(t, err)
 	for _, name := range []string{metrics.PolicyNotificationsTotal, metrics.PolicyReconnectsTotal, metrics.PolicyResyncsTotal,
 		metrics.PolicyListenerConnected, metrics.PolicyCachePolicies, metrics.PolicyCacheOverrides, metrics.PolicyCacheLoaded,
