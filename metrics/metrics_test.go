@@ -93,8 +93,10 @@ func TestScrapeFindsEveryDocumentedSeries(t *testing.T) {
 		require.NoError(t, err)
 		return l
 	}
-	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2, Now: now})
-	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1, Now: now})
+	// The limiters on the live pool wait as long as PostgreSQL needs: on a
+	// busy machine the default Timeout would let the memory tier answer.
+	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2, Now: now, Timeout: time.Minute})
+	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1, Now: now, Timeout: time.Minute})
 	broken := lim(dead, ratelimit.Config{Name: "broken", Limit: 5, OnFailure: ratelimit.FailError, BreakerThreshold: 1, BreakerCooldown: time.Hour})
 	fallback := lim(dead, ratelimit.Config{Name: "fallback", Limit: 5})
 	open := lim(dead, ratelimit.Config{Name: "open", Limit: 5, OnFailure: ratelimit.FailOpen})
@@ -227,9 +229,11 @@ func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
 	col, err := metrics.New(reg)
 	require.NoError(t, err)
 	at := func() time.Time { return base }
-	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at, Observer: col})
+	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at, Observer: col,
+		Timeout: time.Minute})
 	require.NoError(t, err)
-	loose, err := ratelimit.New(pool, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at, Observer: col})
+	loose, err := ratelimit.New(pool, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at, Observer: col,
+		Timeout: time.Minute})
 	require.NoError(t, err)
 	ctx := context.Background()
 	// An allowed decision (Check.Cost left at its default) is allowed.
