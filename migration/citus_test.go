@@ -107,6 +107,18 @@ func TestCitusDbtestDistributes(t *testing.T) {
 	again, err := migration.Distribute(context.Background(), dbtest.Admin(t), s)
 	require.NoError(t, err)
 	require.Empty(t, again)
+	require.Equal(t, len(migration.StepFunctions), pinnedSteps(t, s), "the step functions are pinned to the schema")
+}
+
+// pinnedSteps counts the StepFunctions in schema s that have a search_path
+// of their own.
+func pinnedSteps(t *testing.T, s string) int {
+	var n int
+	require.NoError(t, dbtest.Admin(t).QueryRow(context.Background(), `
+SELECT count(*) FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
+ WHERE n.nspname = $1 AND p.proname = ANY ($2) AND p.proconfig @> ARRAY['search_path=' || quote_ident($1)]`,
+		s, migration.StepFunctions).Scan(&n))
+	return n
 }
 
 // TestDistributeWithoutCitusDoesNothing: on plain PostgreSQL every table is
@@ -127,4 +139,5 @@ func TestDistributeWithoutCitusDoesNothing(t *testing.T) {
 	for _, d := range ds {
 		require.Equal(t, migration.DistributionLocal, d.Kind, d.Table)
 	}
+	require.Zero(t, pinnedSteps(t, s), "without Citus the step functions stay inlinable")
 }

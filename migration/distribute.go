@@ -58,6 +58,17 @@ var CoordinatorTables = []string{"pgrl_policy", "pgrl_policy_override"}
 // DistributionColumn is the column the counter tables are distributed by.
 const DistributionColumn = "key"
 
+// StepFunctions are the algorithms' step functions (migration 000012), which
+// Distribute pins to their schema with SET search_path on Citus. On one
+// PostgreSQL the planner inlines them into every statement, which is what
+// makes them cheap. On Citus the coordinator would inline them too and send
+// each worker the deparsed result, in which every call in an update arm is
+// spelled out in full (38 KB for the sliding window), for the worker to
+// parse and plan on every check. A function with a setting of its own is
+// never inlined: the coordinator sends the call, and the worker runs the
+// function, whose search_path lets its body find the step types.
+var StepFunctions = []string{"pgrl_fixed_window_take", "pgrl_token_bucket_take", "pgrl_sliding_window_take"}
+
 // Distribution is how Citus stores one of pgrl's tables.
 type Distribution struct {
 	// Table is the table's name.
@@ -149,10 +160,10 @@ func distributionOf(ctx context.Context, q Querier, schemaName, table string) (D
 // create_distributed_table (not its _concurrently form, which refuses
 // UNLOGGED tables), the partition settings (ReferenceTables) with
 // create_reference_table, and it turns CoordinatorTables that an earlier
-// version distributed back into ordinary tables. Tables already where they
-// belong, and tables that do not exist, are left alone, so it is
-// idempotent; it returns the tables it
-// changed. It runs on q as given: inside the caller's transaction when q is
+// version distributed back into ordinary tables; it pins the StepFunctions
+// to schemaName. Tables already where they belong, functions already
+// pinned, and tables that do not exist, are left alone, so it is
+// idempotent; it returns the tables and functions it changed. It runs on q as given: inside the caller's transaction when q is
 // one. The shard count is Citus's (citus.shard_count, 32 by default; a
 // session may set another).
 //
@@ -205,12 +216,22 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 			locals = append(locals, d.Table)
 		}
 	}
-	if len(pending) == 0 && len(refs) == 0 && len(locals) == 0 {
+	steps, err := unpinnedSteps(ctx, q, schemaName)
+	if err != nil {
+		return nil, err
+	}
+	if len(pending) == 0 && len(refs) == 0 && len(locals) == 0 && len(steps) == 0 {
 		return nil, nil
 	}
 	run := func(q Querier) error {
 		if _, err := q.Exec(ctx, "SET LOCAL citus.enable_unsafe_triggers TO on"); err != nil {
 			return err
+		}
+		for _, f := range steps {
+			if _, err := q.Exec(ctx, "ALTER FUNCTION "+f+" SET search_path = "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
+				return fmt.Errorf("pin %s to schema %s: %w", f, schemaName, err)
+			}
+			changed = append(changed, f)
 		}
 		for _, t := range locals {
 			var still bool
@@ -289,6 +310,18 @@ func existing(ctx context.Context, q Querier, schemaName string, tables []string
 	return out, nil
 }
 
+// unpinnedSteps returns the StepFunctions of schemaName that have no
+// settings of their own (so the planner would inline them), as
+// regprocedure text, in order.
+func unpinnedSteps(ctx context.Context, q Querier, schemaName string) ([]string, error) {
+	var steps []string
+	err := q.QueryRow(ctx, `
+SELECT coalesce(array_agg(p.oid::regprocedure::text ORDER BY p.proname), '{}')
+  FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
+ WHERE n.nspname = $1 AND p.proname = ANY ($2) AND p.proconfig IS NULL`, schemaName, StepFunctions).Scan(&steps)
+	return steps, err
+}
+
 // needsDistribution reports whether the citus extension exists and one of
 // pgrl's tables in schemaName is not where Distribute puts it: a counter or
 // reference table still an ordinary local table, or a policy table not one.
@@ -306,7 +339,8 @@ func needsDistribution(ctx context.Context, q Querier, schemaName string) (bool,
 			return true, nil
 		}
 	}
-	return false, nil
+	steps, err := unpinnedSteps(ctx, q, schemaName)
+	return len(steps) > 0, err
 }
 
 // undistribute makes a distributed table local again (undistribute_table,
