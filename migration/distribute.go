@@ -163,7 +163,7 @@ func distributionOf(ctx context.Context, q Querier, schemaName, table string) (D
 // version distributed back into ordinary tables; it pins the StepFunctions
 // to schemaName. Tables already where they belong, functions already
 // pinned, and tables that do not exist, are left alone, so it is
-// idempotent; it returns the tables and functions it changed. It runs on q as given: inside the caller's transaction when q is
+// idempotent; it returns the tables it changed. It runs on q as given: inside the caller's transaction when q is
 // one. The shard count is Citus's (citus.shard_count, 32 by default; a
 // session may set another).
 //
@@ -231,7 +231,6 @@ func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, er
 			if _, err := q.Exec(ctx, "ALTER FUNCTION "+f+" SET search_path = "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
 				return fmt.Errorf("pin %s to schema %s: %w", f, schemaName, err)
 			}
-			changed = append(changed, f)
 		}
 		for _, t := range locals {
 			var still bool
