@@ -7,7 +7,8 @@
 // It migrates two schemas on the coordinator named by --database-url:
 // --schema with "_dist" appended, whose counter tables rl-migrate
 // distributes, and "_local", whose tables it then turns back into ordinary
-// tables of the coordinator (undistribute_table). For each algorithm and
+// tables of the coordinator (undistribute_table) and whose step functions it
+// lets the planner inline again, as on one PostgreSQL. For each algorithm and
 // number of callers it reports checks/s and p50 of both, and the ratios
 // distributed / local.
 //
@@ -105,6 +106,20 @@ func bench(ctx context.Context, url, schema string, algs []string, callers []int
 		if _, err := conn.Exec(ctx, `SELECT undistribute_table($1::regclass)
 			 WHERE EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = $1::regclass)`, name); err != nil {
 			return fmt.Errorf("keep %s local: %w", name, err)
+		}
+	}
+	// rl-migrate pins the step functions on Citus, which stops the planner
+	// inlining them; on the local schema they are inlined again, as on one
+	// PostgreSQL, so that the local figures are what a plain table gets.
+	var steps []string
+	if err := conn.QueryRow(ctx, `SELECT coalesce(array_agg(p.oid::regprocedure::text), '{}')
+		  FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace
+		 WHERE n.nspname = $1 AND p.proname = ANY ($2)`, local, migration.StepFunctions).Scan(&steps); err != nil {
+		return err
+	}
+	for _, f := range steps {
+		if _, err := conn.Exec(ctx, "ALTER FUNCTION "+f+" RESET ALL"); err != nil {
+			return fmt.Errorf("inline %s again: %w", f, err)
 		}
 	}
 
