@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
 )
 
 func limitOf(c *policy.Cache, name string) int64 {
@@ -42,7 +43,8 @@ func TestListenerFollowsChanges(t *testing.T) {
 	defer cancel()
 	require.NoError(t, l.WaitSynced(wctx))
 	require.Equal(t, int64(10), limitOf(cache, "api"))
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+		Config: ratelimit.Config{Timeout: time.Minute}})
 	require.NoError(t, err)
 
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 20 WHERE name = 'api'`)
@@ -155,7 +157,10 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	require.NoError(t, l.WaitSynced(wctx))
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	// Its checks wait as long as PostgreSQL needs: under load the default
+	// 500 ms Timeout ended a Peek before it was answered.
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+		Config: ratelimit.Config{Timeout: time.Minute}})
 	require.NoError(t, err)
 	limitFor := func(key string) int64 {
 		d, err := lim.Peek(ctx, key)
@@ -166,7 +171,7 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit")
 		SELECT 'api', pgrl_stored_key('api', 't' || i), 100 + i FROM generate_series(1, 3000) i`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitFor("t3000") == 3100 }, 2*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return limitFor("t3000") == 3100 }, 10*time.Second, 10*time.Millisecond)
 	require.Equal(t, int64(101), limitFor("t1"))
 
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy_override SET "limit" = 7 WHERE key = pgrl_stored_key('api', 't1')`)
@@ -178,7 +183,7 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
 		return limitFor("t1") == 7 && limitFor("t2") == 10 && limitFor("t3") == 10 && limitFor("moved") == 103
-	}, time.Second, 5*time.Millisecond)
+	}, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, int64(104), limitFor("t4"), "the other overrides stay")
 	require.Equal(t, int64(1), limitOf(cache, "other"))
 
