@@ -261,18 +261,19 @@ const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
                                     policy_limit, policy_window_us, policy_burst, policy_penalty)
 SELECT $1::bytea,
-       (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, $2::bigint, f.burst::float8,
-                               f."limit"::float8 / f.window_us::float8, f.penalty, false)).tokens,
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).tokens,
        f.ts,
        pgrl_token_bucket_full_at(
            f.ts,
-           (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, $2::bigint, f.burst::float8,
-                                   f."limit"::float8 / f.window_us::float8, f.penalty, false)).tokens,
-           f.burst::float8, f."limit"::float8 / f.window_us::float8),
-       (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, $2::bigint, f.burst::float8,
-                               f."limit"::float8 / f.window_us::float8, f.penalty, false)).allowed,
+           (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
+                                   f.refill_per_us, f.penalty, false)).tokens,
+           f.capacity, f.refill_per_us),
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).allowed,
        f."limit", f.window_us, f.burst, f.penalty
-  FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
+  FROM (SELECT r."limit", r.window_us, r.burst, r.penalty, r.ts, r.now_us, r.burst::float8 AS capacity, r."limit"::float8 / r.window_us::float8 AS refill_per_us
+          FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
                round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
                coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
                p.penalty,
@@ -287,7 +288,7 @@ SELECT $1::bytea,
                * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
                <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
          WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
-           AND p.key_mode = $6::text) AS f
+           AND p.key_mode = $6::text) AS r) AS f
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                         $2::bigint, excluded.policy_burst::float8,

@@ -54,8 +54,8 @@ const (
 // Classify returns the Kind of err and the *pgconn.PgError in its chain
 // (Other and nil when it holds none).
 func Classify(err error) (Kind, *pgconn.PgError) {
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) {
+	pgErr := pgError(err)
+	if pgErr == nil {
 		return Other, nil
 	}
 	code, class := pgErr.Code, ""

@@ -171,18 +171,19 @@ SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.upd
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
                                     policy_limit, policy_window_us, policy_burst, policy_penalty)
 SELECT sqlc.arg(key)::bytea,
-       (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.burst::float8,
-                               f."limit"::float8 / f.window_us::float8, f.penalty, false)).tokens,
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).tokens,
        f.ts,
        pgrl_token_bucket_full_at(
            f.ts,
-           (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.burst::float8,
-                                   f."limit"::float8 / f.window_us::float8, f.penalty, false)).tokens,
-           f.burst::float8, f."limit"::float8 / f.window_us::float8),
-       (pgrl_token_bucket_take(f.burst::float8, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.burst::float8,
-                               f."limit"::float8 / f.window_us::float8, f.penalty, false)).allowed,
+           (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
+                                   f.refill_per_us, f.penalty, false)).tokens,
+           f.capacity, f.refill_per_us),
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).allowed,
        f."limit", f.window_us, f.burst, f.penalty
-  FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
+  FROM (SELECT r.*, r.burst::float8 AS capacity, r."limit"::float8 / r.window_us::float8 AS refill_per_us
+          FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
                round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
                coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
                p.penalty,
@@ -197,7 +198,7 @@ SELECT sqlc.arg(key)::bytea,
                * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
                <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
          WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'token_bucket'
-           AND p.key_mode = sqlc.arg(key_mode)::text) AS f
+           AND p.key_mode = sqlc.arg(key_mode)::text) AS r) AS f
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                         sqlc.arg(cost)::bigint, excluded.policy_burst::float8,
