@@ -63,15 +63,16 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 }
 
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := q.limiters[0].q.FixedWindowTakeQueue(ctx, db, gen.FixedWindowTakeQueueParams{
-		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At:        q.clock(),
+	rows, err := sqlops.New().FixedWindowTakeChecks(ctx, db, sqlops.FixedWindowTakeChecksParams{
+		Keys:      q.keys,
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Rows:      q.rows, Costs: q.costs, UpTo: q.upTo, Groups: q.groups, Vetoes: q.vetoes,
+		At: q.clock(),
 	})
-	return inCheckOrder(q, rows, err, func(r gen.FixedWindowTakeQueueRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r gen.FixedWindowTakeQueueRow, _ ask) Decision {
+	return inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.FixedWindowTakeChecksRow, _ ask) Decision {
 			return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
 		})
 }

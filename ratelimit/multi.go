@@ -79,11 +79,17 @@ type batcher interface {
 // order (by table, then stored key), so concurrent decisions over
 // overlapping keys never deadlock.
 //
-// Under AllOrNothing, the checks run and a last statement aborts the
-// transaction unless all allowed, so a denied request consumes nothing;
-// limiters in shadow mode are left out of that vote. When the database
-// fails, each check is answered by its own limiter's failure policy.
-// AllowAllTx does the same inside the caller's transaction.
+// When every limiter uses one algorithm (and none reads a stored policy in
+// its statement), the decision is one check statement (migration 000014),
+// which under AllOrNothing applies the checks only when all allow; through
+// the limiters' shared coalescer it rides the statement of other callers'
+// checks, so a login costs no round trip of its own. Otherwise, under
+// AllOrNothing, the checks run in one batch and a last statement aborts its
+// transaction unless all allowed. Either way a denied request consumes
+// nothing, and limiters in shadow mode never stop the others from
+// consuming. When the database fails, each check is answered by its own
+// limiter's failure policy. AllowAllTx does the same inside the caller's
+// transaction, always as a batch.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
 	return observeAll(mode, checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
 }
@@ -209,6 +215,17 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 				return out, nil
 			}
 		}
+	}
+
+	if tx == nil && oneStatement(checks) {
+		group := make([]*pendingCheck, len(items))
+		for i, it := range items {
+			group[i] = &pendingCheck{l: it.c.Limiter, key: it.c.Key, skey: it.skey, ask: ask{n: it.c.Cost}}
+			if mode == AllOrNothing {
+				group[i].group = 1
+			}
+		}
+		return decideGroup(ctx, checks, group, out)
 	}
 
 	// Deterministic lock order: fixed window, token bucket, sliding window
@@ -433,6 +450,118 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		}
 	}
 	return out, nil
+}
+
+// oneStatement reports whether one check statement decides checks (their
+// limiters already spread rows): one algorithm, one clock, and no stored
+// policy read in the statement.
+func oneStatement(checks []Check) bool {
+	first := checks[0].Limiter
+	for _, c := range checks {
+		l := c.Limiter
+		if l.alg != first.alg || !sameClock(l, first) || l.cfg.Policy != "" {
+			return false
+		}
+	}
+	return true
+}
+
+// decideGroup decides the checks of a multi-limit decision in one check
+// statement on their database, under the first limiter's Timeout and
+// breaker and each limiter's failure policy: group holds one pendingCheck
+// per check, in the checks' order, all in group 1 under AllOrNothing
+// (decided together inside the statement) or each alone under ConsumeAll.
+func decideGroup(ctx context.Context, checks []Check, group []*pendingCheck, out MultiDecision) (MultiDecision, error) {
+	first := group[0].l
+	sent := first.localNow()
+	probe, ok := first.breaker.allow(sent)
+	if !ok {
+		return fallbackAll(ctx, checks, errBreakerOpen)
+	}
+	decs, err := decideGroupWithin(ctx, first, group)
+	if err != nil {
+		if callerDone(ctx) {
+			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
+		}
+		err = first.explain(ctx, err)
+		if IsConfigError(err) {
+			first.breaker.success(probe)
+			return MultiDecision{}, err
+		}
+		first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
+		return fallbackAll(ctx, checks, err)
+	}
+	first.breaker.success(probe)
+	out.Allowed = true
+	for i, r := range group {
+		d := decs[i]
+		d.Store = StorePostgres
+		if !d.Allowed && r.l.deny != nil {
+			r.l.deny.put(r.key, r.ask.n, d, sent)
+		}
+		d = r.l.shadow(r.key, d)
+		out.Decisions[i] = d
+		if !d.Allowed {
+			out.Allowed = false
+			if out.DeniedBy < 0 {
+				out.DeniedBy = i
+			}
+		}
+	}
+	return out, nil
+}
+
+// decideGroupWithin sends group's statement within the first limiter's
+// Timeout, creating missing partitions and asking again when every
+// partitioned limiter of the group may create them.
+func decideGroupWithin(ctx context.Context, first *Limiter, group []*pendingCheck) ([]Decision, error) {
+	cctx, cancel := context.WithTimeout(ctx, first.cfg.Timeout)
+	defer cancel()
+	decs, err := takeGroup(cctx, first, group)
+	if err != nil && isMissingPartition(err) && !slices.ContainsFunc(group, func(r *pendingCheck) bool {
+		return !r.l.cfg.CreatePartitions
+	}) {
+		healed := map[int64]bool{}
+		for _, r := range group {
+			if r.l.alg.partitioned() && !healed[r.l.windowUs] {
+				healed[r.l.windowUs] = true
+				if herr := r.l.heal(cctx, first.db); herr != nil {
+					return nil, herr
+				}
+			}
+		}
+		decs, err = takeGroup(cctx, first, group)
+	}
+	if err != nil && cctx.Err() != nil {
+		return nil, cctx.Err()
+	}
+	return decs, err
+}
+
+// takeGroup decides group in one check statement: through the coalescer
+// its limiters share, where it rides the statement of other callers'
+// checks, or else on its own.
+func takeGroup(ctx context.Context, first *Limiter, group []*pendingCheck) ([]Decision, error) {
+	c := first.coalescer
+	for _, r := range group {
+		if r.l.coalescer != c {
+			c = nil
+		}
+	}
+	if c == nil {
+		return first.alg.takeQueue(ctx, first.db, newCheckQueue(group))
+	}
+	if err := c.takeGroup(ctx, group); err != nil {
+		return nil, err
+	}
+	decs := make([]Decision, len(group))
+	for i, r := range group {
+		if r.err != nil {
+			return nil, r.err
+		}
+		decs[i] = r.d
+	}
+	return decs, nil
 }
 
 // citusTx returns a transaction begun on db when db is a Citus coordinator,

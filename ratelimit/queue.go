@@ -44,48 +44,68 @@ func (a ask) settle(d Decision) Decision {
 	return d
 }
 
-// checkQueue is queues of checks, flattened as the …TakeQueue statements
-// take them: rows (a limiter and a stored key) in key order, the order
-// they are locked in; each row's checks in arrival order; ends[i] the
-// 1-based position of row i's last check. at[j] is the position, in the
-// caller's list, of the j-th check here.
+// checkQueue is checks as the …TakeChecks statements take them: rows (a
+// stored key and the limiter whose figures its checks count against), each
+// key once, in ascending key order, the order they are locked in; and the
+// checks in the order they are decided, each naming its row, its group (0
+// for none: the checks of a group are consecutive and allowed together or
+// not at all) and whether its denial stops its group (a limit in shadow
+// mode does not).
 type checkQueue struct {
 	limiters []*Limiter // one per row: its limit and window go with it
 	keys     [][]byte
+	rows     []int32 // one per check, 1-based
 	costs    []int64
 	upTo     []bool
-	ends     []int32
-	at       []int
+	groups   []int32
+	vetoes   []bool
 }
 
-// newCheckQueue groups checks by row, each row's checks in their order.
+// figures are what a row's checks count against: two limiters whose
+// figures are equal may share a row.
+type figures struct {
+	limit, windowUs, burst int64
+	penalty                bool
+}
+
+func (l *Limiter) figures() figures {
+	return figures{limit: l.cfg.Limit, windowUs: l.windowUs, burst: l.cfg.Burst, penalty: l.cfg.Penalty}
+}
+
+// newCheckQueue makes the statement of checks, decided in their order; a
+// key's checks must all have one limiter's figures (see statements).
 func newCheckQueue(checks []*pendingCheck) *checkQueue {
-	order := make([]int, len(checks))
+	n := len(checks)
+	q := &checkQueue{
+		rows: make([]int32, n), costs: make([]int64, n), upTo: make([]bool, n),
+		groups: make([]int32, n), vetoes: make([]bool, n),
+	}
+	byKey := make(map[string]int, n)
+	for _, r := range checks {
+		if _, ok := byKey[string(r.skey)]; !ok {
+			byKey[string(r.skey)] = len(q.keys)
+			q.keys = append(q.keys, r.skey)
+			q.limiters = append(q.limiters, r.l)
+		}
+	}
+	order := make([]int, len(q.keys))
 	for i := range order {
 		order[i] = i
 	}
-	// A stable sort keeps each row's checks in arrival order.
-	slices.SortStableFunc(order, func(a, b int) int { return bytes.Compare(checks[a].skey, checks[b].skey) })
-	q := &checkQueue{
-		costs: make([]int64, len(order)),
-		upTo:  make([]bool, len(order)),
-		at:    order,
+	slices.SortFunc(order, func(a, b int) int { return bytes.Compare(q.keys[a], q.keys[b]) })
+	rowOf := make([]int32, len(order)) // rowOf[first-seen index] = 1-based row
+	keys, limiters := make([][]byte, len(order)), make([]*Limiter, len(order))
+	for row, i := range order {
+		rowOf[i] = int32(row + 1)
+		keys[row], limiters[row] = q.keys[i], q.limiters[i]
 	}
-	for j, i := range order {
-		r := checks[i]
-		if j == 0 || r.l != checks[order[j-1]].l || !bytes.Equal(r.skey, checks[order[j-1]].skey) {
-			if j > 0 {
-				q.ends = append(q.ends, int32(j))
-			}
-			q.limiters = append(q.limiters, r.l)
-			q.keys = append(q.keys, r.skey)
-		}
+	q.keys, q.limiters = keys, limiters
+	for j, r := range checks {
+		q.rows[j] = rowOf[byKey[string(r.skey)]]
 		// A partial grant asks for at most its row's capacity (a spread
 		// row's is its share).
 		q.costs[j], q.upTo[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo
-	}
-	if len(order) > 0 {
-		q.ends = append(q.ends, int32(len(order)))
+		q.groups[j], q.vetoes[j] = r.group, !r.l.cfg.Shadow
 	}
 	return q
 }
@@ -94,10 +114,7 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 func (q *checkQueue) ask(j int) ask { return ask{n: q.costs[j], upTo: q.upTo[j]} }
 
 // limiterOf is the limiter of the j-th check.
-func (q *checkQueue) limiterOf(j int) *Limiter {
-	k, _ := slices.BinarySearch(q.ends, int32(j+1))
-	return q.limiters[k]
-}
+func (q *checkQueue) limiterOf(j int) *Limiter { return q.limiters[q.rows[j]-1] }
 
 // clock is the instant the statement runs at: the pinned clock of the
 // queue's limiters (they share a statement only when theirs read the same
@@ -115,23 +132,23 @@ func perRow[T any](q *checkQueue, f func(*Limiter) T) []T {
 
 // inCheckOrder gives each check of q the decision that decide makes from
 // its row (index reads the row's 1-based check_index) with its limiter, in
-// the caller's order. A statement must return exactly one row per check.
+// the order of the checks. A statement must return exactly one row per check.
 func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32, decide func(*Limiter, R, ask) Decision) ([]Decision, error) {
 	if err != nil {
 		return nil, err
 	}
 	if len(rows) != len(q.costs) {
-		return nil, fmt.Errorf("ratelimit: queue statement returned %d rows for %d checks", len(rows), len(q.costs))
+		return nil, fmt.Errorf("ratelimit: check statement returned %d rows for %d checks", len(rows), len(q.costs))
 	}
 	out := make([]Decision, len(q.costs))
 	seen := make([]bool, len(q.costs))
 	for _, row := range rows {
 		j := int(index(row)) - 1
 		if j < 0 || j >= len(q.costs) || seen[j] {
-			return nil, fmt.Errorf("ratelimit: queue statement returned check %d of %d", j+1, len(q.costs))
+			return nil, fmt.Errorf("ratelimit: check statement returned check %d of %d", j+1, len(q.costs))
 		}
 		seen[j] = true
-		out[q.at[j]] = decide(q.limiterOf(j), row, q.ask(j))
+		out[j] = decide(q.limiterOf(j), row, q.ask(j))
 	}
 	return out, nil
 }

@@ -66,15 +66,16 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 }
 
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := q.limiters[0].q.SlidingWindowTakeQueue(ctx, db, gen.SlidingWindowTakeQueueParams{
-		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At:        q.clock(),
+	rows, err := sqlops.New().SlidingWindowTakeChecks(ctx, db, sqlops.SlidingWindowTakeChecksParams{
+		Keys:      q.keys,
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Rows:      q.rows, Costs: q.costs, UpTo: q.upTo, Groups: q.groups, Vetoes: q.vetoes,
+		At: q.clock(),
 	})
-	return inCheckOrder(q, rows, err, func(r gen.SlidingWindowTakeQueueRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r gen.SlidingWindowTakeQueueRow, a ask) Decision {
+	return inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.SlidingWindowTakeChecksRow, a ask) Decision {
 			return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.retryCost()).granting(r.Granted)
 		})
 }

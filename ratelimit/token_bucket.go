@@ -106,15 +106,16 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 }
 
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := q.limiters[0].q.TokenBucketTakeQueue(ctx, db, gen.TokenBucketTakeQueueParams{
-		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At:           q.clock(),
+	rows, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
+		Keys:         q.keys,
 		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
 		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
 		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Rows:         q.rows, Costs: q.costs, UpTo: q.upTo, Groups: q.groups, Vetoes: q.vetoes,
+		At: q.clock(),
 	})
-	return inCheckOrder(q, rows, err, func(r gen.TokenBucketTakeQueueRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r gen.TokenBucketTakeQueueRow, a ask) Decision {
+	return inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.TokenBucketTakeChecksRow, a ask) Decision {
 			return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
 		})
 }
