@@ -763,10 +763,9 @@ var appFunctions = []string{
 	"pgrl_sliding_window_elapsed(bigint, bigint, bigint)",
 	"pgrl_sliding_window_room(bigint, bigint, bigint, bigint, bigint)",
 	"pgrl_sliding_window_take(bigint, bigint, bigint, bigint, bigint, bigint, bigint, boolean, boolean)",
-	"pgrl_check_row_order(bytea[], integer)",
-	"pgrl_fixed_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], bigint[], boolean[], integer[], boolean[], timestamptz)",
-	"pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], bigint[], boolean[], integer[], boolean[], timestamptz)",
-	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], bigint[], boolean[], integer[], boolean[], timestamptz)",
+	"pgrl_fixed_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
+	"pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
+	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
 }
 
 // grantStatements returns the GRANT statements that give role the

@@ -46,19 +46,23 @@ func (a ask) settle(d Decision) Decision {
 
 // checkQueue is checks as the …TakeChecks statements take them: rows (a
 // stored key and the limiter whose figures its checks count against), each
-// key once, in ascending key order, the order they are locked in; and the
-// checks in the order they are decided, each naming its row, its group (0
-// for none: the checks of a group are consecutive and allowed together or
-// not at all) and whether its denial stops its group (a limit in shadow
-// mode does not).
+// key once, in ascending key order, the order they are locked in; and runs
+// of checks, decided in order: a run of one row's checks (runs[g] is its
+// 1-based row), each applied, or an all-or-nothing group (runs[g] is 0),
+// allowed together or not at all; ends[g] is the 1-based position of run
+// g's last check. Per check: its row, cost, partial-grant flag, and whether
+// its denial stops its group (a limit in shadow mode does not). at[j] is
+// the position, in the caller's list, of the j-th check here.
 type checkQueue struct {
 	limiters []*Limiter // one per row: its limit and window go with it
 	keys     [][]byte
-	rows     []int32 // one per check, 1-based
+	runs     []int32
+	ends     []int32
+	rows     []int32
 	costs    []int64
 	upTo     []bool
-	groups   []int32
 	vetoes   []bool
+	at       []int
 }
 
 // figures are what a row's checks count against: two limiters whose
@@ -72,18 +76,21 @@ func (l *Limiter) figures() figures {
 	return figures{limit: l.cfg.Limit, windowUs: l.windowUs, burst: l.cfg.Burst, penalty: l.cfg.Penalty}
 }
 
-// newCheckQueue makes the statement of checks, decided in their order; a
-// key's checks must all have one limiter's figures (see statements).
+// newCheckQueue makes the statement of checks: lone checks (group 0) and
+// all-or-nothing groups (consecutive checks of one group number, each of
+// another key). A key's checks must all have one limiter's figures (see
+// statements). Each key's checks are decided in their order, and each
+// group where it stands among them: between two groups, the lone checks
+// are gathered by key into runs, which the statement decides with one read
+// and one write of the row's state, as a queue of checks.
 func newCheckQueue(checks []*pendingCheck) *checkQueue {
 	n := len(checks)
-	q := &checkQueue{
-		rows: make([]int32, n), costs: make([]int64, n), upTo: make([]bool, n),
-		groups: make([]int32, n), vetoes: make([]bool, n),
-	}
-	byKey := make(map[string]int, n)
+	q := &checkQueue{rows: make([]int32, n), costs: make([]int64, n), upTo: make([]bool, n), vetoes: make([]bool, n),
+		at: make([]int, 0, n)}
+	byKey := make(map[string]int32, n)
 	for _, r := range checks {
 		if _, ok := byKey[string(r.skey)]; !ok {
-			byKey[string(r.skey)] = len(q.keys)
+			byKey[string(r.skey)] = 0
 			q.keys = append(q.keys, r.skey)
 			q.limiters = append(q.limiters, r.l)
 		}
@@ -93,19 +100,49 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 		order[i] = i
 	}
 	slices.SortFunc(order, func(a, b int) int { return bytes.Compare(q.keys[a], q.keys[b]) })
-	rowOf := make([]int32, len(order)) // rowOf[first-seen index] = 1-based row
 	keys, limiters := make([][]byte, len(order)), make([]*Limiter, len(order))
 	for row, i := range order {
-		rowOf[i] = int32(row + 1)
 		keys[row], limiters[row] = q.keys[i], q.limiters[i]
+		byKey[string(keys[row])] = int32(row + 1)
 	}
 	q.keys, q.limiters = keys, limiters
-	for j, r := range checks {
-		q.rows[j] = rowOf[byKey[string(r.skey)]]
+	// lone gathers the lone checks since the last group, by row.
+	var lone []int
+	flush := func() {
+		slices.SortStableFunc(lone, func(a, b int) int {
+			return int(byKey[string(checks[a].skey)] - byKey[string(checks[b].skey)])
+		})
+		for k, i := range lone {
+			row := byKey[string(checks[i].skey)]
+			if k == 0 || row != byKey[string(checks[lone[k-1]].skey)] {
+				q.runs = append(q.runs, row)
+				q.ends = append(q.ends, 0)
+			}
+			q.at = append(q.at, i)
+			q.ends[len(q.ends)-1] = int32(len(q.at))
+		}
+		lone = lone[:0]
+	}
+	for i := 0; i < n; {
+		if checks[i].group == 0 {
+			lone = append(lone, i)
+			i++
+			continue
+		}
+		flush()
+		for g := checks[i].group; i < n && checks[i].group == g; i++ {
+			q.at = append(q.at, i)
+		}
+		q.runs = append(q.runs, 0)
+		q.ends = append(q.ends, int32(len(q.at)))
+	}
+	flush()
+	for j, i := range q.at {
+		r := checks[i]
+		q.rows[j] = byKey[string(r.skey)]
 		// A partial grant asks for at most its row's capacity (a spread
 		// row's is its share).
-		q.costs[j], q.upTo[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo
-		q.groups[j], q.vetoes[j] = r.group, !r.l.cfg.Shadow
+		q.costs[j], q.upTo[j], q.vetoes[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo, !r.l.cfg.Shadow
 	}
 	return q
 }
@@ -132,7 +169,7 @@ func perRow[T any](q *checkQueue, f func(*Limiter) T) []T {
 
 // inCheckOrder gives each check of q the decision that decide makes from
 // its row (index reads the row's 1-based check_index) with its limiter, in
-// the order of the checks. A statement must return exactly one row per check.
+// the caller's order. A statement must return exactly one row per check.
 func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32, decide func(*Limiter, R, ask) Decision) ([]Decision, error) {
 	if err != nil {
 		return nil, err
@@ -148,7 +185,7 @@ func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32
 			return nil, fmt.Errorf("ratelimit: check statement returned check %d of %d", j+1, len(q.costs))
 		}
 		seen[j] = true
-		out[j] = decide(q.limiterOf(j), row, q.ask(j))
+		out[q.at[j]] = decide(q.limiterOf(j), row, q.ask(j))
 	}
 	return out, nil
 }

@@ -71,7 +71,7 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
-		Rows:      q.rows, Costs: q.costs, UpTo: q.upTo, Groups: q.groups, Vetoes: q.vetoes,
+		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		At: q.clock(),
 	})
 	return inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },

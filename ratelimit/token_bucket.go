@@ -111,7 +111,7 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
 		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
 		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
-		Rows:         q.rows, Costs: q.costs, UpTo: q.upTo, Groups: q.groups, Vetoes: q.vetoes,
+		Runs:         q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		At: q.clock(),
 	})
 	return inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },

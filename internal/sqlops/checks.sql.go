@@ -15,9 +15,9 @@ const fixedWindowTakeChecks = `-- name: FixedWindowTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_checks($1::bytea[], $2::bigint[], $3::bigint[],
-                                     $4::boolean[], $5::integer[], $6::bigint[],
-                                     $7::boolean[], $8::integer[], $9::boolean[],
-                                     $10::timestamptz) AS q
+                                     $4::boolean[], $5::integer[], $6::integer[], $7::integer[],
+                                     $8::bigint[], $9::boolean[], $10::boolean[],
+                                     $11::timestamptz) AS q
 `
 
 type FixedWindowTakeChecksParams struct {
@@ -25,10 +25,11 @@ type FixedWindowTakeChecksParams struct {
 	MaxCounts []int64
 	WindowsUs []int64
 	Penalties []bool
+	Runs      []int32
+	Ends      []int32
 	Rows      []int32
 	Costs     []int64
 	UpTo      []bool
-	Groups    []int32
 	Vetoes    []bool
 	At        *time.Time
 }
@@ -44,22 +45,24 @@ type FixedWindowTakeChecksRow struct {
 
 // The check statements the library sends for several checks at once
 // (coalesced checks, and the limits of one AllowAll decision): each
-// decides its checks in the order given, against rows given once each in
-// ascending key order with their limit's figures, and applies the checks
-// that share a group number all together or not at all (migration 000014).
-// rows[j] is check j's 1-based row; a check without a veto (a limit in
-// shadow mode) does not stop its group. check_index is the check's 1-based
-// position.
+// decides runs of checks in the order given, against rows given once each
+// in ascending key order with their limit's figures: a run of one row's
+// checks (runs[g] its row), each applied, or an all-or-nothing group
+// (runs[g] 0), applied together or not at all (migration 000014). ends[g]
+// is the 1-based position of run g's last check, rows[j] check j's 1-based
+// row; a check without a veto (a limit in shadow mode) does not stop its
+// group. check_index is the check's 1-based position.
 func (q *Queries) FixedWindowTakeChecks(ctx context.Context, db DBTX, arg FixedWindowTakeChecksParams) ([]FixedWindowTakeChecksRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeChecks,
 		arg.Keys,
 		arg.MaxCounts,
 		arg.WindowsUs,
 		arg.Penalties,
+		arg.Runs,
+		arg.Ends,
 		arg.Rows,
 		arg.Costs,
 		arg.UpTo,
-		arg.Groups,
 		arg.Vetoes,
 		arg.At,
 	)
@@ -93,9 +96,9 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_checks($1::bytea[], $2::bigint[], $3::bigint[],
-                                       $4::boolean[], $5::integer[], $6::bigint[],
-                                       $7::boolean[], $8::integer[], $9::boolean[],
-                                       $10::timestamptz) AS q
+                                       $4::boolean[], $5::integer[], $6::integer[], $7::integer[],
+                                       $8::bigint[], $9::boolean[], $10::boolean[],
+                                       $11::timestamptz) AS q
 `
 
 type SlidingWindowTakeChecksParams struct {
@@ -103,10 +106,11 @@ type SlidingWindowTakeChecksParams struct {
 	MaxCounts []int64
 	WindowsUs []int64
 	Penalties []bool
+	Runs      []int32
+	Ends      []int32
 	Rows      []int32
 	Costs     []int64
 	UpTo      []bool
-	Groups    []int32
 	Vetoes    []bool
 	At        *time.Time
 }
@@ -127,10 +131,11 @@ func (q *Queries) SlidingWindowTakeChecks(ctx context.Context, db DBTX, arg Slid
 		arg.MaxCounts,
 		arg.WindowsUs,
 		arg.Penalties,
+		arg.Runs,
+		arg.Ends,
 		arg.Rows,
 		arg.Costs,
 		arg.UpTo,
-		arg.Groups,
 		arg.Vetoes,
 		arg.At,
 	)
@@ -164,9 +169,9 @@ const tokenBucketTakeChecks = `-- name: TokenBucketTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_checks($1::bytea[], $2::float8[], $3::float8[],
-                                     $4::boolean[], $5::integer[], $6::bigint[],
-                                     $7::boolean[], $8::integer[], $9::boolean[],
-                                     $10::timestamptz) AS q
+                                     $4::boolean[], $5::integer[], $6::integer[], $7::integer[],
+                                     $8::bigint[], $9::boolean[], $10::boolean[],
+                                     $11::timestamptz) AS q
 `
 
 type TokenBucketTakeChecksParams struct {
@@ -174,10 +179,11 @@ type TokenBucketTakeChecksParams struct {
 	Capacities   []float64
 	RefillsPerUs []float64
 	Penalties    []bool
+	Runs         []int32
+	Ends         []int32
 	Rows         []int32
 	Costs        []int64
 	UpTo         []bool
-	Groups       []int32
 	Vetoes       []bool
 	At           *time.Time
 }
@@ -197,10 +203,11 @@ func (q *Queries) TokenBucketTakeChecks(ctx context.Context, db DBTX, arg TokenB
 		arg.Capacities,
 		arg.RefillsPerUs,
 		arg.Penalties,
+		arg.Runs,
+		arg.Ends,
 		arg.Rows,
 		arg.Costs,
 		arg.UpTo,
-		arg.Groups,
 		arg.Vetoes,
 		arg.At,
 	)

@@ -1,44 +1,36 @@
--- Checks decided in arrival order, and all-or-nothing groups in the same
--- statement.
+-- All-or-nothing groups of checks decided inside one statement.
 --
 -- The check queues of migration 000006 decide a statement's checks key by
--- key. These functions decide them in the order given, each against its
--- row, so that several checks can be one decision: the checks that share a
--- group number (consecutive in the order given; 0 is no group) are allowed
--- together or not at all. A group is applied only when every check in it
--- that has a veto allowed; otherwise none of its checks changes a row (not
--- even under penalty), and every later check sees the rows as they were
--- before the group. A check in no group is applied as its step says (a
--- denied one too, under penalty). A login's limits (per email, per IP) thus ride the
--- statement that other requests' checks share, with no second statement to
--- vote, and the decision is one statement on a distributed PostgreSQL too.
+-- key, each key's checks one after another. These functions decide runs of
+-- checks in the order given: a run is either checks of one row, each
+-- applied as its step says (a denied one too, under penalty), exactly as
+-- the queues decide them; or a group, checks of several rows that are
+-- allowed together or not at all. A group is applied only when every check
+-- in it that has a veto allowed (a limit in shadow mode has none);
+-- otherwise none of its checks changes a row, not even under penalty, and
+-- every later run sees the rows as they were before the group. A login's
+-- limits (per email, per IP) thus ride the statement that other requests'
+-- checks share, with no second statement to vote, and the decision is one
+-- statement on a distributed PostgreSQL too.
 --
 -- Every row is locked first, in ascending key order (refused otherwise, so
 -- that concurrent statements lock rows in one order and never deadlock, and
--- no key is given twice), read once, and written once at the end. Each row comes with
--- its limit's figures; a row's checks all count against those. Each check
--- is decided by its algorithm's step (migration 000012), as every other
--- statement decides it. The queue functions of migration 000006 stay for
--- the statements of earlier versions of pgrl.
-
--- pgrl_check_row_order refuses rows that are not in strictly ascending key
--- order: a key given twice would be read twice and written twice, losing
--- one of its counts, and rows out of order could deadlock with another
--- statement.
-CREATE FUNCTION pgrl_check_row_order(keys bytea[], k integer) RETURNS void
-LANGUAGE plpgsql IMMUTABLE
-AS $$
-BEGIN
-    IF k > 1 AND keys[k] <= keys[k - 1] THEN
-        RAISE EXCEPTION 'pgrl: rows % and % of a check statement are not in ascending key order', k - 1, k
-            USING ERRCODE = '22023', HINT = 'give each key once, sorted by its bytes';
-    END IF;
-END
-$$;
+-- no key is given twice), read once, and written once at the end. Each row
+-- comes with its limit's figures; its checks all count against those. Each
+-- check is decided by its algorithm's step (migration 000012), as every
+-- other statement decides it.
+--
+-- The arguments: keys and the figures, one per row; runs[r] (the row of a
+-- run of one row's checks, or 0 for a group) and ends[r] (the 1-based
+-- position of its last check), one per run; rows (a check's 1-based row),
+-- costs, up_to and vetoes, one per check. check_index is the check's
+-- position. The queue functions of migration 000006 stay for the
+-- statements of earlier versions of pgrl.
 
 CREATE FUNCTION pgrl_fixed_window_take_checks(
     keys bytea[], max_counts bigint[], windows_us bigint[], penalties boolean[],
-    rows integer[], costs bigint[], up_to boolean[], groups integer[], vetoes boolean[], at timestamptz)
+    runs integer[], ends integer[], rows integer[], costs bigint[], up_to boolean[], vetoes boolean[],
+    at timestamptz)
 RETURNS TABLE (check_index integer, granted bigint, count bigint, allowed boolean,
                expires_at_us bigint, now_us bigint)
 LANGUAGE plpgsql VOLATILE
@@ -47,8 +39,6 @@ AS $$
 DECLARE
     ts      timestamptz := coalesce(at, now());
     now_at  bigint := pgrl_epoch_us(coalesce(at, now()));
-    n       integer := coalesce(array_length(keys, 1), 0);
-    m       integer := coalesce(array_length(costs, 1), 0);
     end_us  bigint[];
     cnt     bigint[];
     last    boolean[];
@@ -57,13 +47,15 @@ DECLARE
     gave    bigint[];
     c       bigint;
     r       integer;
-    e       integer;
-    i       integer := 1;
+    first   integer := 1;
     ok      boolean;
     s       pgrl_fixed_window_step;
 BEGIN
-    FOR k IN 1 .. n LOOP
-        PERFORM pgrl_check_row_order(keys, k);
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        IF k > 1 AND keys[k] <= keys[k - 1] THEN
+            RAISE EXCEPTION 'pgrl: rows % and % of a check statement are not in ascending key order', k - 1, k
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'give each key once, sorted by its bytes';
+        END IF;
         end_us[k] := pgrl_window_end_us(now_at, windows_us[k]);
         SELECT t.count INTO c
           FROM pgrl_fixed_window AS t
@@ -79,32 +71,43 @@ BEGIN
         END IF;
         cnt[k] := c;
     END LOOP;
-    WHILE i <= m LOOP
-        -- The checks i .. e are one decision: a group, or a check alone.
-        e := i;
-        WHILE groups[i] <> 0 AND e < m AND groups[e + 1] = groups[i] LOOP
-            e := e + 1;
-        END LOOP;
-        ok := true;
-        FOR j IN i .. e LOOP
-            r := rows[j];
-            s := pgrl_fixed_window_take(end_us[r], cnt[r], costs[j], max_counts[r], penalties[r], up_to[j]);
-            counts[j] := s.count; verdict[j] := s.allowed; gave[j] := s.granted;
-            ok := ok AND (groups[j] = 0 OR s.allowed OR NOT vetoes[j]);
-        END LOOP;
-        FOR j IN i .. e LOOP
-            r := rows[j];
-            IF ok THEN
-                cnt[r] := counts[j];
-                last[r] := verdict[j];
-            END IF;
-            check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END; count := counts[j];
-            allowed := verdict[j]; expires_at_us := end_us[r]; now_us := now_at;
-            RETURN NEXT;
-        END LOOP;
-        i := e + 1;
+    FOR g IN 1 .. coalesce(array_length(runs, 1), 0) LOOP
+        r := runs[g];
+        IF r > 0 THEN
+            -- One row's checks, each applied.
+            c := cnt[r];
+            FOR i IN first .. ends[g] LOOP
+                s := pgrl_fixed_window_take(end_us[r], c, costs[i], max_counts[r], penalties[r], up_to[i]);
+                c := s.count;
+                check_index := i; granted := s.granted; count := s.count; allowed := s.allowed;
+                expires_at_us := end_us[r]; now_us := now_at;
+                RETURN NEXT;
+            END LOOP;
+            cnt[r] := c;
+            last[r] := s.allowed;
+        ELSE
+            -- A group: decided, then applied only if every veto allows.
+            ok := true;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                s := pgrl_fixed_window_take(end_us[r], cnt[r], costs[j], max_counts[r], penalties[r], up_to[j]);
+                counts[j] := s.count; verdict[j] := s.allowed; gave[j] := s.granted;
+                ok := ok AND (s.allowed OR NOT vetoes[j]);
+            END LOOP;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                IF ok THEN
+                    cnt[r] := counts[j];
+                    last[r] := verdict[j];
+                END IF;
+                check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END; count := counts[j];
+                allowed := verdict[j]; expires_at_us := end_us[r]; now_us := now_at;
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+        first := ends[g] + 1;
     END LOOP;
-    FOR k IN 1 .. n LOOP
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
         CONTINUE WHEN last[k] IS NULL;
         UPDATE pgrl_fixed_window AS t
            SET count = cnt[k], allowed = last[k], updated_at = greatest(t.updated_at, ts)
@@ -115,7 +118,8 @@ $$;
 
 CREATE FUNCTION pgrl_token_bucket_take_checks(
     keys bytea[], capacities float8[], refills_per_us float8[], penalties boolean[],
-    rows integer[], costs bigint[], up_to boolean[], groups integer[], vetoes boolean[], at timestamptz)
+    runs integer[], ends integer[], rows integer[], costs bigint[], up_to boolean[], vetoes boolean[],
+    at timestamptz)
 RETURNS TABLE (check_index integer, granted bigint, tokens_bits bigint, updated_at_us bigint,
                full_at_us bigint, allowed boolean)
 LANGUAGE plpgsql VOLATILE
@@ -124,8 +128,6 @@ AS $$
 DECLARE
     ts      timestamptz := coalesce(at, now());
     now_at  bigint := pgrl_epoch_us(coalesce(at, now()));
-    n       integer := coalesce(array_length(keys, 1), 0);
-    m       integer := coalesce(array_length(costs, 1), 0);
     bal     float8[];
     upd     bigint[];
     last    boolean[];
@@ -136,13 +138,15 @@ DECLARE
     b       float8;
     u       bigint;
     r       integer;
-    e       integer;
-    i       integer := 1;
+    first   integer := 1;
     ok      boolean;
     s       pgrl_token_bucket_step;
 BEGIN
-    FOR k IN 1 .. n LOOP
-        PERFORM pgrl_check_row_order(keys, k);
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        IF k > 1 AND keys[k] <= keys[k - 1] THEN
+            RAISE EXCEPTION 'pgrl: rows % and % of a check statement are not in ascending key order', k - 1, k
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'give each key once, sorted by its bytes';
+        END IF;
         SELECT t.tokens, pgrl_us(t.updated_at) INTO b, u
           FROM pgrl_token_bucket AS t
          WHERE t.key = keys[k]
@@ -156,36 +160,52 @@ BEGIN
         bal[k] := b;
         upd[k] := u;
     END LOOP;
-    WHILE i <= m LOOP
-        e := i;
-        WHILE groups[i] <> 0 AND e < m AND groups[e + 1] = groups[i] LOOP
-            e := e + 1;
-        END LOOP;
-        ok := true;
-        FOR j IN i .. e LOOP
-            r := rows[j];
-            s := pgrl_token_bucket_take(bal[r], upd[r], now_at, costs[j], capacities[r], refills_per_us[r],
-                                        penalties[r], up_to[j]);
-            bals[j] := s.tokens; upds[j] := s.updated_at_us; verdict[j] := s.allowed; gave[j] := s.granted;
-            ok := ok AND (groups[j] = 0 OR s.allowed OR NOT vetoes[j]);
-        END LOOP;
-        FOR j IN i .. e LOOP
-            r := rows[j];
-            IF ok THEN
-                bal[r] := bals[j];
-                upd[r] := upds[j];
-                last[r] := verdict[j];
-            END IF;
-            check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END;
-            tokens_bits := pgrl_float8_bits(bals[j]); updated_at_us := upds[j];
-            full_at_us := pgrl_epoch_us(pgrl_token_bucket_full_at(pgrl_from_epoch_us(upds[j]), bals[j],
-                                                                  capacities[r], refills_per_us[r]));
-            allowed := verdict[j];
-            RETURN NEXT;
-        END LOOP;
-        i := e + 1;
+    FOR g IN 1 .. coalesce(array_length(runs, 1), 0) LOOP
+        r := runs[g];
+        IF r > 0 THEN
+            b := bal[r];
+            u := upd[r];
+            FOR i IN first .. ends[g] LOOP
+                s := pgrl_token_bucket_take(b, u, now_at, costs[i], capacities[r], refills_per_us[r], penalties[r],
+                                            up_to[i]);
+                b := s.tokens;
+                u := s.updated_at_us;
+                check_index := i; granted := s.granted; tokens_bits := pgrl_float8_bits(b); updated_at_us := u;
+                full_at_us := pgrl_epoch_us(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, capacities[r],
+                                                                      refills_per_us[r]));
+                allowed := s.allowed;
+                RETURN NEXT;
+            END LOOP;
+            bal[r] := b;
+            upd[r] := u;
+            last[r] := s.allowed;
+        ELSE
+            ok := true;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                s := pgrl_token_bucket_take(bal[r], upd[r], now_at, costs[j], capacities[r], refills_per_us[r],
+                                            penalties[r], up_to[j]);
+                bals[j] := s.tokens; upds[j] := s.updated_at_us; verdict[j] := s.allowed; gave[j] := s.granted;
+                ok := ok AND (s.allowed OR NOT vetoes[j]);
+            END LOOP;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                IF ok THEN
+                    bal[r] := bals[j];
+                    upd[r] := upds[j];
+                    last[r] := verdict[j];
+                END IF;
+                check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END;
+                tokens_bits := pgrl_float8_bits(bals[j]); updated_at_us := upds[j];
+                full_at_us := pgrl_epoch_us(pgrl_token_bucket_full_at(pgrl_from_epoch_us(upds[j]), bals[j],
+                                                                      capacities[r], refills_per_us[r]));
+                allowed := verdict[j];
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+        first := ends[g] + 1;
     END LOOP;
-    FOR k IN 1 .. n LOOP
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
         CONTINUE WHEN last[k] IS NULL;
         UPDATE pgrl_token_bucket AS t
            SET tokens = bal[k], updated_at = pgrl_from_epoch_us(upd[k]),
@@ -199,7 +219,8 @@ $$;
 
 CREATE FUNCTION pgrl_sliding_window_take_checks(
     keys bytea[], max_counts bigint[], windows_us bigint[], penalties boolean[],
-    rows integer[], costs bigint[], up_to boolean[], groups integer[], vetoes boolean[], at timestamptz)
+    runs integer[], ends integer[], rows integer[], costs bigint[], up_to boolean[], vetoes boolean[],
+    at timestamptz)
 RETURNS TABLE (check_index integer, granted bigint, window_start_us bigint, count bigint, prev_count bigint,
                allowed boolean, now_us bigint)
 LANGUAGE plpgsql VOLATILE
@@ -208,8 +229,6 @@ AS $$
 DECLARE
     ts      timestamptz := coalesce(at, now());
     now_at  bigint := pgrl_epoch_us(coalesce(at, now()));
-    n       integer := coalesce(array_length(keys, 1), 0);
-    m       integer := coalesce(array_length(costs, 1), 0);
     ws      bigint[];
     cur     bigint[];
     prev    bigint[];
@@ -224,13 +243,15 @@ DECLARE
     b       bigint;
     c       bigint;
     r       integer;
-    e       integer;
-    i       integer := 1;
+    first   integer := 1;
     ok      boolean;
     s       pgrl_sliding_window_step;
 BEGIN
-    FOR k IN 1 .. n LOOP
-        PERFORM pgrl_check_row_order(keys, k);
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        IF k > 1 AND keys[k] <= keys[k - 1] THEN
+            RAISE EXCEPTION 'pgrl: rows % and % of a check statement are not in ascending key order', k - 1, k
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'give each key once, sorted by its bytes';
+        END IF;
         starts := pgrl_window_start_us(now_at, windows_us[k]);
         SELECT pgrl_us(t.window_start), t.count, t.prev_count INTO a, b, c
           FROM pgrl_sliding_window AS t
@@ -246,33 +267,44 @@ BEGIN
         END IF;
         ws[k] := a; cur[k] := b; prev[k] := c;
     END LOOP;
-    WHILE i <= m LOOP
-        e := i;
-        WHILE groups[i] <> 0 AND e < m AND groups[e + 1] = groups[i] LOOP
-            e := e + 1;
-        END LOOP;
-        ok := true;
-        FOR j IN i .. e LOOP
-            r := rows[j];
-            s := pgrl_sliding_window_take(ws[r], cur[r], prev[r], now_at, windows_us[r], costs[j], max_counts[r],
-                                          penalties[r], up_to[j]);
-            wss[j] := s.window_start_us; curs[j] := s.count; prevs[j] := s.prev_count;
-            verdict[j] := s.allowed; gave[j] := s.granted;
-            ok := ok AND (groups[j] = 0 OR s.allowed OR NOT vetoes[j]);
-        END LOOP;
-        FOR j IN i .. e LOOP
-            r := rows[j];
-            IF ok THEN
-                ws[r] := wss[j]; cur[r] := curs[j]; prev[r] := prevs[j];
-                last[r] := verdict[j];
-            END IF;
-            check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END; window_start_us := wss[j];
-            count := curs[j]; prev_count := prevs[j]; allowed := verdict[j]; now_us := now_at;
-            RETURN NEXT;
-        END LOOP;
-        i := e + 1;
+    FOR g IN 1 .. coalesce(array_length(runs, 1), 0) LOOP
+        r := runs[g];
+        IF r > 0 THEN
+            a := ws[r]; b := cur[r]; c := prev[r];
+            FOR i IN first .. ends[g] LOOP
+                s := pgrl_sliding_window_take(a, b, c, now_at, windows_us[r], costs[i], max_counts[r], penalties[r],
+                                              up_to[i]);
+                a := s.window_start_us; b := s.count; c := s.prev_count;
+                check_index := i; granted := s.granted; window_start_us := a; count := b; prev_count := c;
+                allowed := s.allowed; now_us := now_at;
+                RETURN NEXT;
+            END LOOP;
+            ws[r] := a; cur[r] := b; prev[r] := c;
+            last[r] := s.allowed;
+        ELSE
+            ok := true;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                s := pgrl_sliding_window_take(ws[r], cur[r], prev[r], now_at, windows_us[r], costs[j],
+                                              max_counts[r], penalties[r], up_to[j]);
+                wss[j] := s.window_start_us; curs[j] := s.count; prevs[j] := s.prev_count;
+                verdict[j] := s.allowed; gave[j] := s.granted;
+                ok := ok AND (s.allowed OR NOT vetoes[j]);
+            END LOOP;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                IF ok THEN
+                    ws[r] := wss[j]; cur[r] := curs[j]; prev[r] := prevs[j];
+                    last[r] := verdict[j];
+                END IF;
+                check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END; window_start_us := wss[j];
+                count := curs[j]; prev_count := prevs[j]; allowed := verdict[j]; now_us := now_at;
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+        first := ends[g] + 1;
     END LOOP;
-    FOR k IN 1 .. n LOOP
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
         CONTINUE WHEN last[k] IS NULL;
         UPDATE pgrl_sliding_window AS t
            SET window_start = pgrl_from_epoch_us(ws[k]), count = cur[k], prev_count = prev[k],
