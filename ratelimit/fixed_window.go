@@ -92,11 +92,6 @@ func (fixedWindow) reset(ctx context.Context, l *Limiter, db DB, k []byte) error
 	return err
 }
 
-func (fixedWindow) vote(p *sqlops.MultiRequireAllowedParams, l *Limiter, k []byte) {
-	p.FixedWindowKeys = append(p.FixedWindowKeys, k)
-	p.FixedWindowWindowsUs = append(p.FixedWindowWindowsUs, l.windowUs)
-}
-
 // fixedDecision builds a fixed-window decision from the window's state.
 func (s *shape) fixedDecision(allowed bool, count int64, expiresAt, now time.Time) Decision {
 	d := Decision{

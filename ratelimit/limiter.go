@@ -42,9 +42,6 @@ type Limiter struct {
 	coalescer         *coalescer // nil when coalescing is off
 	rates             rateCache  // limiters for per-call rates (rate.go)
 	share             denyShare  // denials shared with other processes (denyshare.go)
-	// citus is whether db is a Citus coordinator (citusUnknown until an
-	// AllOrNothing decision asks; multi.go).
-	citus atomic.Int32
 }
 
 // New returns a limiter that keeps its counters in db, which must have

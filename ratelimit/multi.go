@@ -1,19 +1,12 @@
 package ratelimit
 
 import (
-	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-
-	"github.com/pgrl/pgrl/internal/pgerr"
-	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // Check is one limit of a multi-limit decision.
@@ -67,29 +60,26 @@ func (m MultiDecision) RetryAfter() time.Duration {
 	return r
 }
 
-// batcher is what sends a pgx.Batch: a pool, a connection or a transaction.
-type batcher interface {
-	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-}
-
 // AllowAll decides several limits at once (for example a login's per
 // email+IP, per IP and per email limits, or a per-IP limit and a global
-// ceiling) in one round trip and one transaction. Algorithms may be mixed;
+// ceiling) in one transaction. Algorithms may be mixed;
 // the limiters must share one database. The rows are locked in one fixed
 // order (by table, then stored key), so concurrent decisions over
 // overlapping keys never deadlock.
 //
-// When every limiter uses one algorithm (and none reads a stored policy in
-// its statement), the decision is one check statement (migration 000014),
-// which under AllOrNothing applies the checks only when all allow; through
-// the limiters' shared coalescer it rides the statement of other callers'
-// checks, so a login costs no round trip of its own. Otherwise, under
-// AllOrNothing, the checks run in one batch and a last statement aborts its
-// transaction unless all allowed. Either way a denied request consumes
-// nothing, and limiters in shadow mode never stop the others from
-// consuming. When the database fails, each check is answered by its own
-// limiter's failure policy. AllowAllTx does the same inside the caller's
-// transaction, always as a batch.
+// When every limiter uses one algorithm, the decision is one check
+// statement (migration 000014), which under AllOrNothing applies the checks
+// only when all allow; through the limiters' shared coalescer it rides the
+// statement of other callers' checks, so a login costs no round trip of
+// its own. A decision that spans algorithms runs in a transaction of its
+// own, one statement per algorithm, rolled back under AllOrNothing when a
+// limit denies: two round trips more. Either way a denied request consumes
+// nothing, every check is decided (each Decision says what its limit saw),
+// and limiters in shadow mode never stop the others from consuming. Every
+// check counts against its limiter's own rate, also a policy-backed one's
+// (the rate its cache holds). When the database fails, each check is
+// answered by its own limiter's failure policy. AllowAllTx does the same
+// inside the caller's transaction.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
 	return observeAll(mode, checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
 }
@@ -97,14 +87,14 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 // AllowAllTx is AllowAll inside the caller's transaction: rolling the
 // transaction back refunds every unit it consumed, and the limiters'
 // databases are not used for the checks (they need not be the same). The
-// checks run under a savepoint, released when the batch succeeds and
-// rolled back when it fails or, under AllOrNothing, when a limit denies,
-// so the caller's transaction stays usable either way; that costs two more
-// round trips than AllowAll. As with AllowNTx, there is no failure policy,
-// breaker, deny cache or Config.Timeout: errors are returned, and the rows
-// stay locked until the transaction ends. In the partitioned layout, a
-// missing partition is created outside the transaction (with
-// CreatePartitions) and ErrPartitionMissing asks for a retry.
+// checks run under a savepoint, released when they succeed and rolled back
+// when they fail or, under AllOrNothing, when a limit denies, so the
+// caller's transaction stays usable either way; that costs two more round
+// trips than a statement alone. As with AllowNTx, there is no failure
+// policy, breaker, deny cache or Config.Timeout: errors are returned, and
+// the rows stay locked until the transaction ends. In the partitioned
+// layout, a missing partition is created outside the transaction (with
+// CreatePartitions) and the checks are made again.
 func AllowAllTx(ctx context.Context, tx pgx.Tx, mode MultiMode, checks ...Check) (MultiDecision, error) {
 	if tx == nil {
 		return MultiDecision{}, ErrNilDB
@@ -217,204 +207,39 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 		}
 	}
 
-	if tx == nil && oneStatement(checks) {
-		group := make([]*pendingCheck, len(items))
-		for i, it := range items {
-			group[i] = &pendingCheck{l: it.c.Limiter, key: it.c.Key, skey: it.skey, ask: ask{n: it.c.Cost}}
-			if mode == AllOrNothing {
-				group[i].group = 1
-			}
-		}
-		return decideGroup(ctx, checks, group, out)
+	group := make([]*pendingCheck, len(items))
+	for i, it := range items {
+		group[i] = &pendingCheck{l: it.c.Limiter, key: it.c.Key, skey: it.skey, ask: ask{n: it.c.Cost}}
 	}
+	return decideMulti(ctx, tx, mode, checks, group, out)
+}
 
-	// Deterministic lock order: fixed window, token bucket, sliding window
-	// tables in that order, keys in byte order within each.
-	order := slices.Clone(items)
-	slices.SortFunc(order, func(a, b item) int {
-		if c := a.c.Limiter.alg.lockRank() - b.c.Limiter.alg.lockRank(); c != 0 {
-			return c
-		}
-		return bytes.Compare(a.skey, b.skey)
-	})
-
-	first := checks[0].Limiter
+// decideMulti decides a multi-limit decision's checks (group holds one
+// pendingCheck per check, in the checks' order; their limiters are spread
+// rows already) on their database under the first limiter's Timeout and
+// breaker and each limiter's failure policy, or in tx (a savepoint of it)
+// with none of these: errors are returned.
+func decideMulti(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check, group []*pendingCheck, out MultiDecision) (MultiDecision, error) {
+	first := group[0].l
 	sent := first.localNow()
-	var sp pgx.Tx // the savepoint, in the caller's transaction
 	var probe int64
-	if tx != nil {
-		var err error
-		if sp, err = tx.Begin(ctx); err != nil {
-			return MultiDecision{}, first.explain(ctx, err)
-		}
-		db = sp
-	} else {
+	if tx == nil {
 		var ok bool
 		if probe, ok = first.breaker.allow(sent); !ok {
 			return fallbackAll(ctx, checks, errBreakerOpen)
 		}
 	}
-	cctx := ctx
-	if tx == nil {
-		var cancel context.CancelFunc
-		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
-		defer cancel()
-	}
-	if tx == nil && mode == AllOrNothing {
-		// On Citus a batch's implicit transaction does not make the vote's
-		// abort undo the checks before it: the batch goes in a transaction
-		// of its own, committed or rolled back as the savepoint is.
-		t, err := first.citusTx(cctx, db)
-		if err != nil {
-			err = first.explain(ctx, err)
-			if IsConfigError(err) {
-				return MultiDecision{}, err
-			}
-			first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
-			return fallbackAll(ctx, checks, err)
-		}
-		if t != nil {
-			sp, db = t, t
-		}
-	}
-
-	// One statement per algorithm: the checks of limiters that share a
-	// table (and a clock) go in one queue statement, which takes each key's
-	// limit with it; a spread limit's check picks its row and goes alone.
-	stmts := make([]*deferred, 0, len(order)+1)
-	type groupResult struct {
-		decs []Decision
-		err  error
-	}
-	var spans [][2]int // [start, end) of order, one per statement
-	for k := 0; k < len(order); {
-		end := k + 1
-		for l := order[k].c.Limiter; end < len(order) && l.shards == nil; end++ {
-			m := order[end].c.Limiter
-			if m.shards != nil || m.alg != l.alg || !sameClock(l, m) {
-				break
-			}
-		}
-		spans = append(spans, [2]int{k, end})
-		k = end
-	}
-	results := make([]chan groupResult, len(spans))
-	for g, span := range spans {
-		d := newDeferred()
-		stmts = append(stmts, d)
-		results[g] = make(chan groupResult, 1)
-		group := order[span[0]:span[1]]
-		go func() {
-			if len(group) == 1 {
-				it := group[0]
-				dec, err := it.c.Limiter.take(cctx, d, it.c.Key, ask{n: it.c.Cost})
-				results[g] <- groupResult{[]Decision{dec}, err}
-				return
-			}
-			checks := make([]*pendingCheck, len(group))
-			for i, it := range group {
-				checks[i] = &pendingCheck{l: it.c.Limiter, key: it.c.Key, skey: it.skey, ask: ask{n: it.c.Cost}}
-			}
-			decs, err := group[0].c.Limiter.alg.takeQueue(cctx, d, newCheckQueue(checks))
-			if err == nil {
-				for i := range decs {
-					decs[i].Store = StorePostgres
-				}
-			} else {
-				decs = make([]Decision, len(group))
-			}
-			results[g] <- groupResult{decs, err}
-		}()
-	}
-	var vote *deferred
-	if mode == AllOrNothing {
-		// Empty arrays, not nil ones: pgx sends nil as NULL.
-		p := sqlops.MultiRequireAllowedParams{
-			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
-			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{},
-			AtUs: first.atUs(),
-		}
-		for _, it := range order {
-			l := it.c.Limiter
-			if l.cfg.Shadow {
-				continue
-			}
-			l.alg.vote(&p, l, it.skey)
-		}
-		vote = newDeferred()
-		stmts = append(stmts, vote)
-		go func() { _, _ = sqlops.New().MultiRequireAllowed(cctx, vote, p) }()
-	}
-
-	b := &pgx.Batch{}
-	for _, s := range stmts {
-		<-s.queued
-		b.Queue(s.sql, s.args...)
-	}
-	sendErr := runBatch(cctx, db, b, stmts)
-
-	decs := make([]Decision, 0, len(order))
-	var firstErr error
-	for g := range spans {
-		r := <-results[g]
-		decs = append(decs, r.decs...)
-		if r.err != nil && firstErr == nil {
-			firstErr = r.err
-		}
-	}
-	if vote != nil && sendErr == nil {
-		sendErr = vote.err
-	}
-	denied := vote != nil && pgerr.IsMultiDenied(sendErr)
-	if denied {
-		sendErr = nil
-	}
-	if sendErr == nil {
-		sendErr = firstErr
-	}
-	if sp != nil {
-		// Keep what the batch did only when it succeeded and was not voted
-		// down; either way the caller's transaction stays usable. A
-		// transaction of the decision's own (on Citus) ends within its
-		// Timeout.
-		endCtx := ctx
-		if tx == nil {
-			endCtx = cctx
-		}
-		var spErr error
-		if sendErr != nil || denied {
-			spErr = sp.Rollback(endCtx)
-		} else {
-			spErr = sp.Commit(endCtx)
-		}
-		if sendErr == nil && spErr != nil {
-			sendErr = spErr
-		}
-	}
-	if sendErr != nil {
+	decs, err := decideMultiWithin(ctx, tx, mode, group)
+	if err != nil {
 		if callerDone(ctx) {
 			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
 		}
-		err := first.explain(ctx, sendErr)
-		if IsConfigError(err) || isMissingPartition(sendErr) {
-			if isMissingPartition(sendErr) && !slices.ContainsFunc(order, func(it item) bool {
-				l := it.c.Limiter
-				return l.alg.partitioned() && !l.cfg.CreatePartitions
-			}) {
-				// Create the partitions and decide again.
-				for _, it := range order {
-					if it.c.Limiter.alg.partitioned() {
-						// Outside the caller's transaction, if any.
-						if herr := it.c.Limiter.heal(ctx, it.c.Limiter.db); herr != nil {
-							return MultiDecision{}, mapErr(herr)
-						}
-					}
-				}
-				return allowAll(ctx, tx, mode, checks)
-			}
+		err = first.explain(ctx, err)
+		if tx != nil {
 			return MultiDecision{}, err
 		}
-		if tx != nil {
+		if IsConfigError(err) {
+			first.breaker.success(probe) // the database answered
 			return MultiDecision{}, err
 		}
 		first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
@@ -423,80 +248,11 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	if tx == nil {
 		first.breaker.success(probe)
 	}
-
-	voteLost := false
-	for k, it := range order {
-		voteLost = voteLost || (!decs[k].Allowed && !it.c.Limiter.cfg.Shadow)
-	}
-	if denied && !voteLost {
-		// The vote aborted the batch although every counted check allowed:
-		// nothing was consumed, so the decision cannot be "allowed".
-		return MultiDecision{}, errors.New("ratelimit: multi-limit batch rolled back although every limit allowed; nothing was consumed")
-	}
-	out.Allowed = true
-	for k, it := range order {
-		d := decs[k]
-		l := it.c.Limiter
-		if !d.Allowed && l.deny != nil && tx == nil {
-			l.deny.put(it.c.Key, it.c.Cost, d, sent)
-		}
-		d = l.shadow(it.c.Key, d)
-		out.Decisions[it.i] = d
-		if !d.Allowed {
-			out.Allowed = false
-			if out.DeniedBy < 0 || it.i < out.DeniedBy {
-				out.DeniedBy = it.i
-			}
-		}
-	}
-	return out, nil
-}
-
-// oneStatement reports whether one check statement decides checks (their
-// limiters already spread rows): one algorithm, one clock, and no stored
-// policy read in the statement.
-func oneStatement(checks []Check) bool {
-	first := checks[0].Limiter
-	for _, c := range checks {
-		l := c.Limiter
-		if l.alg != first.alg || !sameClock(l, first) || l.cfg.Policy != "" {
-			return false
-		}
-	}
-	return true
-}
-
-// decideGroup decides the checks of a multi-limit decision in one check
-// statement on their database, under the first limiter's Timeout and
-// breaker and each limiter's failure policy: group holds one pendingCheck
-// per check, in the checks' order, all in group 1 under AllOrNothing
-// (decided together inside the statement) or each alone under ConsumeAll.
-func decideGroup(ctx context.Context, checks []Check, group []*pendingCheck, out MultiDecision) (MultiDecision, error) {
-	first := group[0].l
-	sent := first.localNow()
-	probe, ok := first.breaker.allow(sent)
-	if !ok {
-		return fallbackAll(ctx, checks, errBreakerOpen)
-	}
-	decs, err := decideGroupWithin(ctx, first, group)
-	if err != nil {
-		if callerDone(ctx) {
-			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
-		}
-		err = first.explain(ctx, err)
-		if IsConfigError(err) {
-			first.breaker.success(probe)
-			return MultiDecision{}, err
-		}
-		first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
-		return fallbackAll(ctx, checks, err)
-	}
-	first.breaker.success(probe)
 	out.Allowed = true
 	for i, r := range group {
 		d := decs[i]
 		d.Store = StorePostgres
-		if !d.Allowed && r.l.deny != nil {
+		if !d.Allowed && r.l.deny != nil && tx == nil {
 			r.l.deny.put(r.key, r.ask.n, d, sent)
 		}
 		d = r.l.shadow(r.key, d)
@@ -511,39 +267,69 @@ func decideGroup(ctx context.Context, checks []Check, group []*pendingCheck, out
 	return out, nil
 }
 
-// decideGroupWithin sends group's statement within the first limiter's
-// Timeout, creating missing partitions and asking again when every
-// partitioned limiter of the group may create them.
-func decideGroupWithin(ctx context.Context, first *Limiter, group []*pendingCheck) ([]Decision, error) {
-	cctx, cancel := context.WithTimeout(ctx, first.cfg.Timeout)
-	defer cancel()
-	decs, err := takeGroup(cctx, first, group)
+// decideMultiWithin decides group by the Timeout of its first limiter (in
+// the caller's transaction, by the caller's context), creating missing
+// partitions and deciding again when every partitioned limiter of the
+// group may create them.
+func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCheck) ([]Decision, error) {
+	first := group[0].l
+	cctx := ctx
+	if tx == nil {
+		var cancel context.CancelFunc
+		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
+		defer cancel()
+	}
+	take := func() ([]Decision, error) {
+		if tx == nil && oneStatement(group) {
+			return takeGroup(cctx, mode, group)
+		}
+		return takeInTx(cctx, tx, mode, group)
+	}
+	decs, err := take()
 	if err != nil && isMissingPartition(err) && !slices.ContainsFunc(group, func(r *pendingCheck) bool {
-		return !r.l.cfg.CreatePartitions
+		return r.l.alg.partitioned() && !r.l.cfg.CreatePartitions
 	}) {
+		// Outside the caller's transaction, if any.
 		healed := map[int64]bool{}
 		for _, r := range group {
 			if r.l.alg.partitioned() && !healed[r.l.windowUs] {
 				healed[r.l.windowUs] = true
-				if herr := r.l.heal(cctx, first.db); herr != nil {
+				if herr := r.l.heal(cctx, r.l.db); herr != nil {
 					return nil, herr
 				}
 			}
 		}
-		decs, err = takeGroup(cctx, first, group)
+		decs, err = take()
 	}
-	if err != nil && cctx.Err() != nil {
+	if err != nil && cctx.Err() != nil && tx == nil {
 		return nil, cctx.Err()
 	}
 	return decs, err
 }
 
-// takeGroup decides group in one check statement: through the coalescer
-// its limiters share, where it rides the statement of other callers'
-// checks, or else on its own.
-func takeGroup(ctx context.Context, first *Limiter, group []*pendingCheck) ([]Decision, error) {
+// oneStatement reports whether one check statement decides group: one
+// algorithm, one clock.
+func oneStatement(group []*pendingCheck) bool {
+	first := group[0].l
+	for _, r := range group {
+		if r.l.alg != first.alg || !sameClock(r.l, first) {
+			return false
+		}
+	}
+	return true
+}
+
+// takeGroup decides group in one check statement, under AllOrNothing as
+// one group (applied only when all allow): through the coalescer its
+// limiters share, where it rides the statement of other callers' checks,
+// or else on its own.
+func takeGroup(ctx context.Context, mode MultiMode, group []*pendingCheck) ([]Decision, error) {
+	first := group[0].l
 	c := first.coalescer
 	for _, r := range group {
+		if mode == AllOrNothing {
+			r.group = 1
+		}
 		if r.l.coalescer != c {
 			c = nil
 		}
@@ -564,38 +350,69 @@ func takeGroup(ctx context.Context, first *Limiter, group []*pendingCheck) ([]De
 	return decs, nil
 }
 
-// citusTx returns a transaction begun on db when db is a Citus coordinator,
-// and nil otherwise. Whether it is one is asked once per limiter.
-func (l *Limiter) citusTx(ctx context.Context, db DB) (pgx.Tx, error) {
-	switch l.citus.Load() {
-	case citusNo:
-		return nil, nil
-	case citusUnknown:
-		var ok bool
-		if err := db.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')").Scan(&ok); err != nil {
+// takeInTx decides group in a transaction: a savepoint of tx, or one begun
+// on the limiters' database; one check statement per algorithm (per clock),
+// tables in one fixed order (fixed window, token bucket, sliding window),
+// keys in byte order within each, so that concurrent decisions over
+// overlapping keys never deadlock. Under AllOrNothing the transaction is
+// rolled back when a check with a veto (not in shadow mode) denied, so
+// nothing is consumed; every check is decided either way.
+func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCheck) ([]Decision, error) {
+	var sp pgx.Tx
+	var err error
+	if tx != nil {
+		sp, err = tx.Begin(ctx)
+	} else {
+		sp, err = begin(ctx, group[0].l.db)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = sp.Rollback(context.WithoutCancel(ctx)) }() // after Commit, a no-op
+	order := make([]int, len(group))
+	for i := range order {
+		order[i] = i
+	}
+	slices.SortStableFunc(order, func(a, b int) int { return group[a].l.alg.lockRank() - group[b].l.alg.lockRank() })
+	decs := make([]Decision, len(group))
+	denied := false
+	for k := 0; k < len(order); {
+		end := k + 1
+		for end < len(order) && group[order[end]].l.alg == group[order[k]].l.alg &&
+			sameClock(group[order[end]].l, group[order[k]].l) {
+			end++
+		}
+		span := make([]*pendingCheck, end-k)
+		for i, j := range order[k:end] {
+			span[i] = group[j]
+		}
+		got, err := span[0].l.alg.takeQueue(ctx, sp, newCheckQueue(span))
+		if err != nil {
 			return nil, err
 		}
-		if !ok {
-			l.citus.Store(citusNo)
-			return nil, nil
+		for i, j := range order[k:end] {
+			decs[j] = got[i]
+			denied = denied || !got[i].Allowed && !group[j].l.cfg.Shadow
 		}
-		l.citus.Store(citusYes)
+		k = end
 	}
+	if denied && mode == AllOrNothing {
+		return decs, sp.Rollback(ctx)
+	}
+	return decs, sp.Commit(ctx)
+}
+
+// begin begins a transaction on db, which must be able to (a pool or a
+// connection, or a DB of your own wrapping one).
+func begin(ctx context.Context, db DB) (pgx.Tx, error) {
 	b, ok := db.(interface {
 		Begin(context.Context) (pgx.Tx, error)
 	})
 	if !ok {
-		return nil, invalid(ErrUnsupported, "an AllOrNothing decision on Citus runs in a transaction, and %T cannot begin one: pass a *pgxpool.Pool or a *pgx.Conn, or use AllowAllTx", db)
+		return nil, invalid(ErrUnsupported, "a decision over limits of several algorithms runs in a transaction, and %T cannot begin one: pass a *pgxpool.Pool or a *pgx.Conn, or use AllowAllTx", db)
 	}
 	return b.Begin(ctx)
 }
-
-// What Limiter.citus holds.
-const (
-	citusUnknown int32 = iota
-	citusNo
-	citusYes
-)
 
 // fallbackAll answers every check by its limiter's failure policy.
 func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecision, error) {
@@ -618,116 +435,6 @@ func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecisio
 		}
 	}
 	return out, nil
-}
-
-// deferred is a gen.DBTX that, instead of running a generated query,
-// records its SQL and arguments so that several queries go out in one
-// pgx.Batch, and then blocks the generated code's Scan until the batch's
-// result for that query arrives. This keeps the SQL in one place, the gen
-// package, for single checks and batches alike.
-type deferred struct {
-	sql    string
-	args   []any
-	dest   []any         // a QueryRow's Scan destinations
-	many   bool          // a Query: rows instead of dest
-	rows   pgx.Rows      // a Query's rows, read by the generated code
-	read   chan struct{} // closed when the generated code has closed rows
-	queued chan struct{}
-	done   chan struct{}
-	err    error
-}
-
-func newDeferred() *deferred {
-	return &deferred{queued: make(chan struct{}), done: make(chan struct{}), read: make(chan struct{})}
-}
-
-// QueryRow records the query; the returned row's Scan waits for the batch.
-func (d *deferred) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
-	d.sql, d.args = sql, args
-	return d
-}
-
-// Scan hands the destinations to the batch and waits for the result.
-func (d *deferred) Scan(dest ...any) error {
-	d.dest = dest
-	close(d.queued)
-	<-d.done
-	return d.err
-}
-
-// Exec is not used by the queries a batch sends.
-func (d *deferred) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
-	return pgconn.CommandTag{}, errors.New("ratelimit: Exec in a batch")
-}
-
-// Query records the query and waits for the batch to reach it; the
-// generated code then reads the rows from the batch, which waits until it
-// has closed them.
-func (d *deferred) Query(_ context.Context, sql string, args ...any) (pgx.Rows, error) {
-	d.sql, d.args, d.many = sql, args, true
-	close(d.queued)
-	<-d.done
-	if d.err != nil {
-		return nil, d.err
-	}
-	return &deferredRows{Rows: d.rows, read: d.read}, nil
-}
-
-// deferredRows tells the batch when the generated code is done with them.
-type deferredRows struct {
-	pgx.Rows
-	read chan struct{}
-	once sync.Once
-}
-
-// Close closes the rows and lets the batch go on to the next result.
-func (r *deferredRows) Close() {
-	r.Rows.Close()
-	r.once.Do(func() { close(r.read) })
-}
-
-// runBatch sends b and delivers each result to its deferred query, in
-// order. Every deferred query is released, with an error if need be.
-func runBatch(ctx context.Context, db DB, b *pgx.Batch, stmts []*deferred) (err error) {
-	release := func(from int, e error) {
-		for _, s := range stmts[from:] {
-			s.err = e
-			close(s.done)
-		}
-	}
-	bt, ok := db.(batcher)
-	if !ok {
-		e := fmt.Errorf("ratelimit: %T cannot send a batch; use a *pgxpool.Pool, *pgx.Conn or pgx.Tx", db)
-		release(0, e)
-		return e
-	}
-	br := bt.SendBatch(ctx, b)
-	for i, s := range stmts {
-		var e error
-		if s.many {
-			s.rows, s.err = br.Query()
-			e = s.err
-			close(s.done)
-			if e == nil {
-				<-s.read
-				e = s.rows.Err()
-			}
-		} else {
-			e = br.QueryRow().Scan(s.dest...)
-			s.err = e
-			close(s.done)
-		}
-		if e != nil {
-			cerr := br.Close()
-			if cerr == nil || pgerr.IsMultiDenied(e) {
-				cerr = e
-			}
-			// Later statements never ran: the transaction is aborted.
-			release(i+1, cerr)
-			return e
-		}
-	}
-	return br.Close()
 }
 
 // sameClock reports whether two limiters' statements run at one instant:

@@ -97,10 +97,6 @@ func (slidingWindow) reset(ctx context.Context, l *Limiter, db DB, k []byte) err
 	return err
 }
 
-func (slidingWindow) vote(p *sqlops.MultiRequireAllowedParams, _ *Limiter, k []byte) {
-	p.SlidingWindowKeys = append(p.SlidingWindowKeys, k)
-}
-
 // elapsedUs is how far now is into the window starting at start, clamped to
 // [0, window].
 func (s *shape) elapsedUs(start, now time.Time) int64 {

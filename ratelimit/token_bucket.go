@@ -137,10 +137,6 @@ func (tokenBucket) reset(ctx context.Context, l *Limiter, db DB, k []byte) error
 	return err
 }
 
-func (tokenBucket) vote(p *sqlops.MultiRequireAllowedParams, _ *Limiter, k []byte) {
-	p.TokenBucketKeys = append(p.TokenBucketKeys, k)
-}
-
 // tokenDecision builds a token-bucket decision from the balance after the
 // check, taken at instant at.
 func (s *shape) tokenDecision(allowed bool, tokens float64, at, fullAt time.Time, cost int64) Decision {
