@@ -161,7 +161,7 @@ func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // (ErrNotMigrated, ErrReadOnly) and bad arguments are always returned, as is
 // the caller's own context ending.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
-	return l.observe(ctx, key, ask{n: n})
+	return l.check(ctx, nil, key, ask{n: n})
 }
 
 // AllowUpTo is a partial grant: it takes as many of n units as key has
@@ -183,74 +183,41 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, er
 // whole ask (at most the capacity), FailClosed none. A shadow-mode denial
 // proceeds with Granted 0.
 func (l *Limiter) AllowUpTo(ctx context.Context, key string, n int64) (Decision, error) {
-	return l.observe(ctx, key, ask{n: n, upTo: true})
+	return l.check(ctx, nil, key, ask{n: n, upTo: true})
 }
 
-// observe runs allowN and reports it to the Observer.
-func (l *Limiter) observe(ctx context.Context, key string, a ask) (Decision, error) {
-	a = l.cfg.ceiling(a)
-	if l.cfg.Observer == nil {
-		d, err := l.allowN(ctx, key, a)
-		return a.settle(d), err
-	}
+// check decides one check of l (in tx when it is not nil) through the
+// stages of decide (pipeline.go) and reports it to the Observer.
+func (l *Limiter) check(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	start := time.Now()
-	d, err := l.allowN(ctx, key, a)
-	d = a.settle(d)
-	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
-	return d, err
+	a = l.cfg.ceiling(a)
+	req := &request{checks: []*pendingCheck{{l: l, key: key, ask: a}}, whole: []*Limiter{l}, tx: tx}
+	decs, err := l.validate(req)
+	if err == nil {
+		decs, err = decide(ctx, req)
+	}
+	decs = req.observe(decs, err, time.Since(start))
+	if err != nil {
+		return Decision{}, err
+	}
+	return decs[0], nil
 }
 
-func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, error) {
-	if err := l.cfg.checkAsk(a); err != nil {
-		return Decision{}, err
+// validate refuses a check whose ask or key is bad, and picks the row of
+// a spread limit that decides it.
+func (l *Limiter) validate(req *request) ([]Decision, error) {
+	r := req.checks[0]
+	if err := l.cfg.checkAsk(r.ask); err != nil {
+		return nil, err
 	}
-	if err := l.cfg.checkKey(key); err != nil {
-		return Decision{}, err
+	if err := l.cfg.checkKey(r.key); err != nil {
+		return nil, err
 	}
-	// The row that decides: the limiter's own, or with Spread one of its
-	// rows, whose deny cache answers for that row only.
-	row := l
 	if l.shards != nil {
-		row = l.pickShard(a.retryCost())
+		// A row's deny cache answers for that row only.
+		r.l = l.pickShard(r.ask.retryCost())
 	}
-	sent := l.localNow()
-	if row.deny != nil {
-		if d, ok := row.deny.get(key, a.retryCost(), sent); ok {
-			return l.shadow(key, l.asWhole(row, d)), nil
-		}
-		if d, ok := row.sharedDenied(key, a.retryCost(), sent); ok {
-			return l.shadow(key, l.asWhole(row, d)), nil
-		}
-	}
-	probe, ok := l.breaker.allow(sent)
-	if !ok {
-		return l.fallback(ctx, key, a, errBreakerOpen)
-	}
-	d, err := row.allowWithin(ctx, key, a)
-	if err != nil {
-		if callerDone(ctx) {
-			return Decision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
-		}
-		err = l.explain(ctx, err)
-		if IsConfigError(err) {
-			l.breaker.success(probe) // the database answered
-			return Decision{}, err
-		}
-		l.breaker.failure(time.Now(), err, l.cfg.OnFailure, probe)
-		return l.fallback(ctx, key, a, err)
-	}
-	l.breaker.success(probe)
-	if row.deny != nil && !d.Allowed {
-		row.deny.put(key, a.retryCost(), d, sent)
-		row.shareDenial(key, a.retryCost(), d, sent)
-	}
-	d = l.asWhole(row, d)
-	if l.cfg.Cleanup != nil {
-		if p, ok := l.db.(*pooled); ok {
-			l.cfg.Cleanup.Maybe(ctx, p.pool)
-		}
-	}
-	return l.shadow(key, d), nil
+	return nil, nil
 }
 
 // allowWithin asks PostgreSQL, answering by Config.Timeout at the latest,
@@ -284,7 +251,7 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 
 // allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
 // missing partition and asks once more. A spread
-// limit's caller passes the row that decides (see allowN).
+// limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
 		if l.coalescer != nil {
@@ -317,52 +284,33 @@ func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string) (Decision,
 // keep such transactions short. Config.Observer sees the decision, whether
 // the transaction commits or not.
 func (l *Limiter) AllowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
-	return l.observeTx(ctx, tx, key, ask{n: n})
+	if tx == nil {
+		return Decision{}, ErrNilDB
+	}
+	return l.check(ctx, tx, key, ask{n: n})
 }
 
 // AllowUpToTx is AllowUpTo inside the caller's transaction, under the rules
 // of AllowNTx.
 func (l *Limiter) AllowUpToTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
-	return l.observeTx(ctx, tx, key, ask{n: n, upTo: true})
-}
-
-// observeTx runs allowNTx and reports it to the Observer.
-func (l *Limiter) observeTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
-	a = l.cfg.ceiling(a)
-	if l.cfg.Observer == nil {
-		d, err := l.allowNTx(ctx, tx, key, a)
-		return a.settle(d), err
-	}
-	start := time.Now()
-	d, err := l.allowNTx(ctx, tx, key, a)
-	d = a.settle(d)
-	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
-	return d, err
-}
-
-func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	if err := l.cfg.checkAsk(a); err != nil {
-		return Decision{}, err
-	}
-	if err := l.cfg.checkKey(key); err != nil {
-		return Decision{}, err
-	}
+	return l.check(ctx, tx, key, ask{n: n, upTo: true})
+}
+
+// takeInTx is one check of l (a spread limit's row) in the caller's
+// transaction. A missing partition is created outside it, and the caller
+// is asked to retry: the failed statement aborted the transaction.
+func (l *Limiter) takeInTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	d, err := l.take(ctx, tx, key, a)
 	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
-		// The failed statement has aborted the caller's transaction; create
-		// the partition outside it so that a retry succeeds.
 		if herr := l.heal(ctx, l.db); herr != nil {
 			return Decision{}, mapErr(herr)
 		}
 		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
 	}
-	if err != nil {
-		return Decision{}, l.explain(ctx, err)
-	}
-	return l.shadow(key, d), nil
+	return d, err
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,
@@ -629,7 +577,7 @@ func isMissingPartition(err error) bool {
 // shares. The *pgconn.PgError stays in the chain for errors.As, the typed
 // error for errors.Is. An error already mapped is returned as is.
 func mapErr(err error) error {
-	if err == nil || IsConfigError(err) {
+	if err == nil || IsConfigError(err) || errors.Is(err, ErrPartitionMissing) {
 		return err
 	}
 	kind, pgErr := pgerr.Classify(err)

@@ -81,7 +81,7 @@ func (m MultiDecision) RetryAfter() time.Duration {
 // answered by its own limiter's failure policy. AllowAllTx does the same
 // inside the caller's transaction.
 func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecision, error) {
-	return observeAll(mode, checks, func() (MultiDecision, error) { return allowAll(ctx, nil, mode, checks) })
+	return allowAll(ctx, nil, mode, checks)
 }
 
 // AllowAllTx is AllowAll inside the caller's transaction: rolling the
@@ -99,164 +99,27 @@ func AllowAllTx(ctx context.Context, tx pgx.Tx, mode MultiMode, checks ...Check)
 	if tx == nil {
 		return MultiDecision{}, ErrNilDB
 	}
-	return observeAll(mode, checks, func() (MultiDecision, error) { return allowAll(ctx, tx, mode, checks) })
+	return allowAll(ctx, tx, mode, checks)
 }
 
-// observeAll runs decide and reports its outcome to each check's observer.
-func observeAll(mode MultiMode, checks []Check, decide func() (MultiDecision, error)) (MultiDecision, error) {
-	start := time.Now()
-	m, err := decide()
-	took := time.Since(start)
-	for i := range m.Decisions {
-		if i < len(checks) {
-			// What each check took: its cost where it was allowed, unless
-			// AllOrNothing refused the request as a whole.
-			cost := checks[i].Cost
-			if cost == 0 {
-				cost = 1 // Check.Cost's default, as allowAll applies it
-			}
-			d := ask{n: cost}.settle(m.Decisions[i])
-			if !m.Allowed && mode == AllOrNothing {
-				d.Granted = 0
-			}
-			m.Decisions[i] = d
-		}
-	}
-	for i, c := range checks {
-		if c.Limiter == nil || c.Limiter.cfg.Observer == nil {
-			continue
-		}
-		var d Decision
-		if i < len(m.Decisions) {
-			d = m.Decisions[i]
-		}
-		c.Limiter.cfg.Observer.ObserveDecision(c.Limiter.cfg.Name, d, took, err)
-	}
-	return m, err
-}
-
-// allowAll decides checks in one batch: on the limiters' database with the
-// failure policies when tx is nil, else under a savepoint of tx.
+// allowAll validates checks and decides them through the stages of decide
+// (pipeline.go): on the limiters' database with the failure policies when
+// tx is nil, else under a savepoint of tx; and reports each check to its
+// Observer.
 func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (MultiDecision, error) {
-	if len(checks) == 0 {
-		return MultiDecision{}, ErrEmptyMulti
-	}
-	if mode != AllOrNothing && mode != ConsumeAll {
-		return MultiDecision{}, invalid(ErrInvalidMultiMode, "%d; use AllOrNothing or ConsumeAll", mode)
-	}
-	type item struct {
-		i    int
-		c    Check
-		skey []byte
-	}
-	items := make([]item, len(checks))
-	seen := map[string]int{}
-	var db DB
-	for i, c := range checks {
-		if c.Limiter == nil {
-			return MultiDecision{}, invalid(ErrNilLimiter, "check %d", i)
-		}
-		if c.Cost == 0 {
-			c.Cost = 1
-		}
-		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
-			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
-		}
-		if err := c.Limiter.cfg.checkKey(c.Key); err != nil {
-			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
-		}
-		if c.Limiter.shards != nil {
-			// A spread limit is decided by one of its rows.
-			c.Limiter = c.Limiter.pickShard(c.Cost)
-		}
-		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
-			return MultiDecision{}, fmt.Errorf("check %d: %w", i, err)
-		}
-		if i == 0 {
-			db = c.Limiter.db
-		} else if c.Limiter.db != db && tx == nil {
-			return MultiDecision{}, invalid(ErrMixedDatabases, "check %d (%q) uses another database than check 0", i, c.Limiter.cfg.Name)
-		}
-		skey := c.Limiter.key(c.Key)
-		id := string(c.Limiter.cfg.Algorithm) + "\x00" + string(skey)
-		if j, dup := seen[id]; dup {
-			return MultiDecision{}, invalid(ErrDuplicateCheck, "checks %d and %d (%q, same key); merge them into one check with the summed cost", j, i, c.Limiter.cfg.Name)
-		}
-		seen[id] = i
-		items[i] = item{i: i, c: c, skey: skey}
-	}
-	out := MultiDecision{Decisions: make([]Decision, len(checks)), DeniedBy: -1}
-
-	// A denial this process already knows of decides without a round trip
-	// (only when nothing would be consumed anyway).
-	if mode == AllOrNothing && tx == nil {
-		for _, it := range items {
-			l := it.c.Limiter
-			if l.deny == nil || l.cfg.Shadow {
-				continue
-			}
-			if d, ok := l.deny.get(it.c.Key, it.c.Cost, l.localNow()); ok {
-				for j, other := range items {
-					out.Decisions[j] = Decision{Allowed: true, Limit: other.c.Limiter.cfg.capacity(), Store: StoreDenyCache,
-						Now: d.Now, Reason: "not checked: another limit of the decision denied"}
-				}
-				out.Decisions[it.i] = d
-				out.DeniedBy = it.i
-				return out, nil
-			}
-		}
-	}
-
-	group := make([]*pendingCheck, len(items))
-	for i, it := range items {
-		group[i] = &pendingCheck{l: it.c.Limiter, key: it.c.Key, skey: it.skey, ask: ask{n: it.c.Cost}}
-	}
-	return decideMulti(ctx, tx, mode, checks, group, out)
-}
-
-// decideMulti decides a multi-limit decision's checks (group holds one
-// pendingCheck per check, in the checks' order; their limiters are spread
-// rows already) on their database under the first limiter's Timeout and
-// breaker and each limiter's failure policy, or in tx (a savepoint of it)
-// with none of these: errors are returned.
-func decideMulti(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check, group []*pendingCheck, out MultiDecision) (MultiDecision, error) {
-	first := group[0].l
-	sent := first.localNow()
-	var probe int64
-	if tx == nil {
-		var ok bool
-		if probe, ok = first.breaker.allow(sent); !ok {
-			return fallbackAll(ctx, checks, errBreakerOpen)
-		}
-	}
-	decs, err := decideMultiWithin(ctx, tx, mode, group)
+	start := time.Now()
+	req, err := newMultiRequest(tx, mode, checks)
 	if err != nil {
-		if callerDone(ctx) {
-			return MultiDecision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
-		}
-		err = first.explain(ctx, err)
-		if tx != nil {
-			return MultiDecision{}, err
-		}
-		if IsConfigError(err) {
-			first.breaker.success(probe) // the database answered
-			return MultiDecision{}, err
-		}
-		first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
-		return fallbackAll(ctx, checks, err)
+		observeRefused(checks, err, time.Since(start))
+		return MultiDecision{}, err
 	}
-	if tx == nil {
-		first.breaker.success(probe)
+	decs, err := decide(ctx, req)
+	decs = req.observe(decs, err, time.Since(start))
+	if err != nil {
+		return MultiDecision{}, err
 	}
-	out.Allowed = true
-	for i, r := range group {
-		d := decs[i]
-		d.Store = StorePostgres
-		if !d.Allowed && r.l.deny != nil && tx == nil {
-			r.l.deny.put(r.key, r.ask.n, d, sent)
-		}
-		d = r.l.shadow(r.key, d)
-		out.Decisions[i] = d
+	out := MultiDecision{Allowed: true, Decisions: decs, DeniedBy: -1}
+	for i, d := range decs {
 		if !d.Allowed {
 			out.Allowed = false
 			if out.DeniedBy < 0 {
@@ -265,6 +128,67 @@ func decideMulti(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check,
 		}
 	}
 	return out, nil
+}
+
+// newMultiRequest validates an AllowAll decision's checks (a Cost of 0 is
+// 1) and makes its request, a spread limit's check decided by one of its
+// rows.
+func newMultiRequest(tx pgx.Tx, mode MultiMode, checks []Check) (*request, error) {
+	if len(checks) == 0 {
+		return nil, ErrEmptyMulti
+	}
+	if mode != AllOrNothing && mode != ConsumeAll {
+		return nil, invalid(ErrInvalidMultiMode, "%d; use AllOrNothing or ConsumeAll", mode)
+	}
+	req := &request{checks: make([]*pendingCheck, len(checks)), whole: make([]*Limiter, len(checks)), multi: true,
+		mode: mode, tx: tx}
+	seen := map[string]int{}
+	var db DB
+	for i, c := range checks {
+		if c.Limiter == nil {
+			return nil, invalid(ErrNilLimiter, "check %d", i)
+		}
+		if c.Cost == 0 {
+			c.Cost = 1
+		}
+		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
+			return nil, fmt.Errorf("check %d: %w", i, err)
+		}
+		if err := c.Limiter.cfg.checkKey(c.Key); err != nil {
+			return nil, fmt.Errorf("check %d: %w", i, err)
+		}
+		if c.Limiter.shards != nil {
+			// A spread limit is decided by one of its rows.
+			c.Limiter = c.Limiter.pickShard(c.Cost)
+		}
+		if err := c.Limiter.cfg.checkCost(c.Cost); err != nil {
+			return nil, fmt.Errorf("check %d: %w", i, err)
+		}
+		if i == 0 {
+			db = c.Limiter.db
+		} else if c.Limiter.db != db && tx == nil {
+			return nil, invalid(ErrMixedDatabases, "check %d (%q) uses another database than check 0", i, c.Limiter.cfg.Name)
+		}
+		skey := c.Limiter.key(c.Key)
+		id := string(c.Limiter.cfg.Algorithm) + "\x00" + string(skey)
+		if j, dup := seen[id]; dup {
+			return nil, invalid(ErrDuplicateCheck, "checks %d and %d (%q, same key); merge them into one check with the summed cost", j, i, c.Limiter.cfg.Name)
+		}
+		seen[id] = i
+		req.checks[i] = &pendingCheck{l: c.Limiter, key: c.Key, skey: skey, ask: ask{n: c.Cost}}
+		req.whole[i] = checks[i].Limiter
+	}
+	return req, nil
+}
+
+// observeRefused reports a decision refused before any check was made (a
+// bad argument) to the Observer of every limiter it names.
+func observeRefused(checks []Check, err error, took time.Duration) {
+	for _, c := range checks {
+		if c.Limiter != nil && c.Limiter.cfg.Observer != nil {
+			c.Limiter.cfg.Observer.ObserveDecision(c.Limiter.cfg.Name, Decision{}, took, err)
+		}
+	}
 }
 
 // decideMultiWithin decides group by the Timeout of its first limiter (in
@@ -303,6 +227,9 @@ func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*
 	}
 	if err != nil && cctx.Err() != nil && tx == nil {
 		return nil, cctx.Err()
+	}
+	for i := range decs {
+		decs[i].Store = StorePostgres
 	}
 	return decs, err
 }
@@ -412,29 +339,6 @@ func begin(ctx context.Context, db DB) (pgx.Tx, error) {
 		return nil, invalid(ErrUnsupported, "a decision over limits of several algorithms runs in a transaction, and %T cannot begin one: pass a *pgxpool.Pool or a *pgx.Conn, or use AllowAllTx", db)
 	}
 	return b.Begin(ctx)
-}
-
-// fallbackAll answers every check by its limiter's failure policy.
-func fallbackAll(ctx context.Context, checks []Check, cause error) (MultiDecision, error) {
-	out := MultiDecision{Allowed: true, Decisions: make([]Decision, len(checks)), DeniedBy: -1}
-	for i, c := range checks {
-		cost := c.Cost
-		if cost == 0 {
-			cost = 1
-		}
-		d, err := c.Limiter.fallback(ctx, c.Key, ask{n: cost}, cause)
-		if err != nil {
-			return MultiDecision{}, err
-		}
-		out.Decisions[i] = d
-		if !d.Allowed {
-			out.Allowed = false
-			if out.DeniedBy < 0 {
-				out.DeniedBy = i
-			}
-		}
-	}
-	return out, nil
 }
 
 // sameClock reports whether two limiters' statements run at one instant:
