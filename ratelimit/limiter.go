@@ -11,14 +11,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/gen"
-	"github.com/pgrl/pgrl/internal/notmigrated"
-	"github.com/pgrl/pgrl/internal/pgerr"
-	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // DB runs a limiter's statements: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
@@ -220,26 +216,6 @@ func (l *Limiter) validate(req *request) ([]Decision, error) {
 	return nil, nil
 }
 
-// allowWithin asks PostgreSQL, answering by Config.Timeout at the latest,
-// whatever the caller's context. The statement runs on the caller's
-// goroutine under a context that ends at the Timeout: pgx stops at a
-// context's deadline (it sets the connection's deadline, and waiting for a
-// pooled connection or for a coalesced batch ends with the context too), so
-// handing each check to a goroutine of its own, which cost 30 to 45 µs per
-// check at one caller (docs/BENCHMARKS.md), buys nothing;
-// TestStallDefaultConfigBounded holds it to the bound against a server that
-// stops answering.
-func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
-	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
-	defer cancel()
-	d, err := l.allowDB(cctx, key, a)
-	if err != nil && cctx.Err() != nil {
-		// The statement may still reach the database and count.
-		return Decision{}, cctx.Err()
-	}
-	return d, err
-}
-
 // asWhole reports a decision of row (l itself, or one of its spread rows)
 // in terms of the whole limit.
 func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
@@ -247,29 +223,6 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 		return d
 	}
 	return l.spreadDecision(d)
-}
-
-// allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
-// missing partition and asks once more. A spread
-// limit's caller passes the row that decides (see Limiter.validate).
-func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
-	take := func() (Decision, error) {
-		if l.coalescer != nil {
-			return l.coalescer.take(ctx, l, key, a)
-		}
-		return l.take(ctx, l.db, key, a)
-	}
-	d, err := take()
-	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
-		// Partitioned layout and nobody created this window's partition
-		// yet (cleanup creates them ahead; it may not have run). Create it
-		// and check again.
-		if herr := l.heal(ctx, l.db); herr != nil {
-			return Decision{}, herr
-		}
-		d, err = take()
-	}
-	return d, err
 }
 
 // AllowTx is Allow inside the caller's transaction: AllowNTx with a cost
@@ -297,20 +250,6 @@ func (l *Limiter) AllowUpToTx(ctx context.Context, tx pgx.Tx, key string, n int6
 		return Decision{}, ErrNilDB
 	}
 	return l.check(ctx, tx, key, ask{n: n, upTo: true})
-}
-
-// takeInTx is one check of l (a spread limit's row) in the caller's
-// transaction. A missing partition is created outside it, and the caller
-// is asked to retry: the failed statement aborted the transaction.
-func (l *Limiter) takeInTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
-	d, err := l.take(ctx, tx, key, a)
-	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
-		if herr := l.heal(ctx, l.db); herr != nil {
-			return Decision{}, mapErr(herr)
-		}
-		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
-	}
-	return d, err
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,
@@ -417,28 +356,6 @@ func (l *Limiter) counterName() string {
 	return l.cfg.Name
 }
 
-func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision, error) {
-	if l.shards != nil {
-		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
-		return l.spreadDecision(d), err
-	}
-	if l.cfg.Policy != "" && !a.upTo {
-		k := l.key(key)
-		return l.alg.takePolicy(ctx, l, db, k, l.policyKey(key, k), a.n)
-	}
-	return l.takeKey(ctx, db, l.key(key), a)
-}
-
-// policyKey is key as pgrl_policy_override stores it: under the policy's
-// name, which is k (the counter's stored key) when the counters are stored
-// under that name too.
-func (l *Limiter) policyKey(key string, k []byte) []byte {
-	if l.cfg.Policy == l.counterName() {
-		return k
-	}
-	return StoredKey(l.cfg.KeyMode, l.cfg.Policy, key)
-}
-
 // applied returns the arithmetic of the rate a policy statement applied:
 // the limiter's own when the policy still holds it.
 func (l *Limiter) applied(r Rate) *shape {
@@ -469,15 +386,6 @@ func keyModeText(m KeyMode) string {
 		return "readable"
 	}
 	return "hashed"
-}
-
-// takeKey is take for a key already in its stored form.
-func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
-	if a.upTo {
-		// l may be one row of a spread limit, whose capacity is its share.
-		return l.alg.takeUpTo(ctx, l, db, k, l.cfg.ceiling(a).n)
-	}
-	return l.alg.take(ctx, l, db, k, a.n)
 }
 
 func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error) {
@@ -514,13 +422,6 @@ func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
 		}
 	}
 	return l.alg.reset(ctx, l, db, l.key(key))
-}
-
-func (l *Limiter) heal(ctx context.Context, db DB) error {
-	_, err := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{
-		AtUs: l.atUs(), WindowUs: l.windowUs,
-	})
-	return err
 }
 
 // pickShard picks the row a check of cost n goes to: the rows in turn (from
@@ -564,129 +465,6 @@ func usToDuration(us float64) time.Duration {
 		return time.Duration(math.MaxInt64)
 	}
 	return time.Duration(math.Ceil(us)) * time.Microsecond
-}
-
-// isMissingPartition reports a row that no partition accepts.
-func isMissingPartition(err error) bool {
-	kind, _ := pgerr.Classify(err)
-	return kind == pgerr.NoPartition
-}
-
-// mapErr turns the database errors a user can cause into typed errors that
-// name the fix, by pgerr's classification, which every pgrl package
-// shares. The *pgconn.PgError stays in the chain for errors.As, the typed
-// error for errors.Is. An error already mapped is returned as is.
-func mapErr(err error) error {
-	if err == nil || IsConfigError(err) || errors.Is(err, ErrPartitionMissing) {
-		return err
-	}
-	kind, pgErr := pgerr.Classify(err)
-	switch kind {
-	case pgerr.NoPartition:
-		return fmt.Errorf("%w: %w", ErrNoPartition, pgErr)
-	case pgerr.Undefined:
-		return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
-	case pgerr.ReadOnly:
-		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
-	case pgerr.Permission:
-		return fmt.Errorf("ratelimit: %w", pgerr.Denied(pgErr, missingGrant(nil)))
-	case pgerr.Input:
-		return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
-	case pgerr.Unsupported:
-		if pgErr.Severity == "FATAL" {
-			// Refused while connecting: a setting the connection string
-			// passes (options=-c name=value, a runtime parameter) is wrong.
-			return fmt.Errorf("%w (a setup error, not an outage: the server refused the connection's settings; fix the "+
-				"connection string's options or runtime parameters): %w", ErrUnsupported, pgErr)
-		}
-		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this "+
-			"version of pgrl, use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md): %w", ErrUnsupported, pgErr)
-	}
-	return fmt.Errorf("ratelimit: %w", err)
-}
-
-// missingGrant is what a check of l needs on pgrl's tables: all the
-// counter tables when l is nil.
-func missingGrant(l *Limiter) pgerr.Need {
-	tables := []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
-	if l != nil {
-		tables = []string{l.alg.table()}
-	}
-	return pgerr.Need{Tables: tables, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
-}
-
-// explain is mapErr, and asks the limiter's database (one more query, only
-// on these error paths) which grant is missing: a schema without USAGE
-// hides pgrl's tables, so a missing table may be a missing grant, and a
-// 42501 names an object, not the grant. Truly missing tables are reported
-// with where the connection looked.
-func (l *Limiter) explain(ctx context.Context, err error) error {
-	err = mapErr(err)
-	if errors.Is(err, ErrUnsupported) {
-		l.logUnsupported(err)
-		return err
-	}
-	if errors.Is(err, ErrReadOnly) {
-		return l.explainReadOnly(ctx, err)
-	}
-	if !errors.Is(err, ErrNotMigrated) && !errors.Is(err, ErrPermission) {
-		return err
-	}
-	kind, pgErr := pgerr.Classify(err)
-	if kind != pgerr.Undefined && kind != pgerr.Permission {
-		return err // explained already
-	}
-	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
-	defer cancel()
-	if pe := pgerr.Diagnose(ctx, l.db, missingGrant(l), pgErr); pe != nil {
-		return fmt.Errorf("ratelimit: %w", pe)
-	}
-	if kind == pgerr.Permission {
-		return err
-	}
-	// The tables are missing. Say where the connection looked, when it
-	// can tell.
-	var where *notmigrated.Error
-	if errors.As(notmigrated.At(ctx, l.db), &where) {
-		return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
-	}
-	return err
-}
-
-// logUnsupported logs err, an ErrUnsupported, at error level the first time
-// the limiter meets one: every check fails alike until the schema or the
-// server is fixed, and the caller gets each error.
-func (l *Limiter) logUnsupported(err error) {
-	if l.unsupportedLogged.CompareAndSwap(false, true) {
-		l.cfg.Logger.Error("pgrl: the check's SQL does not fit this server; checks fail with ErrUnsupported, "+
-			"and no failure policy answers them, until it does (logged once per limiter)",
-			"limiter", l.cfg.Name, "error", err.Error())
-	}
-}
-
-// explainReadOnly says why the database refused a write: a standby, or a
-// read-only session on a primary.
-func (l *Limiter) explainReadOnly(ctx context.Context, err error) error {
-	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
-	defer cancel()
-	var standby bool
-	if qerr := l.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {
-		return fmt.Errorf("%w: it is a read-only standby (point the limiter at the primary), or the session is read-only (set default_transaction_read_only to off for the limiter's role or connections): %w", ErrReadOnly, unwrapMapped(err))
-	}
-	if standby {
-		return fmt.Errorf("%w: it is a read-only standby; point the limiter at the primary: %w", ErrReadOnly, unwrapMapped(err))
-	}
-	return fmt.Errorf("%w: the session is read-only on a primary (default_transaction_read_only is on for the limiter's role, database or connection); turn it off for the limiter's connections, e.g. ALTER ROLE <role> SET default_transaction_read_only = off, or RuntimeParams in the pool's config: %w", ErrReadOnly, unwrapMapped(err))
-}
-
-// unwrapMapped returns the *pgconn.PgError inside an error mapErr made, or
-// the error itself.
-func unwrapMapped(err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr
-	}
-	return err
 }
 
 // mulDiv is a*b/c for non-negative a, b and positive c, computed in 128
