@@ -88,13 +88,13 @@ func everyQuery(ctx context.Context, db DBTX) {
 		ts := at.Add(time.Duration(i) * 1500 * time.Millisecond)
 		tsUs := pgtype.Int8{Int64: ts.UnixMicro(), Valid: true}
 		_, _ = q.FixedWindowTake(ctx, db, FixedWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
-		_, _ = q.FixedWindowTakeMany(ctx, db, FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = ops.FixedWindowTakeMany(ctx, db, sqlops.FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.FixedWindowPeek(ctx, db, FixedWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
 		_, _ = q.TokenBucketTake(ctx, db, TokenBucketTakeParams{Key: keys[0], Cost: 1, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
-		_, _ = q.TokenBucketTakeMany(ctx, db, TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = ops.TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
-		_, _ = q.SlidingWindowTakeMany(ctx, db, SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = ops.SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
 		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: tsUs, WindowUs: 1e6})
 	}

@@ -31,7 +31,7 @@ func (fixedWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 }
 
 func (fixedWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
-	r, err := l.q.FixedWindowTakePolicy(ctx, db, gen.FixedWindowTakePolicyParams{
+	r, err := sqlops.New().FixedWindowTakePolicy(ctx, db, sqlops.FixedWindowTakePolicyParams{
 		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs,
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
@@ -43,11 +43,11 @@ func (fixedWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 }
 
 func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	rows, err := l.q.FixedWindowTakeMany(ctx, db, gen.FixedWindowTakeManyParams{
+	rows, err := sqlops.New().FixedWindowTakeMany(ctx, db, sqlops.FixedWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 	})
-	return inKeyOrder(keys, rows, err, func(row gen.FixedWindowTakeManyRow) string { return row.KeyHex },
-		func(row gen.FixedWindowTakeManyRow, _ int) Decision {
+	return inKeyOrder(keys, rows, err, func(row sqlops.FixedWindowTakeManyRow) string { return row.KeyHex },
+		func(row sqlops.FixedWindowTakeManyRow, _ int) Decision {
 			return l.fixedDecision(row.Allowed, row.Count, usTime(row.ExpiresAtUs), usTime(row.NowUs))
 		})
 }

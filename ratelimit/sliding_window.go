@@ -34,7 +34,7 @@ func (slidingWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost
 }
 
 func (slidingWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
-	r, err := l.q.SlidingWindowTakePolicy(ctx, db, gen.SlidingWindowTakePolicyParams{
+	r, err := sqlops.New().SlidingWindowTakePolicy(ctx, db, sqlops.SlidingWindowTakePolicyParams{
 		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs,
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
@@ -46,11 +46,11 @@ func (slidingWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []
 }
 
 func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	rows, err := l.q.SlidingWindowTakeMany(ctx, db, gen.SlidingWindowTakeManyParams{
+	rows, err := sqlops.New().SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 	})
-	return inKeyOrder(keys, rows, err, func(row gen.SlidingWindowTakeManyRow) string { return row.KeyHex },
-		func(row gen.SlidingWindowTakeManyRow, i int) Decision {
+	return inKeyOrder(keys, rows, err, func(row sqlops.SlidingWindowTakeManyRow) string { return row.KeyHex },
+		func(row sqlops.SlidingWindowTakeManyRow, i int) Decision {
 			return l.slidingDecision(row.Allowed, usTime(row.WindowStartUs), row.Count, row.PrevCount, usTime(row.NowUs), costs[i])
 		})
 }

@@ -73,7 +73,7 @@ func (tokenBucket) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 }
 
 func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
-	r, err := l.q.TokenBucketTakePolicy(ctx, db, gen.TokenBucketTakePolicyParams{
+	r, err := sqlops.New().TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{
 		Key: k, Cost: cost, At: l.at(),
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
@@ -85,12 +85,12 @@ func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 }
 
 func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	rows, err := l.q.TokenBucketTakeMany(ctx, db, gen.TokenBucketTakeManyParams{
+	rows, err := sqlops.New().TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), Capacity: float64(l.cfg.Burst),
 		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
 	})
-	return inKeyOrder(keys, rows, err, func(row gen.TokenBucketTakeManyRow) string { return row.KeyHex },
-		func(row gen.TokenBucketTakeManyRow, i int) Decision {
+	return inKeyOrder(keys, rows, err, func(row sqlops.TokenBucketTakeManyRow) string { return row.KeyHex },
+		func(row sqlops.TokenBucketTakeManyRow, i int) Decision {
 			return l.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), costs[i])
 		})
 }
