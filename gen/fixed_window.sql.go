@@ -135,6 +135,258 @@ func (q *Queries) FixedWindowTake(ctx context.Context, db DBTX, arg FixedWindowT
 	return i, err
 }
 
+const fixedWindowTakeMany = `-- name: FixedWindowTakeMany :many
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT ($1::bytea[])[i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
+       p.ts AS updated_at
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us($2::timestamptz), $3::bigint) AS end_us,
+               $4::bigint AS max_count, $5::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_fixed_window_take(p.end_us, 0, ($6::bigint[])[i], p.max_count, p.penalty,
+                                      false) AS s
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                       CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                            ELSE 9223372036854775807 END,
+                                       $4::bigint, $5::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                         CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                              ELSE 9223372036854775807 END,
+                                         $4::bigint, $5::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
+          pgrl_us(updated_at) AS now_us
+`
+
+type FixedWindowTakeManyParams struct {
+	Keys     [][]byte
+	At       *time.Time
+	WindowUs int64
+	MaxCount int64
+	Penalty  bool
+	Costs    []int64
+}
+
+type FixedWindowTakeManyRow struct {
+	KeyHex      string
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
+}
+
+// FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+// decides many checks of one limiter in one statement, one check per
+// distinct key, so that concurrent checks can share one round trip. Each row
+// gets exactly the step of the single check. Rows are inserted, and so
+// locked, in key order: concurrent batches never deadlock. Keys must be
+// distinct within one call (one statement cannot update a row twice). Keys
+// come back hex-encoded (key_hex), which no session setting changes
+// (bytea_output does change bytea's text form). The update arm cannot see
+// the arrays, so it reads each check's cost back from the proposed row: its
+// count, which the step made the cost itself unless the cost alone is over
+// max_count (then allowed is false, and any cost over max_count decides the
+// same). Windows, overflow and the returned instants are as in
+// FixedWindowTake. The statement's own figures sit in a one-row subquery
+// that is not flattened (OFFSET 0), so that a prepared statement's generic
+// plan costs what a custom one does and PostgreSQL stops planning it anew
+// for every batch (with the figures spelled out per row it never did, and
+// planning took longer than running).
+func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWindowTakeManyParams) ([]FixedWindowTakeManyRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeMany,
+		arg.Keys,
+		arg.At,
+		arg.WindowUs,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.Costs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeManyRow
+	for rows.Next() {
+		var i FixedWindowTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.Count,
+			&i.ExpiresAtUs,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const fixedWindowTakePolicy = `-- name: FixedWindowTakePolicy :one
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
+SELECT $1::bytea, pgrl_from_epoch_us(f.end_us),
+       (pgrl_fixed_window_take(f.end_us, 0, $2::bigint, f.max_count, f.penalty, false)).count,
+       (pgrl_fixed_window_take(f.end_us, 0, $2::bigint, f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now($3::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us($3::timestamptz), $4::bigint) AS end_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = $5::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($3::timestamptz))
+         WHERE p.name = $6::text AND p.algorithm = 'fixed_window'
+           AND p.key_mode = $7::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = $4::bigint) AS f
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $2::bigint,
+                                       excluded.policy_limit, excluded.policy_penalty, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $2::bigint,
+                                         excluded.policy_limit, excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us,
+          policy_limit::bigint AS max_count
+`
+
+type FixedWindowTakePolicyParams struct {
+	Key         []byte
+	Cost        int64
+	At          *time.Time
+	WindowUs    int64
+	OverrideKey []byte
+	Policy      string
+	KeyMode     string
+}
+
+type FixedWindowTakePolicyRow struct {
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
+	MaxCount    int64
+}
+
+// FixedWindowTakePolicy is FixedWindowTake with the limit stored in the
+// database: the limit, window and penalty are read, in this same statement,
+// from the pgrl_policy row named policy and the key's pgrl_policy_override
+// (override_key is the key stored under the policy's own name; an override
+// applies until its expires_at), so that a changed policy is obeyed by the
+// very next check of every process. The caller names the counter row (key)
+// and so must know the window, the algorithm and the key mode: when the
+// policy (with the key's override) no longer has window_us, is no longer a
+// fixed window, no longer stores keys in key_mode ('hashed' or 'readable'),
+// or does not exist, nothing is counted and no row comes back: reload the
+// policy and check again. max_count is the limit that was applied. The
+// figures read in the insert arm reach the update arm in the proposed row
+// (excluded.policy_limit, excluded.policy_penalty; migration 000013), so the
+// statement reads the policy once.
+func (q *Queries) FixedWindowTakePolicy(ctx context.Context, db DBTX, arg FixedWindowTakePolicyParams) (FixedWindowTakePolicyRow, error) {
+	row := db.QueryRow(ctx, fixedWindowTakePolicy,
+		arg.Key,
+		arg.Cost,
+		arg.At,
+		arg.WindowUs,
+		arg.OverrideKey,
+		arg.Policy,
+		arg.KeyMode,
+	)
+	var i FixedWindowTakePolicyRow
+	err := row.Scan(
+		&i.Count,
+		&i.ExpiresAtUs,
+		&i.Allowed,
+		&i.NowUs,
+		&i.MaxCount,
+	)
+	return i, err
+}
+
+const fixedWindowTakeQueue = `-- name: FixedWindowTakeQueue :many
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
+  FROM pgrl_fixed_window_take_queue($1::bytea[], $2::bigint[],
+                                    $3::boolean[], $4::integer[],
+                                    $5::bigint[], $6::bigint[],
+                                    $7::boolean[], $8::timestamptz) AS q
+`
+
+type FixedWindowTakeQueueParams struct {
+	Keys      [][]byte
+	Costs     []int64
+	UpTo      []bool
+	Ends      []int32
+	MaxCounts []int64
+	WindowsUs []int64
+	Penalties []bool
+	At        *time.Time
+}
+
+type FixedWindowTakeQueueRow struct {
+	CheckIndex  int32
+	Granted     int64
+	Count       int64
+	Allowed     bool
+	ExpiresAtUs int64
+	NowUs       int64
+}
+
+// FixedWindowTakeQueue decides queues of checks, several per key, each key's
+// row locked and written once: the checks of a key are decided one after
+// another in the order given, exactly as that many FixedWindowTake
+// statements at the same instant would decide them, and each gets a row
+// with the window's state right after it. A check with up_to set is a
+// partial grant: it takes what is left of its cost, possibly nothing, and
+// reports it in granted (an all-or-nothing check's granted is its cost or
+// 0); its cost is a ceiling, taken as the key's max_count when above it,
+// also for what penalty charges. keys are sorted; ends[i] is the 1-based
+// position in costs of key i's last check; the limit's figures come one per
+// key, so that the keys of several limiters share one statement. See
+// pgrl_fixed_window_take_queue (migrations 000006 and 000010). check_index
+// is the check's position in costs.
+func (q *Queries) FixedWindowTakeQueue(ctx context.Context, db DBTX, arg FixedWindowTakeQueueParams) ([]FixedWindowTakeQueueRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeQueue,
+		arg.Keys,
+		arg.Costs,
+		arg.UpTo,
+		arg.Ends,
+		arg.MaxCounts,
+		arg.WindowsUs,
+		arg.Penalties,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeQueueRow
+	for rows.Next() {
+		var i FixedWindowTakeQueueRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.Count,
+			&i.Allowed,
+			&i.ExpiresAtUs,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const fixedWindowTakeUpTo = `-- name: FixedWindowTakeUpTo :one
 SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
        q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us

@@ -177,6 +177,283 @@ func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWin
 	return i, err
 }
 
+const slidingWindowTakeMany = `-- name: SlidingWindowTakeMany :many
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT ($1::bytea[])[i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
+       0::bigint AS prev_count, pgrl_from_epoch_us(p.start_us + 2 * p.window_us) AS expires_at, s.allowed,
+       p.ts AS updated_at
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us($2::timestamptz), $3::bigint) AS start_us,
+               $3::bigint AS window_us, $4::bigint AS max_count,
+               $5::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, p.window_us, ($6::bigint[])[i],
+                                        p.max_count, p.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).window_start_us
+                                    + 2 * $3::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        $5::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
+          allowed, pgrl_us(updated_at) AS now_us
+`
+
+type SlidingWindowTakeManyParams struct {
+	Keys     [][]byte
+	At       *time.Time
+	WindowUs int64
+	MaxCount int64
+	Penalty  bool
+	Costs    []int64
+}
+
+type SlidingWindowTakeManyRow struct {
+	KeyHex        string
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
+// the rules of FixedWindowTakeMany: the update arm reads each check's cost
+// back from the proposed row's count (or, when the cost alone is over
+// max_count, any such cost, which decides the same). Its figures sit in an
+// unflattened one-row subquery, as FixedWindowTakeMany's do.
+func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeMany,
+		arg.Keys,
+		arg.At,
+		arg.WindowUs,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.Costs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeManyRow
+	for rows.Next() {
+		var i SlidingWindowTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
+                                      policy_limit, policy_penalty)
+SELECT $1::bytea, pgrl_from_epoch_us(f.start_us),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, $2::bigint, $3::bigint,
+                                 f.max_count, f.penalty, false)).count,
+       0,
+       pgrl_from_epoch_us(f.start_us + 2 * $2::bigint),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, $2::bigint, $3::bigint,
+                                 f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now($4::timestamptz) AS ts,
+               pgrl_now_us($4::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us($4::timestamptz), $2::bigint) AS start_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = $5::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($4::timestamptz))
+         WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
+           AND p.key_mode = $7::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = $2::bigint) AS f
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us
+                                    + 2 * $2::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $2::bigint,
+                                        $3::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us,
+          policy_limit::bigint AS max_count
+`
+
+type SlidingWindowTakePolicyParams struct {
+	Key         []byte
+	WindowUs    int64
+	Cost        int64
+	At          *time.Time
+	OverrideKey []byte
+	Policy      string
+	KeyMode     string
+}
+
+type SlidingWindowTakePolicyRow struct {
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+	MaxCount      int64
+}
+
+// SlidingWindowTakePolicy is SlidingWindowTake with the limit stored in the
+// database, read in this same statement under the rules of
+// FixedWindowTakePolicy: no row comes back, and nothing is counted, when
+// the policy (with the key's override) no longer has window_us, is no
+// longer a sliding window, no longer stores keys in key_mode, or does not
+// exist. max_count is the limit that was applied. As there, the update arm
+// reads the figures from the proposed row.
+func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyParams) (SlidingWindowTakePolicyRow, error) {
+	row := db.QueryRow(ctx, slidingWindowTakePolicy,
+		arg.Key,
+		arg.WindowUs,
+		arg.Cost,
+		arg.At,
+		arg.OverrideKey,
+		arg.Policy,
+		arg.KeyMode,
+	)
+	var i SlidingWindowTakePolicyRow
+	err := row.Scan(
+		&i.WindowStartUs,
+		&i.Count,
+		&i.PrevCount,
+		&i.Allowed,
+		&i.NowUs,
+		&i.MaxCount,
+	)
+	return i, err
+}
+
+const slidingWindowTakeQueue = `-- name: SlidingWindowTakeQueue :many
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
+       q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
+       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
+  FROM pgrl_sliding_window_take_queue($1::bytea[], $2::bigint[],
+                                      $3::boolean[], $4::integer[],
+                                      $5::bigint[], $6::bigint[],
+                                      $7::boolean[], $8::timestamptz) AS q
+`
+
+type SlidingWindowTakeQueueParams struct {
+	Keys      [][]byte
+	Costs     []int64
+	UpTo      []bool
+	Ends      []int32
+	MaxCounts []int64
+	WindowsUs []int64
+	Penalties []bool
+	At        *time.Time
+}
+
+type SlidingWindowTakeQueueRow struct {
+	CheckIndex    int32
+	Granted       int64
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeQueue decides queues of checks, several per key, each
+// key's row locked, rolled forward and written once, under the rules of
+// FixedWindowTakeQueue: every check gets the row's state right after it, as
+// SlidingWindowTake would return it at the same instant. A partial grant
+// takes the most units the weighted estimate still admits, at most its
+// cost. See pgrl_sliding_window_take_queue (migrations 000006 and 000010).
+func (q *Queries) SlidingWindowTakeQueue(ctx context.Context, db DBTX, arg SlidingWindowTakeQueueParams) ([]SlidingWindowTakeQueueRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeQueue,
+		arg.Keys,
+		arg.Costs,
+		arg.UpTo,
+		arg.Ends,
+		arg.MaxCounts,
+		arg.WindowsUs,
+		arg.Penalties,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeQueueRow
+	for rows.Next() {
+		var i SlidingWindowTakeQueueRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const slidingWindowTakeUpTo = `-- name: SlidingWindowTakeUpTo :one
 SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us

@@ -157,6 +157,298 @@ func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketT
 	return i, err
 }
 
+const tokenBucketTakeMany = `-- name: TokenBucketTakeMany :many
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT ($1::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
+       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us,
+               $3::float8 AS capacity, $4::float8 AS refill_per_us,
+               $5::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts($1::bytea[], 1) AS i,
+       LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, ($6::bigint[])[i], p.capacity,
+                                      p.refill_per_us, p.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        CASE WHEN excluded.allowed OR $5::boolean
+                                             THEN ($3::float8 - excluded.tokens)::bigint
+                                                 ELSE floor($3::float8)::bigint + 1 END,
+                                        $3::float8, $4::float8,
+                                        $5::boolean, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_refilled_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                             CASE WHEN excluded.allowed OR $5::boolean
+                                                  THEN ($3::float8 - excluded.tokens)::bigint
+                                                 ELSE floor($3::float8)::bigint + 1 END,
+                                             $3::float8, $4::float8,
+                                             $5::boolean, false)).tokens,
+                     $3::float8, $4::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         CASE WHEN excluded.allowed OR $5::boolean
+                                              THEN ($3::float8 - excluded.tokens)::bigint
+                                                 ELSE floor($3::float8)::bigint + 1 END,
+                                         $3::float8, $4::float8,
+                                         $5::boolean, false)).allowed
+RETURNING encode(key, 'hex') AS key_hex,
+          pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed
+`
+
+type TokenBucketTakeManyParams struct {
+	Keys        [][]byte
+	At          *time.Time
+	Capacity    float64
+	RefillPerUs float64
+	Penalty     bool
+	Costs       []int64
+}
+
+type TokenBucketTakeManyRow struct {
+	KeyHex      string
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
+// rules of FixedWindowTakeMany. The update arm reads the check's instant from
+// the proposed row's updated_at and its cost as capacity less the proposed
+// balance (exact for integer costs below 2^53), unless the cost alone is
+// over the capacity (then allowed is false, and any such cost decides the
+// same). The balance and instants are returned as in TokenBucketTake. Its
+// figures sit in an unflattened one-row subquery, as FixedWindowTakeMany's
+// do.
+func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakeMany,
+		arg.Keys,
+		arg.At,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Penalty,
+		arg.Costs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakeManyRow
+	for rows.Next() {
+		var i TokenBucketTakeManyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
+                                    policy_limit, policy_window_us, policy_burst, policy_penalty)
+SELECT $1::bytea,
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).tokens,
+       f.ts,
+       pgrl_token_bucket_full_at(
+           f.ts,
+           (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
+                                   f.refill_per_us, f.penalty, false)).tokens,
+           f.capacity, f.refill_per_us),
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).allowed,
+       f."limit", f.window_us, f.burst, f.penalty
+  FROM (SELECT r."limit", r.window_us, r.burst, r.penalty, r.ts, r.now_us, r.burst::float8 AS capacity, r."limit"::float8 / r.window_us::float8 AS refill_per_us
+          FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
+               round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
+               coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
+               p.penalty,
+               pgrl_now($3::timestamptz) AS ts,
+               pgrl_now_us($3::timestamptz) AS now_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = $4::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($3::timestamptz))
+           AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
+           AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
+               * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
+               <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
+         WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
+           AND p.key_mode = $6::text) AS r) AS f
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        $2::bigint, excluded.policy_burst::float8,
+                                        excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                        excluded.policy_penalty, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_refilled_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                             pgrl_us(excluded.updated_at), $2::bigint,
+                                             excluded.policy_burst::float8,
+                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                             excluded.policy_penalty, false)).tokens,
+                     excluded.policy_burst::float8,
+                     excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         $2::bigint, excluded.policy_burst::float8,
+                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                         excluded.policy_penalty, false)).allowed,
+       policy_limit = excluded.policy_limit,
+       policy_window_us = excluded.policy_window_us,
+       policy_burst = excluded.policy_burst,
+       policy_penalty = excluded.policy_penalty
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed,
+          policy_limit::bigint AS "limit",
+          policy_window_us::bigint AS window_us,
+          policy_burst::bigint AS burst
+`
+
+type TokenBucketTakePolicyParams struct {
+	Key         []byte
+	Cost        int64
+	At          *time.Time
+	OverrideKey []byte
+	Policy      string
+	KeyMode     string
+}
+
+type TokenBucketTakePolicyRow struct {
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+	Limit       int64
+	WindowUs    int64
+	Burst       int64
+}
+
+// TokenBucketTakePolicy is TokenBucketTake with the rate stored in the
+// database: the limit, window, burst and penalty are read, in this same
+// statement, from the pgrl_policy row named policy and the key's
+// pgrl_policy_override (override_key is the key stored under the policy's
+// own name; an override applies until its expires_at), so that a changed
+// policy is obeyed by the very next check of every process. A key has one
+// bucket whatever its rate, so the window may change too. An override whose
+// rate the library would refuse under the policy as it is now (a burst
+// beyond 2^53 tokens, or more than 1,000 years to refill) is ignored, as
+// package policy ignores it. When the policy is no longer a token bucket,
+// no longer stores keys in key_mode ('hashed' or 'readable'), or does not
+// exist, nothing is counted and no row comes back: reload the policy and
+// check again. limit, window_us and burst are the rate that was applied.
+// The rate read in the insert arm reaches the update arm in the proposed
+// row (excluded.policy_limit and the rest; migration 000013): capacity is
+// the burst and refill_per_us is limit / window_us, as the library has them.
+func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenBucketTakePolicyParams) (TokenBucketTakePolicyRow, error) {
+	row := db.QueryRow(ctx, tokenBucketTakePolicy,
+		arg.Key,
+		arg.Cost,
+		arg.At,
+		arg.OverrideKey,
+		arg.Policy,
+		arg.KeyMode,
+	)
+	var i TokenBucketTakePolicyRow
+	err := row.Scan(
+		&i.TokensBits,
+		&i.UpdatedAtUs,
+		&i.FullAtUs,
+		&i.Allowed,
+		&i.Limit,
+		&i.WindowUs,
+		&i.Burst,
+	)
+	return i, err
+}
+
+const tokenBucketTakeQueue = `-- name: TokenBucketTakeQueue :many
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
+  FROM pgrl_token_bucket_take_queue($1::bytea[], $2::bigint[],
+                                    $3::boolean[], $4::integer[],
+                                    $5::float8[], $6::float8[],
+                                    $7::boolean[], $8::timestamptz) AS q
+`
+
+type TokenBucketTakeQueueParams struct {
+	Keys         [][]byte
+	Costs        []int64
+	UpTo         []bool
+	Ends         []int32
+	Capacities   []float64
+	RefillsPerUs []float64
+	Penalties    []bool
+	At           *time.Time
+}
+
+type TokenBucketTakeQueueRow struct {
+	CheckIndex  int32
+	Granted     int64
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketTakeQueue decides queues of checks, several per key, each key's
+// row locked, refilled and written once, under the rules of
+// FixedWindowTakeQueue: every check gets the bucket's state right after it,
+// as TokenBucketTake would return it at the same instant. A partial grant
+// takes the whole tokens left, at most its cost. See
+// pgrl_token_bucket_take_queue (migrations 000006 and 000010).
+func (q *Queries) TokenBucketTakeQueue(ctx context.Context, db DBTX, arg TokenBucketTakeQueueParams) ([]TokenBucketTakeQueueRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakeQueue,
+		arg.Keys,
+		arg.Costs,
+		arg.UpTo,
+		arg.Ends,
+		arg.Capacities,
+		arg.RefillsPerUs,
+		arg.Penalties,
+		arg.At,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakeQueueRow
+	for rows.Next() {
+		var i TokenBucketTakeQueueRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const tokenBucketTakeUpTo = `-- name: TokenBucketTakeUpTo :one
 SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
        q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed

@@ -43,13 +43,13 @@ func TestListenerFollowsChanges(t *testing.T) {
 	defer cancel()
 	require.NoError(t, l.WaitSynced(wctx))
 	require.Equal(t, int64(10), limitOf(cache, "api"))
-	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache,
 		Config: ratelimit.Config{Timeout: time.Minute}})
 	require.NoError(t, err)
 
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 20 WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitOf(cache, "api") == 20 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 20 }, time.Second, 5*time.Millisecond)
 	d, err := lim.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.Equal(t, int64(20), d.Limit, "the limiter follows the cache")
@@ -60,12 +60,12 @@ func TestListenerFollowsChanges(t *testing.T) {
 	require.Eventually(t, func() bool {
 		d, err := lim.Peek(ctx, "vip")
 		return err == nil && d.Limit == 100
-	}, 10*time.Second, 5*time.Millisecond)
+	}, time.Second, 5*time.Millisecond)
 
 	// Another schema's change is ignored.
 	_, err = otherPool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 99 WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return l.Stats().Ignored >= 1 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Ignored >= 1 }, time.Second, 5*time.Millisecond)
 	require.Equal(t, int64(20), limitOf(cache, "api"))
 
 	// Kill the listener's backend, change the policy at once: the
@@ -89,7 +89,7 @@ func TestListenerFollowsChanges(t *testing.T) {
 	// TRUNCATE reloads everything; DELETE removes the policy.
 	_, err = pool.Exec(ctx, `DELETE FROM pgrl_policy WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitOf(cache, "api") == -1 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == -1 }, time.Second, 5*time.Millisecond)
 	_, err = lim.Allow(ctx, "k")
 	require.ErrorIs(t, err, policy.ErrNotFound)
 
@@ -132,7 +132,7 @@ func TestListenerResyncInterval(t *testing.T) {
 	// Notifications still arrive on the same connection.
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 12 WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitOf(cache, "api") == 12 }, 10*time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 12 }, time.Second, 5*time.Millisecond)
 	st := l.Stats()
 	require.Equal(t, pid, l.PID())
 	require.Zero(t, st.Reconnects)
@@ -159,7 +159,7 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	require.NoError(t, l.WaitSynced(wctx))
 	// Its checks wait as long as PostgreSQL needs: under load the default
 	// 500 ms Timeout ended a Peek before it was answered.
-	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache,
 		Config: ratelimit.Config{Timeout: time.Minute}})
 	require.NoError(t, err)
 	limitFor := func(key string) int64 {
