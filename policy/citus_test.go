@@ -37,7 +37,7 @@ func TestCitusPolicyLimiterFollowsNotifications(t *testing.T) {
 	defer cancel()
 	require.NoError(t, lis.WaitSynced(wctx))
 
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{
 		Timeout: testkit.DecisionTimeout,
 	}})
 	require.NoError(t, err)

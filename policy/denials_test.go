@@ -101,9 +101,9 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 				require.NoError(t, err)
 				b, recv = rb, rb
 			} else {
-				pa, err := policy.NewLimiter(ctx, poolA, hourly.Name, policy.Options{Config: ratelimit.Config{ShareDenials: true}})
+				pa, err := newLimiter(ctx, poolA, hourly.Name, policy.Options{Config: ratelimit.Config{ShareDenials: true}})
 				require.NoError(t, err)
-				pb, err := policy.NewLimiter(ctx, cdb, hourly.Name, policy.Options{Cache: cacheB})
+				pb, err := newLimiter(ctx, cdb, hourly.Name, policy.Options{Cache: cacheB})
 				require.NoError(t, err)
 				a, b, recv = pa, pb, pb
 			}

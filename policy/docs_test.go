@@ -66,7 +66,7 @@ func TestDocsKeyRecipe(t *testing.T) {
 	requireConstraint(t, err, "pgrl_policy_override_key_mode_check")
 	_, err = pool.Exec(ctx, blocks[0][1])
 	require.NoError(t, err, blocks[0][1])
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{})
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{})
 	require.NoError(t, err)
 	for i := 1; i <= 6; i++ {
 		d, err := lim.Allow(ctx, "tenant-9")

@@ -31,7 +31,7 @@ func TestPolicyLimiterGrants(t *testing.T) {
 			name := fmt.Sprintf("shadow-%s-%v", alg, fromCache)
 			_, err := policy.Set(ctx, pool, policy.Policy{Name: name, Algorithm: alg, Limit: 5, Window: time.Hour})
 			require.NoError(t, err)
-			lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
+			lim, err := newLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
 				Config: ratelimit.Config{Shadow: true, Logger: quiet, Now: testkit.Pinned(time.Date(2031, 1, 1, 0, 10, 0, 0, time.UTC)),
 					Timeout: time.Minute}})
 			require.NoError(t, err)

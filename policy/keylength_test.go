@@ -29,7 +29,7 @@ func TestReadableOverrideKeyLength(t *testing.T) {
 	tooLong := longest + "k"
 
 	// The limiter itself refuses the longer key: the override would be dead.
-	lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{})
+	lim, err := newLimiter(ctx, pool, name, policy.Options{})
 	require.NoError(t, err)
 	_, err = lim.Allow(ctx, tooLong)
 	require.ErrorIs(t, err, ratelimit.ErrKeyTooLong)
@@ -65,7 +65,7 @@ func TestReadableOverrideKeyLength(t *testing.T) {
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy_override SET key = key || 'x'::bytea WHERE key = pgrl_policy_key(policy, $1)`, longest)
 	requireConstraint(t, err, "pgrl_policy_override_key_length_check")
 
-	lim, err = policy.NewLimiter(ctx, pool, name, policy.Options{})
+	lim, err = newLimiter(ctx, pool, name, policy.Options{})
 	require.NoError(t, err)
 	for key, limit := range map[string]int64{longest: 5, other: 4} {
 		for i := int64(1); i <= limit+1; i++ {

@@ -62,7 +62,7 @@ func TestRawKeyOverrideRefused(t *testing.T) {
 		_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit", note)
 			VALUES ($1, pgrl_policy_key($1, 'tenant-9'), 5, 'plan B')`, name)
 		require.NoError(t, err, name)
-		lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{})
+		lim, err := newLimiter(ctx, pool, name, policy.Options{})
 		require.NoError(t, err)
 		for i := 1; i <= 6; i++ {
 			d, err := lim.Allow(ctx, "tenant-9")

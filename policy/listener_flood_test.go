@@ -53,7 +53,7 @@ func TestListenerUnreadableFloodBounded(t *testing.T) {
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	require.NoError(t, l.WaitSynced(wctx))
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, FromCache: true})
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache, FromCache: true})
 	require.NoError(t, err)
 	before := l.Stats()
 

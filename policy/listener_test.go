@@ -43,7 +43,7 @@ func TestListenerFollowsChanges(t *testing.T) {
 	defer cancel()
 	require.NoError(t, l.WaitSynced(wctx))
 	require.Equal(t, int64(10), limitOf(cache, "api"))
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
 		Config: ratelimit.Config{Timeout: time.Minute}})
 	require.NoError(t, err)
 
@@ -159,7 +159,7 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	require.NoError(t, l.WaitSynced(wctx))
 	// Its checks wait as long as PostgreSQL needs: under load the default
 	// 500 ms Timeout ended a Peek before it was answered.
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
 		Config: ratelimit.Config{Timeout: time.Minute}})
 	require.NoError(t, err)
 	limitFor := func(key string) int64 {

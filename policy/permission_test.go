@@ -59,7 +59,7 @@ func TestPermissionNamesTheGrant(t *testing.T) {
 	}
 	check := func(stage, grant, code string) {
 		t.Helper()
-		_, err := policy.NewLimiter(ctx, app, "api", policy.Options{})
+		_, err := newLimiter(ctx, app, "api", policy.Options{})
 		expect(stage+": NewLimiter", grant, code, err)
 		expect(stage+": Reload", grant, code, policy.NewCache(app).Reload(ctx))
 		expect(stage+": listener", grant, code, listen())
@@ -91,7 +91,7 @@ func TestPermissionNamesTheGrant(t *testing.T) {
 	// statement that would allow it.
 	_, err = admin.Exec(ctx, "GRANT SELECT ON "+schema+`."pgrl_policy_override" TO `+roleID)
 	require.NoError(t, err)
-	_, err = policy.NewLimiter(ctx, app, "api", policy.Options{})
+	_, err = newLimiter(ctx, app, "api", policy.Options{})
 	require.NoError(t, err)
 	_, err = policy.Set(ctx, app, policy.Policy{Name: "api", Limit: 1000, Window: time.Hour})
 	expect("write", "GRANT SELECT, INSERT, UPDATE, DELETE ON", "42501", err)

@@ -150,7 +150,7 @@ func TestOverridesAndExplain(t *testing.T) {
 	ctx := context.Background()
 	p, err := policy.Set(ctx, pool, policy.Policy{Name: "api", Limit: 2, Window: time.Hour})
 	require.NoError(t, err)
-	l, err := policy.NewLimiter(ctx, pool, "api", policy.Options{})
+	l, err := newLimiter(ctx, pool, "api", policy.Options{})
 	require.NoError(t, err)
 
 	// A DBA raises one tenant's limit with plain SQL.
@@ -192,7 +192,7 @@ func TestOverridesAndExplain(t *testing.T) {
 	require.Equal(t, int64(2), d.Limit)
 	cache := policy.NewCache(pool)
 	require.NoError(t, cache.Reload(ctx))
-	l, err = policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	l, err = newLimiter(ctx, pool, "api", policy.Options{Cache: cache})
 	require.NoError(t, err)
 	for i := 1; i <= 6; i++ {
 		d, err := l.Allow(ctx, "tenant-42")
@@ -223,7 +223,7 @@ func TestOverridesAndExplain(t *testing.T) {
 	require.NoError(t, cache.ReloadPolicy(ctx, "api"))
 	_, err = l.Allow(ctx, "k")
 	require.ErrorIs(t, err, policy.ErrNotFound)
-	_, err = policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache})
+	_, err = newLimiter(ctx, pool, "api", policy.Options{Cache: cache})
 	require.ErrorIs(t, err, policy.ErrNotFound)
 }
 
@@ -248,7 +248,7 @@ func TestApplicationRoleReadsOnly(t *testing.T) {
 	app, err := pgxpool.New(ctx, dbtest.URLAsWithSchema(role, s))
 	require.NoError(t, err)
 	t.Cleanup(app.Close)
-	l, err := policy.NewLimiter(ctx, app, "api", policy.Options{})
+	l, err := newLimiter(ctx, app, "api", policy.Options{})
 	require.NoError(t, err)
 	d, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
@@ -272,7 +272,7 @@ func TestLimiterFollowsPolicyChanges(t *testing.T) {
 	cache := policy.NewCache(pool)
 	require.NoError(t, cache.Reload(ctx))
 	var logs testkit.LogBuffer
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}})
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}})
 	require.NoError(t, err)
 	l, err := lim.For("k")
 	require.NoError(t, err)
@@ -363,7 +363,7 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	require.NoError(t, cache.Reload(ctx))
 	// 64 uncoalesced checks of one key count exactly: a loaded machine's
 	// late answer must not go to the memory tier (testkit.DecisionTimeout).
-	lim, err := policy.NewLimiter(ctx, pool, "herd", policy.Options{Cache: cache, Config: ratelimit.Config{Timeout: testkit.DecisionTimeout}})
+	lim, err := newLimiter(ctx, pool, "herd", policy.Options{Cache: cache, Config: ratelimit.Config{Timeout: testkit.DecisionTimeout}})
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours' WHERE name = 'herd'`)
 	require.NoError(t, err)
@@ -403,7 +403,7 @@ func TestPolicyNewWindowStartsAfresh(t *testing.T) {
 		require.NoError(t, err)
 		cache := policy.NewCache(pool)
 		require.NoError(t, cache.Reload(ctx))
-		lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{Cache: cache, FromCache: fromCache, Config: ratelimit.Config{Now: now}})
+		lim, err := newLimiter(ctx, pool, name, policy.Options{Cache: cache, FromCache: fromCache, Config: ratelimit.Config{Now: now}})
 		require.NoError(t, err)
 		d, err := lim.AllowN(ctx, "k", 3)
 		require.NoError(t, err)

@@ -41,7 +41,7 @@ CREATE TRIGGER refuse_write BEFORE INSERT OR UPDATE ON pgrl_fixed_window FOR EAC
 			name := fmt.Sprintf("p%d-%v", onFailure, fromCache)
 			_, err := policy.Set(ctx, pool, policy.Policy{Name: name, Limit: 5, Window: time.Hour})
 			require.NoError(t, err)
-			lim, err := policy.NewLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
+			lim, err := newLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
 				Config: ratelimit.Config{OnFailure: onFailure, Logger: quiet, Timeout: time.Minute}})
 			require.NoError(t, err)
 			l, err := lim.For("k")
