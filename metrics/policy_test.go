@@ -42,7 +42,7 @@ func TestPolicyCollector(t *testing.T) {
 
 	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("k"), Limit: 9})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return l.Stats().Applied == 1 }, time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Applied == 1 }, 10*time.Second, 5*time.Millisecond)
 	// A readable mark of this schema for a limiter nobody registered (an
 	// unreadable one would be counted by every listening test).
 	until := time.Now().Add(time.Hour).UnixMicro()

@@ -49,7 +49,7 @@ func TestListenerFollowsChanges(t *testing.T) {
 
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 20 WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitOf(cache, "api") == 20 }, time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 20 }, 10*time.Second, 5*time.Millisecond)
 	d, err := lim.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.Equal(t, int64(20), d.Limit, "the limiter follows the cache")
@@ -60,12 +60,12 @@ func TestListenerFollowsChanges(t *testing.T) {
 	require.Eventually(t, func() bool {
 		d, err := lim.Peek(ctx, "vip")
 		return err == nil && d.Limit == 100
-	}, time.Second, 5*time.Millisecond)
+	}, 10*time.Second, 5*time.Millisecond)
 
 	// Another schema's change is ignored.
 	_, err = otherPool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 99 WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return l.Stats().Ignored >= 1 }, time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return l.Stats().Ignored >= 1 }, 10*time.Second, 5*time.Millisecond)
 	require.Equal(t, int64(20), limitOf(cache, "api"))
 
 	// Kill the listener's backend, change the policy at once: the
@@ -89,7 +89,7 @@ func TestListenerFollowsChanges(t *testing.T) {
 	// TRUNCATE reloads everything; DELETE removes the policy.
 	_, err = pool.Exec(ctx, `DELETE FROM pgrl_policy WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitOf(cache, "api") == -1 }, time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == -1 }, 10*time.Second, 5*time.Millisecond)
 	_, err = lim.Allow(ctx, "k")
 	require.ErrorIs(t, err, policy.ErrNotFound)
 
@@ -132,7 +132,7 @@ func TestListenerResyncInterval(t *testing.T) {
 	// Notifications still arrive on the same connection.
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 12 WHERE name = 'api'`)
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return limitOf(cache, "api") == 12 }, time.Second, 5*time.Millisecond)
+	require.Eventually(t, func() bool { return limitOf(cache, "api") == 12 }, 10*time.Second, 5*time.Millisecond)
 	st := l.Stats()
 	require.Equal(t, pid, l.PID())
 	require.Zero(t, st.Reconnects)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -87,8 +88,10 @@ func TestIsConfigError(t *testing.T) {
 func TestIsConfigErrorFromChecks(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
+	// A check that outlasted the Timeout would be answered by FailOpen: the
+	// tests' Timeout keeps a busy machine from turning an error into that.
 	cfg := ratelimit.Config{Name: "config", Algorithm: ratelimit.FixedWindow, Limit: 10, Window: time.Minute,
-		OnFailure: ratelimit.FailOpen}
+		OnFailure: ratelimit.FailOpen, Timeout: testkit.DecisionTimeout}
 
 	empty := dbtest.PoolOn(t, dbtest.NewSchema(t))
 	l, err := ratelimit.New(empty, cfg)

@@ -153,7 +153,7 @@ func TestPolicyTwoProcesses(t *testing.T) {
 	require.NoError(t, err)
 	_, err = policy.SetOverride(ctx, pool, policy.Override{Policy: "api", Key: p.StoredKey("vip"), Limit: 50})
 	require.NoError(t, err)
-	require.Eventually(t, func() bool { return check("vip").Limit == 50 }, time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return check("vip").Limit == 50 }, 10*time.Second, 10*time.Millisecond)
 }
 
 // startPolicyChild starts TestPolicyChildProcess on the schema and waits
