@@ -1,6 +1,6 @@
 // Package gen is pgrl's rate-limit algorithms as typed SQL queries: fixed
 // window, token bucket and sliding window counter, each a take (check and
-// count), a batch take for many keys, a peek and a reset. Every call is one
+// count), a partial grant (take up to), a peek and a reset. Every call is one
 // statement and one round trip; the row lock of the counter is the only
 // lock. Use it when you want the database's decision without the library
 // (package ratelimit adds policies, fallbacks, a memory tier, multi-limit
@@ -43,45 +43,24 @@
 // A denied take changes nothing unless Penalty is set: then the attempt is
 // counted (fixed and sliding window, saturating at the largest int64) or
 // charged (token bucket, balance never below -Capacity). A Cost of 0 is a
-// check that counts nothing. A cost above MaxCount (Capacity) is denied by
-// every form, the …TakeMany forms included. A negative cost takes units
-// back; only direct callers can pass one (the library refuses it).
+// check that counts nothing. A cost above MaxCount (Capacity) is denied. A
+// negative cost takes units back; only direct callers can pass one (the
+// library refuses it).
 //
 // Every take decides with its algorithm's step function of migration 000012
 // (pgrl_fixed_window_take, pgrl_token_bucket_take, pgrl_sliding_window_take),
 // the arithmetic written once in SQL, which the planner inlines.
 //
-// The …TakeMany forms decide one check per key in one statement, with
-// exactly the single take's arithmetic. Keys must be distinct within a call
-// (PostgreSQL cannot update one row twice in a statement: SQLSTATE 21000)
-// and Keys and Costs have the same length. Rows come back in key order, with
-// the key hex-encoded in KeyHex.
+// The …TakeUpTo forms are a partial grant: as many of N units as are left,
+// possibly none, returned in Granted (under penalty all N are counted; an N
+// above MaxCount, or Capacity, is taken as it). They call the PL/pgSQL
+// queue functions of migration 000006.
 //
-// The …TakeQueue forms decide several checks per key in one statement (a
-// hot key's waiting checks): each key's row is locked and written once, its
-// checks decided one after another in the order given, and each check gets
-// the row the single take would have returned at that instant, matched by
-// CheckIndex (its 1-based position in Costs). Keys are sorted, Ends[i] is
-// the position in Costs of key i's last check, and each key carries its own
-// limit and window (MaxCounts, WindowsUs, Penalties; Capacities and
-// RefillsPerUs for the token bucket), so the keys of several limits share a
-// statement. A check with UpTo set is a partial grant. The …TakeUpTo forms
-// are a single partial grant: as many of N units as are left, possibly
-// none, returned in Granted (under penalty all N are counted). These call
-// the PL/pgSQL functions of migration 000006.
-//
-// The …TakePolicy forms are the single take with the limit stored in the
-// database (migration 000007): they read the pgrl_policy row named Policy
-// and the key's pgrl_policy_override (OverrideKey, the key stored under the
-// policy's name; an override applies until its expires_at) in the same
-// statement, so that a plain SQL UPDATE of either is obeyed by the next
-// take, and return the limit they applied (MaxCount; Limit, WindowUs and
-// Burst for the token bucket). The caller still names the counter row
-// (Key, WindowUs for the window algorithms, KeyMode): when the policy no
-// longer matches it (deleted, another algorithm or key mode, another window
-// for this key) nothing is counted and no row comes back (pgx.ErrNoRows):
-// read the policy again. They cost two primary-key lookups more than the
-// plain take (docs/POLICIES.md has the measured cost).
+// What the library sends beyond these (the set-based batch of coalesced
+// checks, the check statements of migration 000014 that decide a hot key's
+// waiting checks and all-or-nothing groups, and the take that reads a
+// stored policy) is its own plumbing, not part of this package: it changes
+// with the library.
 //
 // # Units
 //

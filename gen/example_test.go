@@ -119,33 +119,30 @@ func ExampleQueries_TokenBucketTake_transaction() {
 	// after the rollback: tokens=10
 }
 
-// Many keys of one limit in one statement: each key gets exactly the single
-// take's arithmetic, and the rows come back in key order.
-func ExampleQueries_SlidingWindowTakeMany() {
+// A partial grant hands out what is left of a quota: as many of N units
+// as the window still holds, possibly none.
+func ExampleQueries_FixedWindowTakeUpTo() {
 	ctx := context.Background()
 	q := gen.New()
 	at := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
-	for _, costs := range [][]int64{{3, 5}, {2, 1}} {
-		rows, err := q.SlidingWindowTakeMany(ctx, examplePool, gen.SlidingWindowTakeManyParams{
-			Keys:     [][]byte{[]byte("ip:192.0.2.1"), []byte("ip:192.0.2.2")},
-			Costs:    costs, // each at most MaxCount
+	for _, n := range []int64{3, 4, 2} {
+		r, err := q.FixedWindowTakeUpTo(ctx, examplePool, gen.FixedWindowTakeUpToParams{
+			Key:      []byte("export:tenant-7"),
+			N:        n, // a ceiling: any n >= 1
 			MaxCount: 5,
-			WindowUs: time.Minute.Microseconds(),
+			WindowUs: time.Hour.Microseconds(),
 			At:       &at,
 		})
 		if err != nil {
 			fmt.Println(err)
 			return
 		}
-		for _, r := range rows {
-			fmt.Printf("%s: allowed=%v count=%d\n", r.KeyHex, r.Allowed, r.Count)
-		}
+		fmt.Printf("asked %d: granted=%d count=%d allowed=%v\n", n, r.Granted, r.Count, r.Allowed)
 	}
 	// Output:
-	// 69703a3139322e302e322e31: allowed=true count=3
-	// 69703a3139322e302e322e32: allowed=true count=5
-	// 69703a3139322e302e322e31: allowed=true count=5
-	// 69703a3139322e302e322e32: allowed=false count=5
+	// asked 3: granted=3 count=3 allowed=true
+	// asked 4: granted=2 count=5 allowed=true
+	// asked 2: granted=0 count=5 allowed=false
 }
 
 // tokens is the token balance a TokensBits column carries.

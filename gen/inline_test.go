@@ -77,8 +77,8 @@ type errRow struct{}
 func (errRow) Scan(...any) error { return errRecorded }
 
 // everyQuery sends every query that computes with the helpers (each
-// algorithm's take, batch take and peek, and the two internal queries that
-// compute a fixed window) to db, twice: the second take of a key runs the
+// algorithm's take, batch take and peek, and the internal query that
+// computes a fixed window) to db, twice: the second take of a key runs the
 // UPDATE arm of its upsert.
 func everyQuery(ctx context.Context, db DBTX) {
 	q, ops := New(), sqlops.New()
@@ -88,19 +88,15 @@ func everyQuery(ctx context.Context, db DBTX) {
 		ts := at.Add(time.Duration(i) * 1500 * time.Millisecond)
 		tsUs := pgtype.Int8{Int64: ts.UnixMicro(), Valid: true}
 		_, _ = q.FixedWindowTake(ctx, db, FixedWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
-		_, _ = q.FixedWindowTakeMany(ctx, db, FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = ops.FixedWindowTakeMany(ctx, db, sqlops.FixedWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.FixedWindowPeek(ctx, db, FixedWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
 		_, _ = q.TokenBucketTake(ctx, db, TokenBucketTakeParams{Key: keys[0], Cost: 1, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
-		_, _ = q.TokenBucketTakeMany(ctx, db, TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = ops.TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
-		_, _ = q.SlidingWindowTakeMany(ctx, db, SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
+		_, _ = ops.SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
 		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: tsUs, WindowUs: 1e6})
-		_, _ = ops.MultiRequireAllowed(ctx, db, sqlops.MultiRequireAllowedParams{
-			FixedWindowKeys: [][]byte{}, FixedWindowWindowsUs: []int64{},
-			TokenBucketKeys: [][]byte{}, SlidingWindowKeys: [][]byte{}, AtUs: tsUs,
-		})
 	}
 }
 
@@ -118,7 +114,7 @@ func TestHelpersAreInlined(t *testing.T) {
 
 	var calls []call
 	everyQuery(ctx, recorder{&calls})
-	require.Len(t, calls, 22)
+	require.Len(t, calls, 20)
 
 	// The control: a copy of a helper that cannot be inlined.
 	_, err := pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
@@ -183,7 +179,7 @@ func TestHelpersAreInlined(t *testing.T) {
 			var ran []call
 			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
 			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
-			require.Len(t, ran, 44)
+			require.Len(t, ran, 40)
 			got := called()
 			for _, h := range helpers {
 				require.Zero(t, got[h], "%s was called %d times instead of inlined (%s)", h, got[h], mode)

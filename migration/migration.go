@@ -728,7 +728,10 @@ var appReadTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_pol
 // appFunctions are the functions a check calls: pgrl_abort_unless, the
 // named-arithmetic functions of migration 000005, which the planner inlines
 // only for a user who may execute them (without EXECUTE a check fails with
-// 42501), and the check-queue functions of migration 000006.
+// 42501), the check-queue functions of migration 000006, the steps of
+// migration 000012 and the check functions of migration 000014.
+// TestEveryFunctionGranted holds every function of the migrations to this
+// list or to the operations' own.
 var appFunctions = []string{
 	"pgrl_abort_unless(boolean, text)",
 	"pgrl_epoch_us(timestamptz)",
@@ -749,6 +752,20 @@ var appFunctions = []string{
 	"pgrl_token_bucket_take_queue(bytea[], bigint[], boolean[], integer[], float8[], float8[], boolean[], timestamptz)",
 	"pgrl_sliding_window_take_queue(bytea[], bigint[], boolean[], integer[], bigint[], bigint[], boolean[], timestamptz)",
 	"pgrl_stored_key(text, text, boolean)",
+	"pgrl_us(timestamptz)",
+	"pgrl_ts(bigint)",
+	"pgrl_now(timestamptz)",
+	"pgrl_now_us(timestamptz)",
+	"pgrl_token_bucket_refilled_at(timestamptz, float8, float8, float8)",
+	"pgrl_fixed_window_take(bigint, bigint, bigint, bigint, boolean, boolean)",
+	"pgrl_token_bucket_take(float8, bigint, bigint, bigint, float8, float8, boolean, boolean)",
+	"pgrl_sliding_window_roll(bigint, bigint, bigint, bigint, bigint, boolean)",
+	"pgrl_sliding_window_elapsed(bigint, bigint, bigint)",
+	"pgrl_sliding_window_room(bigint, bigint, bigint, bigint, bigint)",
+	"pgrl_sliding_window_take(bigint, bigint, bigint, bigint, bigint, bigint, bigint, boolean, boolean)",
+	"pgrl_fixed_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
+	"pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
+	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
 }
 
 // grantStatements returns the GRANT statements that give role the

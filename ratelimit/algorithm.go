@@ -5,8 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-
-	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // algorithm is everything that differs between the three algorithms: how a
@@ -57,9 +55,6 @@ type algorithm interface {
 	peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error)
 	// reset deletes k's row.
 	reset(ctx context.Context, l *Limiter, db DB, k []byte) error
-	// vote adds k to the statement that aborts an AllOrNothing decision
-	// unless every counted check allowed.
-	vote(p *sqlops.MultiRequireAllowedParams, l *Limiter, k []byte)
 
 	// fresh is the in-memory state of a key never seen, at now
 	// (microseconds since the Unix epoch).

@@ -71,12 +71,27 @@ type pendingCheck struct {
 	skey []byte // the stored key, sent to the database
 	id   string // the row's identity in the coalescer's maps: table and stored key
 	ask  ask
+	// group is the all-or-nothing decision the check is part of (0: none;
+	// see checkQueue), numbered per statement by send.
+	group int32
+	// members, when set, makes this an all-or-nothing group of checks
+	// (AllowAll), queued and sent as one: its checks are these, and each
+	// gets its own d and err.
+	members []*pendingCheck
 	// wake tells a queued check, once, what comes next: a batch to send
 	// (the check is its first), or nil when d and err are set. Checks that
 	// go out at once have none.
 	wake chan []*pendingCheck
 	d    Decision
 	err  error
+}
+
+// checks returns the checks r stands for: itself, or a group's members.
+func (r *pendingCheck) checks() []*pendingCheck {
+	if r.members != nil {
+		return r.members
+	}
+	return []*pendingCheck{r}
 }
 
 // finish tells r's caller that r.d and r.err are set.
@@ -132,31 +147,54 @@ func sharedCoalescer(db DB, maxBatch, maxInFlight int) *coalescer {
 func (c *coalescer) take(ctx context.Context, l *Limiter, key string, a ask) (Decision, error) {
 	skey := l.key(key)
 	r := &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: l.alg.table() + string(skey), ask: a}
-	id := r.id
+	if err := c.submit(r); err != nil {
+		return Decision{}, err
+	}
+	return r.d, r.err
+}
+
+// takeGroup decides the checks of one all-or-nothing group (see
+// checkQueue; their group numbers are set when sent), alone or in a batch
+// with other checks, and sets each check's d and err. When ctx ends first
+// it returns ctx's error and the checks must not be read: the statement
+// may still be deciding them.
+func (c *coalescer) takeGroup(ctx context.Context, members []*pendingCheck) error {
+	for _, m := range members {
+		m.ctx, m.id = ctx, m.l.alg.table()+string(m.skey)
+	}
+	return c.submit(&pendingCheck{l: members[0].l, ctx: ctx, members: members})
+}
+
+// submit sends r (a check or a group) at once when a round trip is free
+// and none of its keys is in flight, or else queues it for the next batch,
+// and returns when its decisions (or errors) are set, or with the error of
+// r's context when that ends first.
+func (c *coalescer) submit(r *pendingCheck) error {
 	c.mu.Lock()
-	// Go out at once when a round trip is free and the key is not in
-	// flight; otherwise queue, for the key's row to be updated once for
+	// Go out at once when a round trip is free and the keys are not in
+	// flight; otherwise queue, for each key's row to be updated once for
 	// every check waiting on it.
-	if c.inFlight < c.maxInFlight && c.busy[id] == 0 {
+	if c.inFlight < c.maxInFlight && c.free(r) {
 		// The key's last round trip may have ended in a denial since the
 		// caller looked in the deny cache: look again before going out
 		// (as a batch does for every check it takes).
-		if deny := l.deny; deny != nil {
-			if d, ok := deny.get(key, a.retryCost(), l.localNow()); ok {
+		if deny := r.l.deny; deny != nil && r.members == nil {
+			if d, ok := deny.get(r.key, r.ask.retryCost(), r.l.localNow()); ok {
 				c.mu.Unlock()
-				return d, nil
+				r.d = d
+				return nil
 			}
 		}
 		c.inFlight++
-		c.busy[id]++
+		c.count(c.busy, r, 1)
 		c.progress = time.Now()
 		c.mu.Unlock()
 		c.lead([]*pendingCheck{r})
-		return r.d, r.err
+		return nil
 	}
 	r.wake = make(chan []*pendingCheck, 1)
 	c.pending = append(c.pending, r)
-	c.queued[id]++
+	c.count(c.queued, r, 1)
 	c.watchQueue()
 	c.mu.Unlock()
 
@@ -165,8 +203,8 @@ func (c *coalescer) take(ctx context.Context, l *Limiter, key string, a ask) (De
 		if batch != nil {
 			c.lead(batch)
 		}
-		return r.d, r.err
-	case <-ctx.Done():
+		return nil
+	case <-r.ctx.Done():
 		c.mu.Lock()
 		withdrawn := c.withdraw(r)
 		c.mu.Unlock()
@@ -175,7 +213,27 @@ func (c *coalescer) take(ctx context.Context, l *Limiter, key string, a ask) (De
 			// check was to lead the batch, lead it in the background.
 			go c.leadIfHanded(r)
 		}
-		return Decision{}, ctx.Err()
+		return r.ctx.Err()
+	}
+}
+
+// free reports whether none of r's keys is in flight. The caller holds c.mu.
+func (c *coalescer) free(r *pendingCheck) bool {
+	for _, m := range r.checks() {
+		if c.busy[m.id] > 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// count adds by to the count of each of r's keys in m (c.busy or
+// c.queued), deleting counts that reach zero. The caller holds c.mu.
+func (c *coalescer) count(m map[string]int, r *pendingCheck, by int) {
+	for _, x := range r.checks() {
+		if m[x.id] += by; m[x.id] <= 0 {
+			delete(m, x.id)
+		}
 	}
 }
 
@@ -220,9 +278,9 @@ func (c *coalescer) unstick() {
 	stuck := c.pending
 	c.pending = nil
 	for _, r := range stuck {
-		c.unqueue(r.id)
+		c.count(c.queued, r, -1)
 		c.inFlight++
-		c.busy[r.id]++
+		c.count(c.busy, r, 1)
 	}
 	c.progress = time.Now()
 	c.watching = false
@@ -238,18 +296,11 @@ func (c *coalescer) withdraw(r *pendingCheck) bool {
 	for i, p := range c.pending {
 		if p == r {
 			c.pending = append(c.pending[:i], c.pending[i+1:]...)
-			c.unqueue(r.id)
+			c.count(c.queued, r, -1)
 			return true
 		}
 	}
 	return false
-}
-
-// unqueue counts one check of the key id out of the queue. The caller holds c.mu.
-func (c *coalescer) unqueue(id string) {
-	if c.queued[id]--; c.queued[id] <= 0 {
-		delete(c.queued, id)
-	}
 }
 
 // lead sends batch, then hands the next batch to its first check.
@@ -258,9 +309,7 @@ func (c *coalescer) lead(batch []*pendingCheck) {
 	c.mu.Lock()
 	c.progress = time.Now()
 	for _, r := range batch {
-		if c.busy[r.id]--; c.busy[r.id] <= 0 {
-			delete(c.busy, r.id)
-		}
+		c.count(c.busy, r, -1)
 	}
 	c.gather(len(batch))
 	next := c.nextBatch()
@@ -307,7 +356,9 @@ func (c *coalescer) gather(answered int) {
 // a key's checks are always decided in arrival order. A queued check that
 // the deny cache can now answer (its key was denied by the round trip that
 // just ended) is answered at once and never sent, so a hot key that is
-// denied costs one statement per deny period. The caller holds c.mu.
+// denied costs one statement per deny period. A group is taken or kept
+// whole, by the same rules for each of its keys; one larger than maxBatch
+// goes in a batch of its own. The caller holds c.mu.
 func (c *coalescer) nextBatch() (batch []*pendingCheck) {
 	if len(c.pending) == 0 {
 		return nil
@@ -315,24 +366,35 @@ func (c *coalescer) nextBatch() (batch []*pendingCheck) {
 	taken := map[string]bool{}
 	kept := map[string]bool{}
 	rest := c.pending[:0]
+	size := 0 // checks in batch
 	for _, p := range c.pending {
-		c.unqueue(p.id)
-		if deny := p.l.deny; deny != nil {
+		c.count(c.queued, p, -1)
+		if deny := p.l.deny; deny != nil && p.members == nil {
 			if d, ok := deny.get(p.key, p.ask.retryCost(), p.l.localNow()); ok {
 				p.d = d
 				p.finish()
 				continue
 			}
 		}
-		if kept[p.id] || (!taken[p.id] && c.busy[p.id] > 0) || len(batch) >= c.maxBatch {
-			kept[p.id] = true
+		checks := p.checks()
+		keep := size > 0 && size+len(checks) > c.maxBatch
+		for _, m := range checks {
+			keep = keep || kept[m.id] || (!taken[m.id] && c.busy[m.id] > 0)
+		}
+		if keep {
+			for _, m := range checks {
+				kept[m.id] = true
+			}
 			rest = append(rest, p)
-			c.queued[p.id]++
+			c.count(c.queued, p, 1)
 			continue
 		}
-		taken[p.id] = true
+		for _, m := range checks {
+			taken[m.id] = true
+		}
 		batch = append(batch, p)
-		c.busy[p.id]++
+		size += len(checks)
+		c.count(c.busy, p, 1)
 	}
 	clear(c.pending[len(rest):])
 	c.pending = rest
@@ -351,7 +413,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		ctx, cancel = context.WithDeadline(ctx, dl)
 		defer cancel()
 	}
-	if len(batch) == 1 {
+	if len(batch) == 1 && batch[0].members == nil {
 		r := batch[0]
 		sent := r.l.localNow()
 		r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
@@ -359,21 +421,43 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		r.finish()
 		return
 	}
-	c.batched.Add(uint64(len(batch)))
-	for _, group := range statements(batch) {
+	var checks []*pendingCheck
+	for g, r := range batch {
+		for _, m := range r.members {
+			m.group = int32(g + 1)
+		}
+		checks = append(checks, r.checks()...)
+	}
+	if len(checks) > 1 {
+		c.batched.Add(uint64(len(checks)))
+	}
+	for _, group := range statements(checks) {
 		l := group[0].l
 		sent := l.localNow()
 		err := c.takeMany(ctx, group)
 		var pgErr *pgconn.PgError
 		if err != nil && errors.As(err, &pgErr) {
-			// The statement failed as a whole: decide each check on its
-			// own so that every error reaches the check it belongs to.
+			// The statement failed as a whole: decide each check (each
+			// group) on its own so that every error reaches the check it
+			// belongs to.
 			if pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
 				l.cfg.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
 					"limiter", l.cfg.Name, "error", pgErr.Message)
 			}
-			for _, r := range group {
-				r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
+			for _, unit := range units(group) {
+				if unit[0].group == 0 {
+					r := unit[0]
+					r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
+					continue
+				}
+				decs, uerr := unit[0].l.alg.takeQueue(ctx, unit[0].l.db, newCheckQueue(unit))
+				for i, m := range unit {
+					if uerr != nil {
+						m.err = uerr
+					} else {
+						m.d = decs[i]
+					}
+				}
 			}
 			err = nil
 		}
@@ -381,37 +465,82 @@ func (c *coalescer) send(batch []*pendingCheck) {
 			if err != nil {
 				r.err = err
 			}
-			c.remember(r, sent)
-			r.finish()
+			if r.group == 0 {
+				c.remember(r, sent)
+			}
 		}
 	}
+	for _, r := range batch {
+		r.finish()
+	}
+}
+
+// units splits checks into decisions: each group's consecutive checks, and
+// each other check alone.
+func units(checks []*pendingCheck) [][]*pendingCheck {
+	var out [][]*pendingCheck
+	for i := 0; i < len(checks); {
+		end := i + 1
+		for checks[i].group != 0 && end < len(checks) && checks[end].group == checks[i].group {
+			end++
+		}
+		out = append(out, checks[i:end])
+		i = end
+	}
+	return out
 }
 
 // statements splits a batch into the statements that decide it: one per
 // algorithm (its table), in the order the algorithms first appear, each
 // check keeping its place among its algorithm's. A statement has one clock:
 // limiters with a pinned clock (Config.Now, for tests) share a statement
-// only when their clocks read the same instant.
+// only when their clocks read the same instant. A statement counts each key
+// against one limiter's figures: a check of a key that the statement holds
+// with other figures (two limiters of one name that differ) starts the
+// algorithm's next statement, which the round trip sends after it, so that
+// a key's checks are still decided in their order.
 func statements(batch []*pendingCheck) [][]*pendingCheck {
 	type clockKey struct {
 		alg    algorithm
 		pinned bool
 		at     int64
 	}
+	type open struct {
+		group int                // index in groups of the class's latest statement
+		keys  map[string]figures // the figures each of its keys counts against
+	}
 	var groups [][]*pendingCheck
-	index := map[clockKey]int{}
-	for _, r := range batch {
+	index := map[clockKey]*open{}
+	held := func(o *open, k []byte) (figures, bool) {
+		if o == nil {
+			return figures{}, false
+		}
+		f, ok := o.keys[string(k)]
+		return f, ok
+	}
+	for _, unit := range units(batch) {
+		// A group's checks are of one algorithm and clock (see
+		// oneStatement), and go in one statement.
+		r := unit[0]
 		k := clockKey{alg: r.l.alg}
 		if at := r.l.at(); at != nil {
 			k.pinned, k.at = true, at.UnixMicro()
 		}
-		i, ok := index[k]
-		if !ok {
-			i = len(groups)
-			index[k] = i
+		o, ok := index[k]
+		conflict := !ok
+		for _, m := range unit {
+			f, had := held(o, m.skey)
+			conflict = conflict || had && f != m.l.figures()
+		}
+		if conflict {
+			o = &open{group: len(groups), keys: map[string]figures{}}
+			index[k] = o
 			groups = append(groups, nil)
 		}
-		groups[i] = append(groups[i], r)
+		for _, m := range unit {
+			o.keys[string(m.skey)] = m.l.figures()
+		}
+		groups[o.group] = append(groups[o.group], unit...)
 	}
 	return groups
 }
@@ -435,7 +564,7 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 	simple := !c.queuesOnly.Load()
 	seen := make(map[string]bool, len(group))
 	for _, r := range group {
-		simple = simple && r.l == l && !r.ask.upTo && !seen[r.id]
+		simple = simple && r.l == l && !r.ask.upTo && !seen[r.id] && r.group == 0
 		seen[r.id] = true
 	}
 	var decs []Decision

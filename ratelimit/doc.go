@@ -36,11 +36,12 @@
 // algorithm. The waiting checks of one key, a hot key, are decided by one
 // update of its row, one after another in arrival order, with exactly the
 // arithmetic of the single-check statement: each caller gets its own
-// Decision. DisableCoalescing turns it off for one limiter. AllowAll is not
-// coalesced with other callers' checks: an AllOrNothing decision must roll
-// back as a whole, which a statement shared with other requests cannot;
-// its own checks go out as one statement per algorithm plus the vote, in
-// one round trip.
+// Decision. DisableCoalescing turns it off for one limiter. An AllowAll
+// decision whose limits share one algorithm rides the same statements: the
+// statement decides its checks together and applies them only when all
+// allow (AllOrNothing), so a login costs no round trip of its own. One that
+// spans algorithms runs in a transaction of its own, one statement per
+// algorithm, rolled back when a limit denies.
 //
 // # Partial grants
 //

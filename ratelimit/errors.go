@@ -1,9 +1,12 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"slices"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgrl/pgrl/internal/notmigrated"
 	"github.com/pgrl/pgrl/internal/pgerr"
@@ -152,4 +155,121 @@ func IsConfigError(err error) bool {
 
 func invalid(base error, format string, args ...any) error {
 	return fmt.Errorf("%w: %s", base, fmt.Sprintf(format, args...))
+}
+
+// mapErr turns the database errors a user can cause into typed errors that
+// name the fix, by pgerr's classification, which every pgrl package
+// shares. The *pgconn.PgError stays in the chain for errors.As, the typed
+// error for errors.Is. An error already mapped is returned as is.
+func mapErr(err error) error {
+	if err == nil || IsConfigError(err) || errors.Is(err, ErrPartitionMissing) {
+		return err
+	}
+	kind, pgErr := pgerr.Classify(err)
+	switch kind {
+	case pgerr.NoPartition:
+		return fmt.Errorf("%w: %w", ErrNoPartition, pgErr)
+	case pgerr.Undefined:
+		return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
+	case pgerr.ReadOnly:
+		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
+	case pgerr.Permission:
+		return fmt.Errorf("ratelimit: %w", pgerr.Denied(pgErr, missingGrant(nil)))
+	case pgerr.Input:
+		return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
+	case pgerr.Unsupported:
+		if pgErr.Severity == "FATAL" {
+			// Refused while connecting: a setting the connection string
+			// passes (options=-c name=value, a runtime parameter) is wrong.
+			return fmt.Errorf("%w (a setup error, not an outage: the server refused the connection's settings; fix the "+
+				"connection string's options or runtime parameters): %w", ErrUnsupported, pgErr)
+		}
+		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this "+
+			"version of pgrl, use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md): %w", ErrUnsupported, pgErr)
+	}
+	return fmt.Errorf("ratelimit: %w", err)
+}
+
+// missingGrant is what a check of l needs on pgrl's tables: all the
+// counter tables when l is nil.
+func missingGrant(l *Limiter) pgerr.Need {
+	tables := []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
+	if l != nil {
+		tables = []string{l.alg.table()}
+	}
+	return pgerr.Need{Tables: tables, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
+}
+
+// explain is mapErr, and asks the limiter's database (one more query, only
+// on these error paths) which grant is missing: a schema without USAGE
+// hides pgrl's tables, so a missing table may be a missing grant, and a
+// 42501 names an object, not the grant. Truly missing tables are reported
+// with where the connection looked.
+func (l *Limiter) explain(ctx context.Context, err error) error {
+	err = mapErr(err)
+	if errors.Is(err, ErrUnsupported) {
+		l.logUnsupported(err)
+		return err
+	}
+	if errors.Is(err, ErrReadOnly) {
+		return l.explainReadOnly(ctx, err)
+	}
+	if !errors.Is(err, ErrNotMigrated) && !errors.Is(err, ErrPermission) {
+		return err
+	}
+	kind, pgErr := pgerr.Classify(err)
+	if kind != pgerr.Undefined && kind != pgerr.Permission {
+		return err // explained already
+	}
+	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	if pe := pgerr.Diagnose(ctx, l.db, missingGrant(l), pgErr); pe != nil {
+		return fmt.Errorf("ratelimit: %w", pe)
+	}
+	if kind == pgerr.Permission {
+		return err
+	}
+	// The tables are missing. Say where the connection looked, when it
+	// can tell.
+	var where *notmigrated.Error
+	if errors.As(notmigrated.At(ctx, l.db), &where) {
+		return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
+	}
+	return err
+}
+
+// logUnsupported logs err, an ErrUnsupported, at error level the first time
+// the limiter meets one: every check fails alike until the schema or the
+// server is fixed, and the caller gets each error.
+func (l *Limiter) logUnsupported(err error) {
+	if l.unsupportedLogged.CompareAndSwap(false, true) {
+		l.cfg.Logger.Error("pgrl: the check's SQL does not fit this server; checks fail with ErrUnsupported, "+
+			"and no failure policy answers them, until it does (logged once per limiter)",
+			"limiter", l.cfg.Name, "error", err.Error())
+	}
+}
+
+// explainReadOnly says why the database refused a write: a standby, or a
+// read-only session on a primary.
+func (l *Limiter) explainReadOnly(ctx context.Context, err error) error {
+	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	var standby bool
+	if qerr := l.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {
+		return fmt.Errorf("%w: it is a read-only standby (point the limiter at the primary), or the session is read-only (set default_transaction_read_only to off for the limiter's role or connections): %w", ErrReadOnly, unwrapMapped(err))
+	}
+	if standby {
+		return fmt.Errorf("%w: it is a read-only standby; point the limiter at the primary: %w", ErrReadOnly, unwrapMapped(err))
+	}
+	return fmt.Errorf("%w: the session is read-only on a primary (default_transaction_read_only is on for the limiter's role, database or connection); turn it off for the limiter's connections, e.g. ALTER ROLE <role> SET default_transaction_read_only = off, or RuntimeParams in the pool's config: %w", ErrReadOnly, unwrapMapped(err))
+}
+
+// unwrapMapped returns the *pgconn.PgError inside an error mapErr made, or
+// the error itself.
+func unwrapMapped(err error) error {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr
+	}
+	return err
 }

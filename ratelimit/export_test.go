@@ -99,3 +99,35 @@ func FallbackKeys(l *Limiter) int { return l.memory.Len() }
 
 // MapErr is mapErr: a database error as a check returns it.
 var MapErr = mapErr
+
+// TakeGroups decides checks in one check statement, in their order, as
+// AllowAll decides an all-or-nothing group: checks with the same non-zero
+// groups[i] (consecutive) are allowed together or not at all. It returns
+// the decisions as AllowN, AllowUpTo and AllowAll report them: a group
+// that a check with a veto (not in shadow mode) denied grants nothing.
+func TakeGroups(ctx context.Context, limiters []*Limiter, keys []string, costs []int64, upTo []bool, groups []int32) ([]Decision, error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		l := limiters[i]
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: l.key(key), ask: ask{n: costs[i], upTo: upTo[i]}, group: groups[i]}
+	}
+	decs, err := limiters[0].alg.takeQueue(ctx, limiters[0].db, newCheckQueue(batch))
+	if err != nil {
+		return nil, err
+	}
+	denied := map[int32]bool{}
+	for i, d := range decs {
+		if groups[i] != 0 && !d.Allowed && !limiters[i].cfg.Shadow {
+			denied[groups[i]] = true
+		}
+	}
+	for i, d := range decs {
+		d.Store = StorePostgres
+		d = batch[i].ask.settle(limiters[i].shadow(keys[i], d))
+		if denied[groups[i]] {
+			d.Granted = 0
+		}
+		decs[i] = d
+	}
+	return decs, nil
+}

@@ -31,7 +31,7 @@ func (fixedWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 }
 
 func (fixedWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
-	r, err := l.q.FixedWindowTakePolicy(ctx, db, gen.FixedWindowTakePolicyParams{
+	r, err := sqlops.New().FixedWindowTakePolicy(ctx, db, sqlops.FixedWindowTakePolicyParams{
 		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs,
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
@@ -43,11 +43,11 @@ func (fixedWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 }
 
 func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	rows, err := l.q.FixedWindowTakeMany(ctx, db, gen.FixedWindowTakeManyParams{
+	rows, err := sqlops.New().FixedWindowTakeMany(ctx, db, sqlops.FixedWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 	})
-	return inKeyOrder(keys, rows, err, func(row gen.FixedWindowTakeManyRow) string { return row.KeyHex },
-		func(row gen.FixedWindowTakeManyRow, _ int) Decision {
+	return inKeyOrder(keys, rows, err, func(row sqlops.FixedWindowTakeManyRow) string { return row.KeyHex },
+		func(row sqlops.FixedWindowTakeManyRow, _ int) Decision {
 			return l.fixedDecision(row.Allowed, row.Count, usTime(row.ExpiresAtUs), usTime(row.NowUs))
 		})
 }
@@ -63,15 +63,16 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 }
 
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := q.limiters[0].q.FixedWindowTakeQueue(ctx, db, gen.FixedWindowTakeQueueParams{
-		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At:        q.clock(),
+	rows, err := sqlops.New().FixedWindowTakeChecks(ctx, db, sqlops.FixedWindowTakeChecksParams{
+		Keys:      q.keys,
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
+		At: q.clock(),
 	})
-	return inCheckOrder(q, rows, err, func(r gen.FixedWindowTakeQueueRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r gen.FixedWindowTakeQueueRow, _ ask) Decision {
+	return inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.FixedWindowTakeChecksRow, _ ask) Decision {
 			return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
 		})
 }
@@ -89,11 +90,6 @@ func (fixedWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decis
 func (fixedWindow) reset(ctx context.Context, l *Limiter, db DB, k []byte) error {
 	_, err := l.q.FixedWindowReset(ctx, db, k)
 	return err
-}
-
-func (fixedWindow) vote(p *sqlops.MultiRequireAllowedParams, l *Limiter, k []byte) {
-	p.FixedWindowKeys = append(p.FixedWindowKeys, k)
-	p.FixedWindowWindowsUs = append(p.FixedWindowWindowsUs, l.windowUs)
 }
 
 // fixedDecision builds a fixed-window decision from the window's state.

@@ -11,14 +11,10 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgrl/pgrl/gen"
-	"github.com/pgrl/pgrl/internal/notmigrated"
-	"github.com/pgrl/pgrl/internal/pgerr"
-	"github.com/pgrl/pgrl/internal/sqlops"
 )
 
 // DB runs a limiter's statements: a *pgxpool.Pool, a *pgx.Conn or a pgx.Tx.
@@ -42,9 +38,6 @@ type Limiter struct {
 	coalescer         *coalescer // nil when coalescing is off
 	rates             rateCache  // limiters for per-call rates (rate.go)
 	share             denyShare  // denials shared with other processes (denyshare.go)
-	// citus is whether db is a Citus coordinator (citusUnknown until an
-	// AllOrNothing decision asks; multi.go).
-	citus atomic.Int32
 }
 
 // New returns a limiter that keeps its counters in db, which must have
@@ -164,7 +157,7 @@ func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
 // (ErrNotMigrated, ErrReadOnly) and bad arguments are always returned, as is
 // the caller's own context ending.
 func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
-	return l.observe(ctx, key, ask{n: n})
+	return l.check(ctx, nil, key, ask{n: n})
 }
 
 // AllowUpTo is a partial grant: it takes as many of n units as key has
@@ -186,94 +179,41 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, er
 // whole ask (at most the capacity), FailClosed none. A shadow-mode denial
 // proceeds with Granted 0.
 func (l *Limiter) AllowUpTo(ctx context.Context, key string, n int64) (Decision, error) {
-	return l.observe(ctx, key, ask{n: n, upTo: true})
+	return l.check(ctx, nil, key, ask{n: n, upTo: true})
 }
 
-// observe runs allowN and reports it to the Observer.
-func (l *Limiter) observe(ctx context.Context, key string, a ask) (Decision, error) {
-	a = l.cfg.ceiling(a)
-	if l.cfg.Observer == nil {
-		d, err := l.allowN(ctx, key, a)
-		return a.settle(d), err
-	}
+// check decides one check of l (in tx when it is not nil) through the
+// stages of decide (pipeline.go) and reports it to the Observer.
+func (l *Limiter) check(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	start := time.Now()
-	d, err := l.allowN(ctx, key, a)
-	d = a.settle(d)
-	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
-	return d, err
-}
-
-func (l *Limiter) allowN(ctx context.Context, key string, a ask) (Decision, error) {
-	if err := l.cfg.checkAsk(a); err != nil {
-		return Decision{}, err
+	a = l.cfg.ceiling(a)
+	req := &request{checks: []*pendingCheck{{l: l, key: key, ask: a}}, whole: []*Limiter{l}, tx: tx}
+	decs, err := l.validate(req)
+	if err == nil {
+		decs, err = decide(ctx, req)
 	}
-	if err := l.cfg.checkKey(key); err != nil {
-		return Decision{}, err
-	}
-	// The row that decides: the limiter's own, or with Spread one of its
-	// rows, whose deny cache answers for that row only.
-	row := l
-	if l.shards != nil {
-		row = l.pickShard(a.retryCost())
-	}
-	sent := l.localNow()
-	if row.deny != nil {
-		if d, ok := row.deny.get(key, a.retryCost(), sent); ok {
-			return l.shadow(key, l.asWhole(row, d)), nil
-		}
-		if d, ok := row.sharedDenied(key, a.retryCost(), sent); ok {
-			return l.shadow(key, l.asWhole(row, d)), nil
-		}
-	}
-	probe, ok := l.breaker.allow(sent)
-	if !ok {
-		return l.fallback(ctx, key, a, errBreakerOpen)
-	}
-	d, err := row.allowWithin(ctx, key, a)
+	decs = req.observe(decs, err, time.Since(start))
 	if err != nil {
-		if callerDone(ctx) {
-			return Decision{}, fmt.Errorf("ratelimit: %w", callerErr(ctx))
-		}
-		err = l.explain(ctx, err)
-		if IsConfigError(err) {
-			l.breaker.success(probe) // the database answered
-			return Decision{}, err
-		}
-		l.breaker.failure(time.Now(), err, l.cfg.OnFailure, probe)
-		return l.fallback(ctx, key, a, err)
+		return Decision{}, err
 	}
-	l.breaker.success(probe)
-	if row.deny != nil && !d.Allowed {
-		row.deny.put(key, a.retryCost(), d, sent)
-		row.shareDenial(key, a.retryCost(), d, sent)
-	}
-	d = l.asWhole(row, d)
-	if l.cfg.Cleanup != nil {
-		if p, ok := l.db.(*pooled); ok {
-			l.cfg.Cleanup.Maybe(ctx, p.pool)
-		}
-	}
-	return l.shadow(key, d), nil
+	return decs[0], nil
 }
 
-// allowWithin asks PostgreSQL, answering by Config.Timeout at the latest,
-// whatever the caller's context. The statement runs on the caller's
-// goroutine under a context that ends at the Timeout: pgx stops at a
-// context's deadline (it sets the connection's deadline, and waiting for a
-// pooled connection or for a coalesced batch ends with the context too), so
-// handing each check to a goroutine of its own, which cost 30 to 45 µs per
-// check at one caller (docs/BENCHMARKS.md), buys nothing;
-// TestStallDefaultConfigBounded holds it to the bound against a server that
-// stops answering.
-func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
-	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
-	defer cancel()
-	d, err := l.allowDB(cctx, key, a)
-	if err != nil && cctx.Err() != nil {
-		// The statement may still reach the database and count.
-		return Decision{}, cctx.Err()
+// validate refuses a check whose ask or key is bad, and picks the row of
+// a spread limit that decides it.
+func (l *Limiter) validate(req *request) ([]Decision, error) {
+	r := req.checks[0]
+	if err := l.cfg.checkAsk(r.ask); err != nil {
+		return nil, err
 	}
-	return d, err
+	if err := l.cfg.checkKey(r.key); err != nil {
+		return nil, err
+	}
+	if l.shards != nil {
+		// A row's deny cache answers for that row only.
+		r.l = l.pickShard(r.ask.retryCost())
+	}
+	return nil, nil
 }
 
 // asWhole reports a decision of row (l itself, or one of its spread rows)
@@ -283,29 +223,6 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 		return d
 	}
 	return l.spreadDecision(d)
-}
-
-// allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
-// missing partition and asks once more. A spread
-// limit's caller passes the row that decides (see allowN).
-func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
-	take := func() (Decision, error) {
-		if l.coalescer != nil {
-			return l.coalescer.take(ctx, l, key, a)
-		}
-		return l.take(ctx, l.db, key, a)
-	}
-	d, err := take()
-	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
-		// Partitioned layout and nobody created this window's partition
-		// yet (cleanup creates them ahead; it may not have run). Create it
-		// and check again.
-		if herr := l.heal(ctx, l.db); herr != nil {
-			return Decision{}, herr
-		}
-		d, err = take()
-	}
-	return d, err
 }
 
 // AllowTx is Allow inside the caller's transaction: AllowNTx with a cost
@@ -320,52 +237,19 @@ func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string) (Decision,
 // keep such transactions short. Config.Observer sees the decision, whether
 // the transaction commits or not.
 func (l *Limiter) AllowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
-	return l.observeTx(ctx, tx, key, ask{n: n})
+	if tx == nil {
+		return Decision{}, ErrNilDB
+	}
+	return l.check(ctx, tx, key, ask{n: n})
 }
 
 // AllowUpToTx is AllowUpTo inside the caller's transaction, under the rules
 // of AllowNTx.
 func (l *Limiter) AllowUpToTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
-	return l.observeTx(ctx, tx, key, ask{n: n, upTo: true})
-}
-
-// observeTx runs allowNTx and reports it to the Observer.
-func (l *Limiter) observeTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
-	a = l.cfg.ceiling(a)
-	if l.cfg.Observer == nil {
-		d, err := l.allowNTx(ctx, tx, key, a)
-		return a.settle(d), err
-	}
-	start := time.Now()
-	d, err := l.allowNTx(ctx, tx, key, a)
-	d = a.settle(d)
-	l.cfg.Observer.ObserveDecision(l.cfg.Name, d, time.Since(start), err)
-	return d, err
-}
-
-func (l *Limiter) allowNTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	if err := l.cfg.checkAsk(a); err != nil {
-		return Decision{}, err
-	}
-	if err := l.cfg.checkKey(key); err != nil {
-		return Decision{}, err
-	}
-	d, err := l.take(ctx, tx, key, a)
-	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
-		// The failed statement has aborted the caller's transaction; create
-		// the partition outside it so that a retry succeeds.
-		if herr := l.heal(ctx, l.db); herr != nil {
-			return Decision{}, mapErr(herr)
-		}
-		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
-	}
-	if err != nil {
-		return Decision{}, l.explain(ctx, err)
-	}
-	return l.shadow(key, d), nil
+	return l.check(ctx, tx, key, ask{n: n, upTo: true})
 }
 
 // Peek reports the key's state, as a check costing one unit would see it,
@@ -472,28 +356,6 @@ func (l *Limiter) counterName() string {
 	return l.cfg.Name
 }
 
-func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision, error) {
-	if l.shards != nil {
-		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
-		return l.spreadDecision(d), err
-	}
-	if l.cfg.Policy != "" && !a.upTo {
-		k := l.key(key)
-		return l.alg.takePolicy(ctx, l, db, k, l.policyKey(key, k), a.n)
-	}
-	return l.takeKey(ctx, db, l.key(key), a)
-}
-
-// policyKey is key as pgrl_policy_override stores it: under the policy's
-// name, which is k (the counter's stored key) when the counters are stored
-// under that name too.
-func (l *Limiter) policyKey(key string, k []byte) []byte {
-	if l.cfg.Policy == l.counterName() {
-		return k
-	}
-	return StoredKey(l.cfg.KeyMode, l.cfg.Policy, key)
-}
-
 // applied returns the arithmetic of the rate a policy statement applied:
 // the limiter's own when the policy still holds it.
 func (l *Limiter) applied(r Rate) *shape {
@@ -524,15 +386,6 @@ func keyModeText(m KeyMode) string {
 		return "readable"
 	}
 	return "hashed"
-}
-
-// takeKey is take for a key already in its stored form.
-func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
-	if a.upTo {
-		// l may be one row of a spread limit, whose capacity is its share.
-		return l.alg.takeUpTo(ctx, l, db, k, l.cfg.ceiling(a).n)
-	}
-	return l.alg.take(ctx, l, db, k, a.n)
 }
 
 func (l *Limiter) peek(ctx context.Context, db DB, key string) (Decision, error) {
@@ -569,13 +422,6 @@ func (l *Limiter) reset(ctx context.Context, db DB, key string) error {
 		}
 	}
 	return l.alg.reset(ctx, l, db, l.key(key))
-}
-
-func (l *Limiter) heal(ctx context.Context, db DB) error {
-	_, err := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{
-		AtUs: l.atUs(), WindowUs: l.windowUs,
-	})
-	return err
 }
 
 // pickShard picks the row a check of cost n goes to: the rows in turn (from
@@ -619,129 +465,6 @@ func usToDuration(us float64) time.Duration {
 		return time.Duration(math.MaxInt64)
 	}
 	return time.Duration(math.Ceil(us)) * time.Microsecond
-}
-
-// isMissingPartition reports a row that no partition accepts.
-func isMissingPartition(err error) bool {
-	kind, _ := pgerr.Classify(err)
-	return kind == pgerr.NoPartition
-}
-
-// mapErr turns the database errors a user can cause into typed errors that
-// name the fix, by pgerr's classification, which every pgrl package
-// shares. The *pgconn.PgError stays in the chain for errors.As, the typed
-// error for errors.Is. An error already mapped is returned as is.
-func mapErr(err error) error {
-	if err == nil || IsConfigError(err) {
-		return err
-	}
-	kind, pgErr := pgerr.Classify(err)
-	switch kind {
-	case pgerr.NoPartition:
-		return fmt.Errorf("%w: %w", ErrNoPartition, pgErr)
-	case pgerr.Undefined:
-		return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
-	case pgerr.ReadOnly:
-		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
-	case pgerr.Permission:
-		return fmt.Errorf("ratelimit: %w", pgerr.Denied(pgErr, missingGrant(nil)))
-	case pgerr.Input:
-		return fmt.Errorf("%w (a bad request, not an outage: no failure policy answers it): %w", ErrInvalidInput, pgErr)
-	case pgerr.Unsupported:
-		if pgErr.Severity == "FATAL" {
-			// Refused while connecting: a setting the connection string
-			// passes (options=-c name=value, a runtime parameter) is wrong.
-			return fmt.Errorf("%w (a setup error, not an outage: the server refused the connection's settings; fix the "+
-				"connection string's options or runtime parameters): %w", ErrUnsupported, pgErr)
-		}
-		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this "+
-			"version of pgrl, use PostgreSQL 13 to 18, and on Citus see docs/SCALING.md): %w", ErrUnsupported, pgErr)
-	}
-	return fmt.Errorf("ratelimit: %w", err)
-}
-
-// missingGrant is what a check of l needs on pgrl's tables: all the
-// counter tables when l is nil.
-func missingGrant(l *Limiter) pgerr.Need {
-	tables := []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
-	if l != nil {
-		tables = []string{l.alg.table()}
-	}
-	return pgerr.Need{Tables: tables, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
-}
-
-// explain is mapErr, and asks the limiter's database (one more query, only
-// on these error paths) which grant is missing: a schema without USAGE
-// hides pgrl's tables, so a missing table may be a missing grant, and a
-// 42501 names an object, not the grant. Truly missing tables are reported
-// with where the connection looked.
-func (l *Limiter) explain(ctx context.Context, err error) error {
-	err = mapErr(err)
-	if errors.Is(err, ErrUnsupported) {
-		l.logUnsupported(err)
-		return err
-	}
-	if errors.Is(err, ErrReadOnly) {
-		return l.explainReadOnly(ctx, err)
-	}
-	if !errors.Is(err, ErrNotMigrated) && !errors.Is(err, ErrPermission) {
-		return err
-	}
-	kind, pgErr := pgerr.Classify(err)
-	if kind != pgerr.Undefined && kind != pgerr.Permission {
-		return err // explained already
-	}
-	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
-	defer cancel()
-	if pe := pgerr.Diagnose(ctx, l.db, missingGrant(l), pgErr); pe != nil {
-		return fmt.Errorf("ratelimit: %w", pe)
-	}
-	if kind == pgerr.Permission {
-		return err
-	}
-	// The tables are missing. Say where the connection looked, when it
-	// can tell.
-	var where *notmigrated.Error
-	if errors.As(notmigrated.At(ctx, l.db), &where) {
-		return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
-	}
-	return err
-}
-
-// logUnsupported logs err, an ErrUnsupported, at error level the first time
-// the limiter meets one: every check fails alike until the schema or the
-// server is fixed, and the caller gets each error.
-func (l *Limiter) logUnsupported(err error) {
-	if l.unsupportedLogged.CompareAndSwap(false, true) {
-		l.cfg.Logger.Error("pgrl: the check's SQL does not fit this server; checks fail with ErrUnsupported, "+
-			"and no failure policy answers them, until it does (logged once per limiter)",
-			"limiter", l.cfg.Name, "error", err.Error())
-	}
-}
-
-// explainReadOnly says why the database refused a write: a standby, or a
-// read-only session on a primary.
-func (l *Limiter) explainReadOnly(ctx context.Context, err error) error {
-	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
-	defer cancel()
-	var standby bool
-	if qerr := l.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {
-		return fmt.Errorf("%w: it is a read-only standby (point the limiter at the primary), or the session is read-only (set default_transaction_read_only to off for the limiter's role or connections): %w", ErrReadOnly, unwrapMapped(err))
-	}
-	if standby {
-		return fmt.Errorf("%w: it is a read-only standby; point the limiter at the primary: %w", ErrReadOnly, unwrapMapped(err))
-	}
-	return fmt.Errorf("%w: the session is read-only on a primary (default_transaction_read_only is on for the limiter's role, database or connection); turn it off for the limiter's connections, e.g. ALTER ROLE <role> SET default_transaction_read_only = off, or RuntimeParams in the pool's config: %w", ErrReadOnly, unwrapMapped(err))
-}
-
-// unwrapMapped returns the *pgconn.PgError inside an error mapErr made, or
-// the error itself.
-func unwrapMapped(err error) error {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return pgErr
-	}
-	return err
 }
 
 // mulDiv is a*b/c for non-negative a, b and positive c, computed in 128

@@ -2,6 +2,9 @@ package ratelimit_test
 
 import (
 	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
 	"testing"
 	"time"
 
@@ -114,5 +117,77 @@ func TestAllowAllSameAlgorithm(t *testing.T) {
 		d, err := b.Peek(ctx, "k")
 		require.NoError(t, err)
 		require.Equal(t, int64(1), d.Remaining, "%s: the first decision counted, the denied one did not", alg)
+	}
+}
+
+// TestGroupsRideSharedStatements: all-or-nothing decisions of one
+// algorithm made by many goroutines at once ride the coalescer's shared
+// statements (fewer statements than decisions), and stay exact: every
+// counter holds exactly the units its admitted decisions were granted, and
+// a denied decision consumed nothing.
+func TestGroupsRideSharedStatements(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t, dbtest.WithMaxConns(4))
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			db := &testkit.CountingDB{Pool: pool}
+			clock := testkit.Pinned(time.Date(2031, 3, 4, 5, 6, 7, 0, time.UTC))
+			var ls []*ratelimit.Limiter
+			for i, limit := range []int64{40, 25} {
+				ls = append(ls, testkit.NewLimiter(t, db, ratelimit.Config{Name: fmt.Sprintf("ride-%d", i), Algorithm: alg,
+					Limit: limit, Window: time.Hour, DenyCacheSize: -1, Now: clock, Timeout: testkit.DecisionTimeout, MaxInFlight: 1}))
+			}
+			require.True(t, ratelimit.SharesCoalescer(ls[0], ls[1]))
+			type target struct{ lim, key int }
+			var mu sync.Mutex
+			granted := map[target]int64{}
+			var decisions, denied int
+			var wg sync.WaitGroup
+			for w := range 8 {
+				wg.Go(func() {
+					rng := rand.New(rand.NewPCG(uint64(w), 3))
+					for range 40 {
+						ts := []target{{0, rng.IntN(3)}, {1, rng.IntN(3)}}
+						checks := make([]ratelimit.Check, len(ts))
+						for i, tg := range ts {
+							checks[i] = ratelimit.Check{Limiter: ls[tg.lim], Key: fmt.Sprintf("k%d", tg.key), Cost: 1 + rng.Int64N(2)}
+						}
+						m, err := ratelimit.AllowAll(context.Background(), ratelimit.AllOrNothing, checks...)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						mu.Lock()
+						decisions++
+						if !m.Allowed {
+							denied++
+						}
+						for i, d := range m.Decisions {
+							if d.Store != ratelimit.StorePostgres {
+								t.Errorf("decided by %s: %s", d.Store, d.Reason)
+							}
+							if !m.Allowed && d.Granted != 0 {
+								t.Errorf("a denied decision granted %d", d.Granted)
+							}
+							granted[ts[i]] += d.Granted
+						}
+						mu.Unlock()
+					}
+				})
+			}
+			wg.Wait()
+			statements := db.Statements()
+			t.Logf("%d decisions (%d denied) in %d statements", decisions, denied, statements)
+			require.Positive(t, denied, "denials happened")
+			require.Less(t, statements, int64(decisions), "decisions shared statements")
+			for lim, l := range ls {
+				for key := range 3 {
+					d, err := l.Peek(context.Background(), fmt.Sprintf("k%d", key))
+					require.NoError(t, err)
+					require.Equal(t, granted[target{lim, key}], d.Used, "limiter %d key %d", lim, key)
+				}
+			}
+		})
 	}
 }

@@ -44,48 +44,105 @@ func (a ask) settle(d Decision) Decision {
 	return d
 }
 
-// checkQueue is queues of checks, flattened as the …TakeQueue statements
-// take them: rows (a limiter and a stored key) in key order, the order
-// they are locked in; each row's checks in arrival order; ends[i] the
-// 1-based position of row i's last check. at[j] is the position, in the
-// caller's list, of the j-th check here.
+// checkQueue is checks as the …TakeChecks statements take them: rows (a
+// stored key and the limiter whose figures its checks count against), each
+// key once, in ascending key order, the order they are locked in; and runs
+// of checks, decided in order: a run of one row's checks (runs[g] is its
+// 1-based row), each applied, or an all-or-nothing group (runs[g] is 0),
+// allowed together or not at all; ends[g] is the 1-based position of run
+// g's last check. Per check: its row, cost, partial-grant flag, and whether
+// its denial stops its group (a limit in shadow mode does not). at[j] is
+// the position, in the caller's list, of the j-th check here.
 type checkQueue struct {
 	limiters []*Limiter // one per row: its limit and window go with it
 	keys     [][]byte
+	runs     []int32
+	ends     []int32
+	rows     []int32
 	costs    []int64
 	upTo     []bool
-	ends     []int32
+	vetoes   []bool
 	at       []int
 }
 
-// newCheckQueue groups checks by row, each row's checks in their order.
+// figures are what a row's checks count against: two limiters whose
+// figures are equal may share a row.
+type figures struct {
+	limit, windowUs, burst int64
+	penalty                bool
+}
+
+func (l *Limiter) figures() figures {
+	return figures{limit: l.cfg.Limit, windowUs: l.windowUs, burst: l.cfg.Burst, penalty: l.cfg.Penalty}
+}
+
+// newCheckQueue makes the statement of checks: lone checks (group 0) and
+// all-or-nothing groups (consecutive checks of one group number, each of
+// another key). A key's checks must all have one limiter's figures (see
+// statements). Each key's checks are decided in their order, and each
+// group where it stands among them: between two groups, the lone checks
+// are gathered by key into runs, which the statement decides with one read
+// and one write of the row's state, as a queue of checks.
 func newCheckQueue(checks []*pendingCheck) *checkQueue {
-	order := make([]int, len(checks))
+	n := len(checks)
+	q := &checkQueue{rows: make([]int32, n), costs: make([]int64, n), upTo: make([]bool, n), vetoes: make([]bool, n),
+		at: make([]int, 0, n)}
+	byKey := make(map[string]int32, n)
+	for _, r := range checks {
+		if _, ok := byKey[string(r.skey)]; !ok {
+			byKey[string(r.skey)] = 0
+			q.keys = append(q.keys, r.skey)
+			q.limiters = append(q.limiters, r.l)
+		}
+	}
+	order := make([]int, len(q.keys))
 	for i := range order {
 		order[i] = i
 	}
-	// A stable sort keeps each row's checks in arrival order.
-	slices.SortStableFunc(order, func(a, b int) int { return bytes.Compare(checks[a].skey, checks[b].skey) })
-	q := &checkQueue{
-		costs: make([]int64, len(order)),
-		upTo:  make([]bool, len(order)),
-		at:    order,
+	slices.SortFunc(order, func(a, b int) int { return bytes.Compare(q.keys[a], q.keys[b]) })
+	keys, limiters := make([][]byte, len(order)), make([]*Limiter, len(order))
+	for row, i := range order {
+		keys[row], limiters[row] = q.keys[i], q.limiters[i]
+		byKey[string(keys[row])] = int32(row + 1)
 	}
-	for j, i := range order {
-		r := checks[i]
-		if j == 0 || r.l != checks[order[j-1]].l || !bytes.Equal(r.skey, checks[order[j-1]].skey) {
-			if j > 0 {
-				q.ends = append(q.ends, int32(j))
+	q.keys, q.limiters = keys, limiters
+	// lone gathers the lone checks since the last group, by row.
+	var lone []int
+	flush := func() {
+		slices.SortStableFunc(lone, func(a, b int) int {
+			return int(byKey[string(checks[a].skey)] - byKey[string(checks[b].skey)])
+		})
+		for k, i := range lone {
+			row := byKey[string(checks[i].skey)]
+			if k == 0 || row != byKey[string(checks[lone[k-1]].skey)] {
+				q.runs = append(q.runs, row)
+				q.ends = append(q.ends, 0)
 			}
-			q.limiters = append(q.limiters, r.l)
-			q.keys = append(q.keys, r.skey)
+			q.at = append(q.at, i)
+			q.ends[len(q.ends)-1] = int32(len(q.at))
 		}
+		lone = lone[:0]
+	}
+	for i := 0; i < n; {
+		if checks[i].group == 0 {
+			lone = append(lone, i)
+			i++
+			continue
+		}
+		flush()
+		for g := checks[i].group; i < n && checks[i].group == g; i++ {
+			q.at = append(q.at, i)
+		}
+		q.runs = append(q.runs, 0)
+		q.ends = append(q.ends, int32(len(q.at)))
+	}
+	flush()
+	for j, i := range q.at {
+		r := checks[i]
+		q.rows[j] = byKey[string(r.skey)]
 		// A partial grant asks for at most its row's capacity (a spread
 		// row's is its share).
-		q.costs[j], q.upTo[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo
-	}
-	if len(order) > 0 {
-		q.ends = append(q.ends, int32(len(order)))
+		q.costs[j], q.upTo[j], q.vetoes[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo, !r.l.cfg.Shadow
 	}
 	return q
 }
@@ -94,10 +151,7 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 func (q *checkQueue) ask(j int) ask { return ask{n: q.costs[j], upTo: q.upTo[j]} }
 
 // limiterOf is the limiter of the j-th check.
-func (q *checkQueue) limiterOf(j int) *Limiter {
-	k, _ := slices.BinarySearch(q.ends, int32(j+1))
-	return q.limiters[k]
-}
+func (q *checkQueue) limiterOf(j int) *Limiter { return q.limiters[q.rows[j]-1] }
 
 // clock is the instant the statement runs at: the pinned clock of the
 // queue's limiters (they share a statement only when theirs read the same
@@ -121,14 +175,14 @@ func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32
 		return nil, err
 	}
 	if len(rows) != len(q.costs) {
-		return nil, fmt.Errorf("ratelimit: queue statement returned %d rows for %d checks", len(rows), len(q.costs))
+		return nil, fmt.Errorf("ratelimit: check statement returned %d rows for %d checks", len(rows), len(q.costs))
 	}
 	out := make([]Decision, len(q.costs))
 	seen := make([]bool, len(q.costs))
 	for _, row := range rows {
 		j := int(index(row)) - 1
 		if j < 0 || j >= len(q.costs) || seen[j] {
-			return nil, fmt.Errorf("ratelimit: queue statement returned check %d of %d", j+1, len(q.costs))
+			return nil, fmt.Errorf("ratelimit: check statement returned check %d of %d", j+1, len(q.costs))
 		}
 		seen[j] = true
 		out[q.at[j]] = decide(q.limiterOf(j), row, q.ask(j))

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -262,14 +263,14 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 }
 
 // TestQueueFunctionMissingFallsBack: against a schema whose queue function
-// is missing (migrated to 5, or revoked), a batch holding a key twice is
+// is missing (migrated to 13, or revoked), a batch holding a key twice is
 // decided one check at a time, correctly, and the limiter logs once what to
 // run.
 func TestQueueFunctionMissingFallsBack(t *testing.T) {
 	t.Parallel()
 	pool, schemaName := dbtest.Pool(t)
 	ctx := context.Background()
-	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_queue"}.Sanitize())
+	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_checks"}.Sanitize())
 	require.NoError(t, err)
 	var logs testkit.LogBuffer
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour,
@@ -281,4 +282,117 @@ func TestQueueFunctionMissingFallsBack(t *testing.T) {
 		require.Equal(t, i < 3, d.Allowed, "check %d", i)
 	}
 	require.Contains(t, logs.String(), "run `rl-migrate up`")
+}
+
+// TestGroupsMatchSequentialDecisions: one check statement holding lone
+// checks and all-or-nothing groups of several limiters of one algorithm,
+// interleaved on two keys, decides each exactly as the same requests made
+// one after another would be: a lone check as AllowN or AllowUpTo, a group
+// as AllowAllTx, whose savepoint and vote roll back a denied group. A
+// denied group changes no row, so the checks after it see the rows as they
+// were before it.
+func TestGroupsMatchSequentialDecisions(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			var mu sync.Mutex
+			at := base.Add(17 * time.Second)
+			clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return at }
+			cfgs := []ratelimit.Config{
+				{Name: "g-a", Limit: 6, Window: time.Minute},
+				{Name: "g-b", Limit: 4, Window: 20 * time.Second, Penalty: true},
+				{Name: "g-c", Limit: 9, Burst: 12, Window: 2 * time.Minute},
+				{Name: "g-s", Limit: 3, Window: time.Minute, Shadow: true},
+			}
+			var shared, single []*ratelimit.Limiter
+			for _, cfg := range cfgs {
+				cfg.Algorithm, cfg.DenyCacheSize, cfg.Now, cfg.DisableCoalescing = alg, -1, clock, true
+				if alg != ratelimit.TokenBucket {
+					cfg.Burst = 0
+				}
+				shared = append(shared, testkit.NewLimiter(t, pool, cfg))
+				cfg.Name += "-seq"
+				single = append(single, testkit.NewLimiter(t, pool, cfg))
+			}
+			rng := rand.New(rand.NewPCG(5, uint64(len(alg))))
+			var groupsDenied, groupsAllowed int
+			for round := range 80 {
+				mu.Lock()
+				at = at.Add(time.Duration(rng.Int64N(int64(3 * time.Second))))
+				mu.Unlock()
+				var ls []*ratelimit.Limiter
+				var idx []int
+				var keys []string
+				var costs []int64
+				var upTo []bool
+				var groups []int32
+				for g := range int32(1 + rng.IntN(6)) {
+					if rng.IntN(2) == 0 {
+						// A lone check.
+						i := rng.IntN(len(cfgs))
+						ls, idx = append(ls, shared[i]), append(idx, i)
+						keys = append(keys, fmt.Sprintf("k%d", rng.IntN(2)))
+						costs = append(costs, 1+rng.Int64N(3))
+						upTo = append(upTo, rng.IntN(5) == 0)
+						groups = append(groups, 0)
+						continue
+					}
+					// A group: two or three limiters, one key each.
+					for _, i := range rng.Perm(len(cfgs))[:2+rng.IntN(2)] {
+						ls, idx = append(ls, shared[i]), append(idx, i)
+						keys = append(keys, fmt.Sprintf("k%d", rng.IntN(2)))
+						costs = append(costs, 1+rng.Int64N(3))
+						upTo = append(upTo, false)
+						groups = append(groups, g+1)
+					}
+				}
+				got, err := ratelimit.TakeGroups(ctx, ls, keys, costs, upTo, groups)
+				require.NoError(t, err, "round %d", round)
+				for i := 0; i < len(ls); {
+					if groups[i] == 0 {
+						var want ratelimit.Decision
+						if upTo[i] {
+							want, err = single[idx[i]].AllowUpTo(ctx, keys[i], costs[i])
+						} else {
+							want, err = single[idx[i]].AllowN(ctx, keys[i], costs[i])
+						}
+						require.NoError(t, err)
+						require.Equal(t, want, got[i], "round %d check %d (%s)", round, i, cfgs[idx[i]].Name)
+						i++
+						continue
+					}
+					end := i
+					var checks []ratelimit.Check
+					for ; end < len(ls) && groups[end] == groups[i]; end++ {
+						checks = append(checks, ratelimit.Check{Limiter: single[idx[end]], Key: keys[end], Cost: costs[end]})
+					}
+					want, err := allowAllCommitted(ctx, pool, checks)
+					require.NoError(t, err)
+					if want.Allowed {
+						groupsAllowed++
+					} else {
+						groupsDenied++
+					}
+					require.Equal(t, want.Decisions, got[i:end], "round %d group at %d", round, i)
+					i = end
+				}
+			}
+			require.Positive(t, groupsDenied, "some groups were denied")
+			require.Positive(t, groupsAllowed, "some groups were allowed")
+		})
+	}
+}
+
+// allowAllCommitted is AllowAllTx in a transaction of its own, committed.
+func allowAllCommitted(ctx context.Context, pool *pgxpool.Pool, checks []ratelimit.Check) (ratelimit.MultiDecision, error) {
+	var m ratelimit.MultiDecision
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var err error
+		m, err = ratelimit.AllowAllTx(ctx, tx, ratelimit.AllOrNothing, checks...)
+		return err
+	})
+	return m, err
 }

@@ -34,7 +34,7 @@ func (slidingWindow) take(ctx context.Context, l *Limiter, db DB, k []byte, cost
 }
 
 func (slidingWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
-	r, err := l.q.SlidingWindowTakePolicy(ctx, db, gen.SlidingWindowTakePolicyParams{
+	r, err := sqlops.New().SlidingWindowTakePolicy(ctx, db, sqlops.SlidingWindowTakePolicyParams{
 		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs,
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
@@ -46,11 +46,11 @@ func (slidingWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []
 }
 
 func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	rows, err := l.q.SlidingWindowTakeMany(ctx, db, gen.SlidingWindowTakeManyParams{
+	rows, err := sqlops.New().SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
 	})
-	return inKeyOrder(keys, rows, err, func(row gen.SlidingWindowTakeManyRow) string { return row.KeyHex },
-		func(row gen.SlidingWindowTakeManyRow, i int) Decision {
+	return inKeyOrder(keys, rows, err, func(row sqlops.SlidingWindowTakeManyRow) string { return row.KeyHex },
+		func(row sqlops.SlidingWindowTakeManyRow, i int) Decision {
 			return l.slidingDecision(row.Allowed, usTime(row.WindowStartUs), row.Count, row.PrevCount, usTime(row.NowUs), costs[i])
 		})
 }
@@ -66,15 +66,16 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 }
 
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := q.limiters[0].q.SlidingWindowTakeQueue(ctx, db, gen.SlidingWindowTakeQueueParams{
-		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At:        q.clock(),
+	rows, err := sqlops.New().SlidingWindowTakeChecks(ctx, db, sqlops.SlidingWindowTakeChecksParams{
+		Keys:      q.keys,
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
+		At: q.clock(),
 	})
-	return inCheckOrder(q, rows, err, func(r gen.SlidingWindowTakeQueueRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r gen.SlidingWindowTakeQueueRow, a ask) Decision {
+	return inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.SlidingWindowTakeChecksRow, a ask) Decision {
 			return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.retryCost()).granting(r.Granted)
 		})
 }
@@ -94,10 +95,6 @@ func (slidingWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Dec
 func (slidingWindow) reset(ctx context.Context, l *Limiter, db DB, k []byte) error {
 	_, err := l.q.SlidingWindowReset(ctx, db, k)
 	return err
-}
-
-func (slidingWindow) vote(p *sqlops.MultiRequireAllowedParams, _ *Limiter, k []byte) {
-	p.SlidingWindowKeys = append(p.SlidingWindowKeys, k)
 }
 
 // elapsedUs is how far now is into the window starting at start, clamped to

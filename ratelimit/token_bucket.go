@@ -73,7 +73,7 @@ func (tokenBucket) take(ctx context.Context, l *Limiter, db DB, k []byte, cost i
 }
 
 func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error) {
-	r, err := l.q.TokenBucketTakePolicy(ctx, db, gen.TokenBucketTakePolicyParams{
+	r, err := sqlops.New().TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{
 		Key: k, Cost: cost, At: l.at(),
 		Policy: l.cfg.Policy, OverrideKey: ok, KeyMode: keyModeText(l.cfg.KeyMode),
 	})
@@ -85,12 +85,12 @@ func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 }
 
 func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
-	rows, err := l.q.TokenBucketTakeMany(ctx, db, gen.TokenBucketTakeManyParams{
+	rows, err := sqlops.New().TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), Capacity: float64(l.cfg.Burst),
 		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
 	})
-	return inKeyOrder(keys, rows, err, func(row gen.TokenBucketTakeManyRow) string { return row.KeyHex },
-		func(row gen.TokenBucketTakeManyRow, i int) Decision {
+	return inKeyOrder(keys, rows, err, func(row sqlops.TokenBucketTakeManyRow) string { return row.KeyHex },
+		func(row sqlops.TokenBucketTakeManyRow, i int) Decision {
 			return l.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), costs[i])
 		})
 }
@@ -106,15 +106,16 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 }
 
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := q.limiters[0].q.TokenBucketTakeQueue(ctx, db, gen.TokenBucketTakeQueueParams{
-		Keys: q.keys, Costs: q.costs, UpTo: q.upTo, Ends: q.ends,
-		At:           q.clock(),
+	rows, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
+		Keys:         q.keys,
 		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
 		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
 		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Runs:         q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
+		At: q.clock(),
 	})
-	return inCheckOrder(q, rows, err, func(r gen.TokenBucketTakeQueueRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r gen.TokenBucketTakeQueueRow, a ask) Decision {
+	return inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.TokenBucketTakeChecksRow, a ask) Decision {
 			return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
 		})
 }
@@ -134,10 +135,6 @@ func (tokenBucket) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decis
 func (tokenBucket) reset(ctx context.Context, l *Limiter, db DB, k []byte) error {
 	_, err := l.q.TokenBucketReset(ctx, db, k)
 	return err
-}
-
-func (tokenBucket) vote(p *sqlops.MultiRequireAllowedParams, _ *Limiter, k []byte) {
-	p.TokenBucketKeys = append(p.TokenBucketKeys, k)
 }
 
 // tokenDecision builds a token-bucket decision from the balance after the

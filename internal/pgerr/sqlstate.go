@@ -86,11 +86,6 @@ func Classify(err error) (Kind, *pgconn.PgError) {
 	return Other, pgErr
 }
 
-// MultiDenied is the SQLSTATE of pgrl's own that pgrl_abort_unless
-// (migration 3) raises when a multi-limit decision is denied, rolling back
-// its checks.
-const MultiDenied = "PGRL1"
-
 // pgError returns the *pgconn.PgError in err's chain, or nil.
 func pgError(err error) *pgconn.PgError {
 	var pgErr *pgconn.PgError
@@ -153,10 +148,6 @@ func IsTooManyPartitions(err error) bool {
 	pgErr := pgError(err)
 	return pgErr != nil && pgErr.Code == pgerrcode.InvalidParameterValue && strings.Contains(pgErr.Message, "partitions")
 }
-
-// IsMultiDenied reports the MultiDenied a multi-limit decision raises when
-// one of its checks is denied.
-func IsMultiDenied(err error) bool { return hasCode(err, MultiDenied) }
 
 // IsPendingDetach reports a DETACH PARTITION refused because an earlier
 // DETACH ... CONCURRENTLY was interrupted (55000, with a hint that asks for

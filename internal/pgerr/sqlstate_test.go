@@ -23,7 +23,6 @@ var predicates = map[string]func(error) bool{
 	"IsForeignKeyViolation": pgerr.IsForeignKeyViolation,
 	"IsConstraintViolation": pgerr.IsConstraintViolation,
 	"IsTooManyPartitions":   pgerr.IsTooManyPartitions,
-	"IsMultiDenied":         pgerr.IsMultiDenied,
 	"IsPendingDetach":       pgerr.IsPendingDetach,
 }
 
@@ -74,7 +73,6 @@ func TestSQLStates(t *testing.T) {
 		{code: "28P01", msg: `password authentication failed for user "web"`, kind: pgerr.Other, holds: []string{"IsAuthFailure"}},
 		{code: "28000", msg: `no pg_hba.conf entry for host`, kind: pgerr.Other, holds: []string{"IsAuthFailure"}},
 		{code: "3D000", msg: `database "pgrl" does not exist`, kind: pgerr.Other, holds: []string{"IsMissingDatabase"}},
-		{code: pgerr.MultiDenied, msg: "pgrl: a limit denied the decision", kind: pgerr.Other, holds: []string{"IsMultiDenied"}},
 		{code: "55000", msg: `partition "p" already pending detach in partitioned table "public.pgrl_fixed_window"`,
 			hint: "Use ALTER TABLE ... DETACH PARTITION ... FINALIZE to complete the pending detach operation.",
 			kind: pgerr.Other, holds: []string{"IsPendingDetach"}},

@@ -55,9 +55,10 @@ const (
 )
 
 // countingDB passes pgrl's statements to the pool and counts them: the
-// library sends a lone check with QueryRow, a coalesced batch with Query,
-// and a multi-limit decision (AllowAll) as a pgx.Batch of several
-// statements in one round trip.
+// library sends a lone check with QueryRow, and a coalesced batch, which
+// may carry multi-limit decisions (AllowAll) of one algorithm, with Query;
+// earlier versions sent a multi-limit decision as a pgx.Batch of several
+// statements in one round trip, which it counts too.
 type countingDB struct {
 	pool    *pgxpool.Pool
 	single  atomic.Int64

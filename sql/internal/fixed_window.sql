@@ -1,0 +1,86 @@
+-- The fixed window statements the library sends that are not part of
+-- package gen: the set-based batch of single checks (coalesced checks of
+-- distinct keys) and the take that reads its stored policy in the statement.
+
+-- name: FixedWindowTakeMany :many
+-- FixedWindowTakeMany is FixedWindowTake for several keys at once: it
+-- decides many checks of one limiter in one statement, one check per
+-- distinct key, so that concurrent checks can share one round trip. Each row
+-- gets exactly the step of the single check. Rows are inserted, and so
+-- locked, in key order: concurrent batches never deadlock. Keys must be
+-- distinct within one call (one statement cannot update a row twice). Keys
+-- come back hex-encoded (key_hex), which no session setting changes
+-- (bytea_output does change bytea's text form). The update arm cannot see
+-- the arrays, so it reads each check's cost back from the proposed row: its
+-- count, which the step made the cost itself unless the cost alone is over
+-- max_count (then allowed is false, and any cost over max_count decides the
+-- same). Windows, overflow and the returned instants are as in
+-- FixedWindowTake. The statement's own figures sit in a one-row subquery
+-- that is not flattened (OFFSET 0), so that a prepared statement's generic
+-- plan costs what a custom one does and PostgreSQL stops planning it anew
+-- for every batch (with the figures spelled out per row it never did, and
+-- planning took longer than running).
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
+       p.ts AS updated_at
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS end_us,
+               sqlc.arg(max_count)::bigint AS max_count, sqlc.arg(penalty)::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_fixed_window_take(p.end_us, 0, (sqlc.arg(costs)::bigint[])[i], p.max_count, p.penalty,
+                                      false) AS s
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                       CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                            ELSE 9223372036854775807 END,
+                                       sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                              ELSE 9223372036854775807 END,
+                                         sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
+          pgrl_us(updated_at) AS now_us;
+
+-- name: FixedWindowTakePolicy :one
+-- FixedWindowTakePolicy is FixedWindowTake with the limit stored in the
+-- database: the limit, window and penalty are read, in this same statement,
+-- from the pgrl_policy row named policy and the key's pgrl_policy_override
+-- (override_key is the key stored under the policy's own name; an override
+-- applies until its expires_at), so that a changed policy is obeyed by the
+-- very next check of every process. The caller names the counter row (key)
+-- and so must know the window, the algorithm and the key mode: when the
+-- policy (with the key's override) no longer has window_us, is no longer a
+-- fixed window, no longer stores keys in key_mode ('hashed' or 'readable'),
+-- or does not exist, nothing is counted and no row comes back: reload the
+-- policy and check again. max_count is the limit that was applied. The
+-- figures read in the insert arm reach the update arm in the proposed row
+-- (excluded.policy_limit, excluded.policy_penalty; migration 000013), so the
+-- statement reads the policy once.
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
+SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.end_us),
+       (pgrl_fixed_window_take(f.end_us, 0, sqlc.arg(cost)::bigint, f.max_count, f.penalty, false)).count,
+       (pgrl_fixed_window_take(f.end_us, 0, sqlc.arg(cost)::bigint, f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS end_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+         WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
+           AND p.key_mode = sqlc.arg(key_mode)::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = sqlc.arg(window_us)::bigint) AS f
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
+                                       excluded.policy_limit, excluded.policy_penalty, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
+                                         excluded.policy_limit, excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us,
+          policy_limit::bigint AS max_count;

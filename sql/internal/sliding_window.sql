@@ -1,0 +1,111 @@
+-- The sliding window statements the library sends that are not part of
+-- package gen: the set-based batch of single checks (coalesced checks of
+-- distinct keys) and the take that reads its stored policy in the statement.
+
+-- name: SlidingWindowTakeMany :many
+-- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
+-- the rules of FixedWindowTakeMany: the update arm reads each check's cost
+-- back from the proposed row's count (or, when the cost alone is over
+-- max_count, any such cost, which decides the same). Its figures sit in an
+-- unflattened one-row subquery, as FixedWindowTakeMany's do.
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
+       0::bigint AS prev_count, pgrl_from_epoch_us(p.start_us + 2 * p.window_us) AS expires_at, s.allowed,
+       p.ts AS updated_at
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS start_us,
+               sqlc.arg(window_us)::bigint AS window_us, sqlc.arg(max_count)::bigint AS max_count,
+               sqlc.arg(penalty)::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, p.window_us, (sqlc.arg(costs)::bigint[])[i],
+                                        p.max_count, p.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us
+                                    + 2 * sqlc.arg(window_us)::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
+                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
+          allowed, pgrl_us(updated_at) AS now_us;
+
+-- name: SlidingWindowTakePolicy :one
+-- SlidingWindowTakePolicy is SlidingWindowTake with the limit stored in the
+-- database, read in this same statement under the rules of
+-- FixedWindowTakePolicy: no row comes back, and nothing is counted, when
+-- the policy (with the key's override) no longer has window_us, is no
+-- longer a sliding window, no longer stores keys in key_mode, or does not
+-- exist. max_count is the limit that was applied. As there, the update arm
+-- reads the figures from the proposed row.
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
+                                      policy_limit, policy_penalty)
+SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.start_us),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, sqlc.arg(window_us)::bigint, sqlc.arg(cost)::bigint,
+                                 f.max_count, f.penalty, false)).count,
+       0,
+       pgrl_from_epoch_us(f.start_us + 2 * sqlc.arg(window_us)::bigint),
+       (pgrl_sliding_window_take(NULL, 0, 0, f.now_us, sqlc.arg(window_us)::bigint, sqlc.arg(cost)::bigint,
+                                 f.max_count, f.penalty, false)).allowed,
+       f.ts, f.max_count, f.penalty
+  FROM (SELECT coalesce(o."limit", p."limit") AS max_count, p.penalty, pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(window_us)::bigint) AS start_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+         WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
+           AND p.key_mode = sqlc.arg(key_mode)::text
+           AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
+               = sqlc.arg(window_us)::bigint) AS f
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us
+                                    + 2 * sqlc.arg(window_us)::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us,
+          policy_limit::bigint AS max_count;

@@ -1,0 +1,131 @@
+-- The token bucket statements the library sends that are not part of
+-- package gen: the set-based batch of single checks (coalesced checks of
+-- distinct keys) and the take that reads its stored policy in the statement.
+
+-- name: TokenBucketTakeMany :many
+-- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
+-- rules of FixedWindowTakeMany. The update arm reads the check's instant from
+-- the proposed row's updated_at and its cost as capacity less the proposed
+-- balance (exact for integer costs below 2^53), unless the cost alone is
+-- over the capacity (then allowed is false, and any such cost decides the
+-- same). The balance and instants are returned as in TokenBucketTake. Its
+-- figures sit in an unflattened one-row subquery, as FixedWindowTakeMany's
+-- do.
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
+       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               sqlc.arg(capacity)::float8 AS capacity, sqlc.arg(refill_per_us)::float8 AS refill_per_us,
+               sqlc.arg(penalty)::boolean AS penalty
+        OFFSET 0) AS p,
+       generate_subscripts(sqlc.arg(keys)::bytea[], 1) AS i,
+       LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, (sqlc.arg(costs)::bigint[])[i], p.capacity,
+                                      p.refill_per_us, p.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                             THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                        sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                        sqlc.arg(penalty)::boolean, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_refilled_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                             CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                                  THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                             sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                             sqlc.arg(penalty)::boolean, false)).tokens,
+                     sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                              THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                         sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                         sqlc.arg(penalty)::boolean, false)).allowed
+RETURNING encode(key, 'hex') AS key_hex,
+          pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed;
+
+-- name: TokenBucketTakePolicy :one
+-- TokenBucketTakePolicy is TokenBucketTake with the rate stored in the
+-- database: the limit, window, burst and penalty are read, in this same
+-- statement, from the pgrl_policy row named policy and the key's
+-- pgrl_policy_override (override_key is the key stored under the policy's
+-- own name; an override applies until its expires_at), so that a changed
+-- policy is obeyed by the very next check of every process. A key has one
+-- bucket whatever its rate, so the window may change too. An override whose
+-- rate the library would refuse under the policy as it is now (a burst
+-- beyond 2^53 tokens, or more than 1,000 years to refill) is ignored, as
+-- package policy ignores it. When the policy is no longer a token bucket,
+-- no longer stores keys in key_mode ('hashed' or 'readable'), or does not
+-- exist, nothing is counted and no row comes back: reload the policy and
+-- check again. limit, window_us and burst are the rate that was applied.
+-- The rate read in the insert arm reaches the update arm in the proposed
+-- row (excluded.policy_limit and the rest; migration 000013): capacity is
+-- the burst and refill_per_us is limit / window_us, as the library has them.
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
+                                    policy_limit, policy_window_us, policy_burst, policy_penalty)
+SELECT sqlc.arg(key)::bytea,
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).tokens,
+       f.ts,
+       pgrl_token_bucket_full_at(
+           f.ts,
+           (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
+                                   f.refill_per_us, f.penalty, false)).tokens,
+           f.capacity, f.refill_per_us),
+       (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
+                               f.refill_per_us, f.penalty, false)).allowed,
+       f."limit", f.window_us, f.burst, f.penalty
+  FROM (SELECT r.*, r.burst::float8 AS capacity, r."limit"::float8 / r.window_us::float8 AS refill_per_us
+          FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
+               round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
+               coalesce(o.burst, p.burst, o."limit", p."limit") AS burst,
+               p.penalty,
+               pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us
+          FROM pgrl_policy AS p
+          LEFT JOIN pgrl_policy_override AS o
+            ON o.policy = p.name AND o.key = sqlc.arg(override_key)::bytea
+           AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+           AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
+           AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
+               * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
+               <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
+         WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'token_bucket'
+           AND p.key_mode = sqlc.arg(key_mode)::text) AS r) AS f
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        sqlc.arg(cost)::bigint, excluded.policy_burst::float8,
+                                        excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                        excluded.policy_penalty, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = pgrl_token_bucket_refilled_at(
+                     greatest(t.updated_at, excluded.updated_at),
+                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                             pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                                             excluded.policy_burst::float8,
+                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                             excluded.policy_penalty, false)).tokens,
+                     excluded.policy_burst::float8,
+                     excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         sqlc.arg(cost)::bigint, excluded.policy_burst::float8,
+                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                         excluded.policy_penalty, false)).allowed,
+       policy_limit = excluded.policy_limit,
+       policy_window_us = excluded.policy_window_us,
+       policy_burst = excluded.policy_burst,
+       policy_penalty = excluded.policy_penalty
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed,
+          policy_limit::bigint AS "limit",
+          policy_window_us::bigint AS window_us,
+          policy_burst::bigint AS burst;
