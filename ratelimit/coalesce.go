@@ -416,7 +416,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	if len(batch) == 1 && batch[0].members == nil {
 		r := batch[0]
 		sent := r.l.localNow()
-		r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
+		r.d, r.err = r.l.takeKey(ctx, r.l.st.db, r.skey, r.ask)
 		c.remember(r, sent)
 		r.finish()
 		return
@@ -447,10 +447,10 @@ func (c *coalescer) send(batch []*pendingCheck) {
 			for _, unit := range units(group) {
 				if unit[0].group == 0 {
 					r := unit[0]
-					r.d, r.err = r.l.takeKey(ctx, r.l.db, r.skey, r.ask)
+					r.d, r.err = r.l.takeKey(ctx, r.l.st.db, r.skey, r.ask)
 					continue
 				}
-				decs, uerr := unit[0].l.alg.takeQueue(ctx, unit[0].l.db, newCheckQueue(unit))
+				decs, uerr := unit[0].l.alg.takeQueue(ctx, unit[0].l.st.db, newCheckQueue(unit))
 				for i, m := range unit {
 					if uerr != nil {
 						m.err = uerr
@@ -575,7 +575,7 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		for i, r := range group {
 			keys[i], costs[i] = r.skey, r.ask.n
 		}
-		decs, err = l.alg.takeMany(ctx, l, l.db, keys, costs)
+		decs, err = l.alg.takeMany(ctx, l, l.st.db, keys, costs)
 		if kind, pgErr := pgerr.Classify(err); kind == pgerr.Unsupported {
 			// Nothing was counted: the statement was refused whole.
 			if c.queuesOnly.CompareAndSwap(false, true) {
@@ -586,7 +586,7 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		}
 	}
 	if !simple {
-		decs, err = l.alg.takeQueue(ctx, l.db, newCheckQueue(group))
+		decs, err = l.alg.takeQueue(ctx, l.st.db, newCheckQueue(group))
 	}
 	if err != nil {
 		return err

@@ -119,7 +119,7 @@ func (l *Limiter) initShare() error {
 	if !l.cfg.ShareDenials || l.deny == nil {
 		return nil // Penalty turned the cache off: nothing to share
 	}
-	if singleConn(l.db) {
+	if singleConn(l.st.db) {
 		return invalid(ErrInvalidOption, "ShareDenials for %q sends from another goroutine, which a *pgx.Conn or pgx.Tx cannot serve beside the caller; give the limiter a *pgxpool.Pool, or turn ShareDenials off", l.cfg.Name)
 	}
 	l.share.send = &denySender{
@@ -261,7 +261,7 @@ func (l *Limiter) notifyShared(marks []denywire.Mark) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	n := uint64(len(marks) - skipped)
-	if _, err := l.db.Exec(ctx, notifySQL, bodies); err != nil {
+	if _, err := l.st.db.Exec(ctx, notifySQL, bodies); err != nil {
 		s.failed.Add(n)
 		if s.failing.CompareAndSwap(false, true) {
 			l.cfg.Logger.Warn("pgrl: cannot share denials with the other processes; they keep asking PostgreSQL (logged once until sending works again)",

@@ -44,14 +44,14 @@ func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, err
 		if l.coalescer != nil {
 			return l.coalescer.take(ctx, l, key, a)
 		}
-		return l.take(ctx, l.db, key, a)
+		return l.take(ctx, l.st.db, key, a)
 	}
 	d, err := take()
 	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
-		if herr := l.heal(ctx, l.db); herr != nil {
+		if herr := l.heal(ctx, l.st.db); herr != nil {
 			return Decision{}, herr
 		}
 		d, err = take()
@@ -65,7 +65,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, err
 func (l *Limiter) takeInTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	d, err := l.take(ctx, tx, key, a)
 	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
-		if herr := l.heal(ctx, l.db); herr != nil {
+		if herr := l.heal(ctx, l.st.db); herr != nil {
 			return Decision{}, mapErr(herr)
 		}
 		return Decision{}, fmt.Errorf("%w: %w", ErrPartitionMissing, err)
@@ -144,7 +144,7 @@ func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*
 		for _, r := range group {
 			if r.l.alg.partitioned() && !healed[r.l.windowUs] {
 				healed[r.l.windowUs] = true
-				if herr := r.l.heal(cctx, r.l.db); herr != nil {
+				if herr := r.l.heal(cctx, r.l.st.db); herr != nil {
 					return nil, herr
 				}
 			}
@@ -188,7 +188,7 @@ func takeGroup(ctx context.Context, mode MultiMode, group []*pendingCheck) ([]De
 		}
 	}
 	if c == nil {
-		return first.alg.takeQueue(ctx, first.db, newCheckQueue(group))
+		return first.alg.takeQueue(ctx, first.st.db, newCheckQueue(group))
 	}
 	if err := c.takeGroup(ctx, group); err != nil {
 		return nil, err
@@ -216,7 +216,7 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 	if tx != nil {
 		sp, err = tx.Begin(ctx)
 	} else {
-		sp, err = begin(ctx, group[0].l.db)
+		sp, err = begin(ctx, group[0].l.st.db)
 	}
 	if err != nil {
 		return nil, err

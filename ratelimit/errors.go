@@ -223,7 +223,7 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
-	if pe := pgerr.Diagnose(ctx, l.db, missingGrant(l), pgErr); pe != nil {
+	if pe := pgerr.Diagnose(ctx, l.st.db, missingGrant(l), pgErr); pe != nil {
 		return fmt.Errorf("ratelimit: %w", pe)
 	}
 	if kind == pgerr.Permission {
@@ -232,7 +232,7 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 	// The tables are missing. Say where the connection looked, when it
 	// can tell.
 	var where *notmigrated.Error
-	if errors.As(notmigrated.At(ctx, l.db), &where) {
+	if errors.As(notmigrated.At(ctx, l.st.db), &where) {
 		return fmt.Errorf("ratelimit: %w: %w", where, pgErr)
 	}
 	return err
@@ -255,7 +255,7 @@ func (l *Limiter) explainReadOnly(ctx context.Context, err error) error {
 	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
 	var standby bool
-	if qerr := l.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {
+	if qerr := l.st.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {
 		return fmt.Errorf("%w: it is a read-only standby (point the limiter at the primary), or the session is read-only (set default_transaction_read_only to off for the limiter's role or connections): %w", ErrReadOnly, unwrapMapped(err))
 	}
 	if standby {

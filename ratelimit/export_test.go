@@ -111,7 +111,7 @@ func TakeGroups(ctx context.Context, limiters []*Limiter, keys []string, costs [
 		l := limiters[i]
 		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: l.key(key), ask: ask{n: costs[i], upTo: upTo[i]}, group: groups[i]}
 	}
-	decs, err := limiters[0].alg.takeQueue(ctx, limiters[0].db, newCheckQueue(batch))
+	decs, err := limiters[0].alg.takeQueue(ctx, limiters[0].st.db, newCheckQueue(batch))
 	if err != nil {
 		return nil, err
 	}
@@ -131,3 +131,4 @@ func TakeGroups(ctx context.Context, limiters []*Limiter, keys []string, costs [
 	}
 	return decs, nil
 }
+

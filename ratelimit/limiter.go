@@ -25,9 +25,8 @@ type DB = gen.DBTX
 // Limiter is safe for concurrent use.
 type Limiter struct {
 	shape
-	db           DB
+	st           *Database // the database, its coalescer and breaker
 	q            *gen.Queries
-	breaker      *breaker
 	memory       *MemoryLimiter // answers under FailToMemory
 	deny         *denyCache     // nil when disabled
 	shadowLogged atomic.Int64
@@ -47,12 +46,6 @@ func New(db DB, cfg Config) (*Limiter, error) {
 	if cfg.KeyMode == ReadableKeys && len(cfg.Name) > MaxReadableNameBytes {
 		return nil, invalid(ErrInvalidName, "%d bytes with readable keys; use a name of at most %d bytes, or HashedKeys (the default)", len(cfg.Name), MaxReadableNameBytes)
 	}
-	return newLimiter(db, cfg)
-}
-
-// newLimiter is New without the name's length check, which a spread
-// limit's rows (named "name#i") would fail.
-func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	if isNil(db) {
 		return nil, ErrNilDB
 	}
@@ -60,12 +53,18 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	if err != nil {
 		return nil, err
 	}
-	if pool, ok := db.(*pgxpool.Pool); ok {
-		// Checks hold at most their share of the pool (PoolShareDivisor).
-		db = sharedPoolFor(pool)
+	return newLimiter(databaseOf(db, cfg), cfg)
+}
+
+// newLimiter is a limiter of st: New's, or Database.Limiter's (without the
+// name's length check, which a spread limit's rows, named "name#i", would
+// fail).
+func newLimiter(st *Database, cfg Config) (*Limiter, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
 	}
-	l := &Limiter{shape: newShape(cfg), db: db, q: gen.New()}
-	l.breaker = newBreaker(cfg)
+	l := &Limiter{shape: newShape(cfg), st: st, q: gen.New()}
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
@@ -82,16 +81,12 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 	if err := l.initShare(); err != nil {
 		return nil, err
 	}
-	if !cfg.DisableCoalescing {
-		// A *pgx.Conn or a pgx.Tx serves one statement at a time; anything
-		// else (a pool, or a wrapper around one that traces or counts
-		// statements) can run several round trips at once. A spread
-		// limit's rows coalesce on their own.
-		// A check that reads a stored policy goes out alone: the queue
-		// statements take their figures from the caller.
-		if !singleConn(db) && cfg.Spread <= 1 && cfg.Policy == "" {
-			l.coalescer = sharedCoalescer(db, cfg.MaxBatch, cfg.MaxInFlight)
-		}
+	if cfg.Spread <= 1 && cfg.Policy == "" {
+		// The store's coalescer (nil for a *pgx.Conn or a pgx.Tx, which
+		// serve one statement at a time). A spread limit's rows coalesce
+		// on their own. A check that reads a stored policy goes out alone:
+		// the queue statements take their figures from the caller.
+		l.coalescer = st.coalescer
 	}
 	if cfg.Spread > 1 {
 		s := int64(cfg.Spread)
@@ -103,7 +98,7 @@ func newLimiter(db DB, cfg Config) (*Limiter, error) {
 			sc.Limit = cfg.Limit/s + b2i(i < cfg.Limit%s)
 			sc.Burst = cfg.Burst/s + b2i(i < cfg.Burst%s)
 			sc = l.alg.spreadRow(sc)
-			shard, err := newLimiter(db, sc)
+			shard, err := newLimiter(st, sc)
 			if err != nil {
 				return nil, err
 			}
@@ -138,7 +133,7 @@ func singleConn(db DB) bool {
 
 // BreakerOpen reports whether the breaker currently keeps checks away from
 // the database.
-func (l *Limiter) BreakerOpen() bool { return l.breaker.open.Load() }
+func (l *Limiter) BreakerOpen() bool { return l.st.breaker.open.Load() }
 
 // Config returns the limiter's configuration, defaults filled in.
 func (l *Limiter) Config() Config { return l.cfg }
@@ -260,7 +255,7 @@ func (l *Limiter) Peek(ctx context.Context, key string) (Decision, error) {
 	}
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
-	d, err := l.peek(cctx, l.db, key)
+	d, err := l.peek(cctx, l.st.db, key)
 	return d, l.explain(ctx, err)
 }
 
@@ -292,7 +287,7 @@ func (l *Limiter) Reset(ctx context.Context, key string) error {
 	l.forgetLocal(ctx, key)
 	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
 	defer cancel()
-	return l.explain(ctx, l.reset(cctx, l.db, key))
+	return l.explain(ctx, l.reset(cctx, l.st.db, key))
 }
 
 func (l *Limiter) forgetLocal(ctx context.Context, key string) {

@@ -164,8 +164,8 @@ func newMultiRequest(tx pgx.Tx, mode MultiMode, checks []Check) (*request, error
 			return nil, fmt.Errorf("check %d: %w", i, err)
 		}
 		if i == 0 {
-			db = c.Limiter.db
-		} else if c.Limiter.db != db && tx == nil {
+			db = c.Limiter.st.db
+		} else if c.Limiter.st.db != db && tx == nil {
 			return nil, invalid(ErrMixedDatabases, "check %d (%q) uses another database than check 0", i, c.Limiter.cfg.Name)
 		}
 		skey := c.Limiter.key(c.Key)

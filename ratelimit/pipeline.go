@@ -59,7 +59,7 @@ func decide(ctx context.Context, req *request) ([]Decision, error) {
 	var probe int64
 	if req.tx == nil {
 		var ok bool
-		if probe, ok = first.breaker.allow(sent); !ok {
+		if probe, ok = first.st.breaker.allow(sent); !ok {
 			return req.fail(ctx, errBreakerOpen)
 		}
 	}
@@ -73,21 +73,21 @@ func decide(ctx context.Context, req *request) ([]Decision, error) {
 			return nil, err
 		}
 		if IsConfigError(err) {
-			first.breaker.success(probe) // the database answered
+			first.st.breaker.success(probe) // the database answered
 			return nil, err
 		}
-		first.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
+		first.st.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
 		return req.fail(ctx, err)
 	}
 	if req.tx == nil {
-		first.breaker.success(probe)
+		first.st.breaker.success(probe)
 		req.remember(decs, sent)
 	}
 	for i, r := range req.checks {
 		decs[i] = req.whole[i].asWhole(r.l, decs[i])
 	}
 	if !req.multi && req.tx == nil && first.cfg.Cleanup != nil {
-		if p, ok := first.db.(*pooled); ok {
+		if p, ok := first.st.db.(*pooled); ok {
 			first.cfg.Cleanup.Maybe(ctx, p.pool)
 		}
 	}

@@ -100,16 +100,13 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 		// Metrics and dashboards see one limiter, whatever the rate.
 		cfg.Observer = renamedObserver{Observer: cfg.Observer, name: l.cfg.Name}
 	}
-	d, err := newLimiter(l.db, cfg)
+	// The store's: one database, one judgement of its health.
+	d, err := newLimiter(l.st, cfg)
 	if err != nil {
 		return nil, err
 	}
-	d.breaker = l.breaker // one database, one judgement of its health
 	// Shared denials go out under the name receivers register.
 	d.share.name = l.share.name
-	for _, s := range d.shards {
-		s.breaker = l.breaker
-	}
 	if l.rates.m == nil || len(l.rates.m) >= maxRates {
 		l.rates.m = make(map[Rate]*Limiter)
 	}

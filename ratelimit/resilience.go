@@ -48,8 +48,8 @@ type breaker struct {
 	// probe still waiting for a stalled database has not been abandoned.
 	probeLimit time.Duration
 	logger     *slog.Logger
-	name       string
-	observer   Observer
+	name       string     // the limit's, in logs; empty for a Store's
+	notify     func(bool) // tells the Observer the breaker opened (true) or closed
 
 	failures  atomic.Int64
 	open      atomic.Bool
@@ -59,11 +59,19 @@ type breaker struct {
 	since     time.Time
 }
 
-// newBreaker returns the breaker of a limiter configured by cfg (defaults
-// applied).
-func newBreaker(cfg Config) *breaker {
-	return &breaker{threshold: int64(cfg.BreakerThreshold), cooldown: cfg.BreakerCooldown,
-		probeLimit: cfg.Timeout + cfg.BreakerCooldown, logger: cfg.Logger, name: cfg.Name, observer: cfg.Observer}
+// newBreaker returns the breaker of a store with options o (defaults
+// applied); name is the limit's when the store is one limiter's (New).
+func newBreaker(o DatabaseOptions, name string, notify func(open bool)) *breaker {
+	return &breaker{threshold: int64(o.BreakerThreshold), cooldown: o.BreakerCooldown,
+		probeLimit: o.Timeout + o.BreakerCooldown, logger: o.Logger, name: name, notify: notify}
+}
+
+// log logs an event of the breaker, naming its limit when it has one.
+func (b *breaker) log(level slog.Level, msg string, args ...any) {
+	if b.name != "" {
+		args = append([]any{"limiter", b.name}, args...)
+	}
+	b.logger.Log(context.Background(), level, msg, args...)
 }
 
 // allow reports whether a check may go to the database now. While the
@@ -106,11 +114,9 @@ func (b *breaker) success(probe int64) {
 		b.mu.Lock()
 		if b.open.Load() {
 			b.open.Store(false)
-			if b.observer != nil {
-				b.observer.ObserveBreaker(b.name, false)
-			}
-			b.logger.Info("pgrl: database answering again; checks go to PostgreSQL",
-				"limiter", b.name, "outage", time.Since(b.since).Round(time.Millisecond).String())
+			b.notify(false)
+			b.log(slog.LevelInfo, "pgrl: database answering again; checks go to PostgreSQL",
+				"outage", time.Since(b.since).Round(time.Millisecond).String())
 		}
 		b.mu.Unlock()
 		b.probeAt.Store(0) // closed: no probe is running any more
@@ -146,11 +152,9 @@ func (b *breaker) failure(now time.Time, err error, policy FailurePolicy, probe 
 	b.since = now
 	b.openUntil.Store(now.Add(b.cooldown).UnixNano())
 	b.open.Store(true)
-	if b.observer != nil {
-		b.observer.ObserveBreaker(b.name, true)
-	}
-	b.logger.Warn("pgrl: database unavailable; answering checks by failure policy until it recovers",
-		"limiter", b.name, "policy", policy.String(), "error", err.Error())
+	b.notify(true)
+	b.log(slog.LevelWarn, "pgrl: database unavailable; answering checks by failure policy until it recovers",
+		"policy", policy.String(), "error", err.Error())
 }
 
 // errBreakerOpen is the reason given while the breaker skips the database.

@@ -1,0 +1,157 @@
+package ratelimit_test
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/cleanup"
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// TestNewDatabaseRefusesBadOptions: a nil database and out-of-range options
+// are refused with typed errors that name the field, before anything runs.
+func TestNewDatabaseRefusesBadOptions(t *testing.T) {
+	t.Parallel()
+	_, err := ratelimit.NewDatabase(nil, ratelimit.DatabaseOptions{})
+	require.ErrorIs(t, err, ratelimit.ErrNilDB)
+	pool, _ := dbtest.Pool(t)
+	for _, tc := range []struct {
+		opts  ratelimit.DatabaseOptions
+		want  error
+		field string
+	}{
+		{ratelimit.DatabaseOptions{Timeout: -time.Nanosecond}, ratelimit.ErrInvalidTimeout, "Timeout"},
+		{ratelimit.DatabaseOptions{BreakerThreshold: -1}, ratelimit.ErrInvalidOption, "BreakerThreshold"},
+		{ratelimit.DatabaseOptions{BreakerCooldown: -time.Second}, ratelimit.ErrInvalidTimeout, "BreakerCooldown"},
+		{ratelimit.DatabaseOptions{MaxBatch: -1}, ratelimit.ErrInvalidOption, "MaxBatch"},
+		{ratelimit.DatabaseOptions{MaxInFlight: -9223372036854775807}, ratelimit.ErrInvalidOption, "MaxInFlight"},
+	} {
+		_, err := ratelimit.NewDatabase(pool, tc.opts)
+		require.ErrorIs(t, err, tc.want, "%+v", tc.opts)
+		require.ErrorContains(t, err, "DatabaseOptions."+tc.field)
+		require.True(t, ratelimit.IsConfigError(err))
+	}
+	db, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	require.NoError(t, err)
+	o := db.Options()
+	require.Equal(t, ratelimit.DefaultTimeout, o.Timeout, "a check's wait is bounded by default")
+	require.Equal(t, ratelimit.DefaultBreakerThreshold, o.BreakerThreshold)
+	require.Equal(t, ratelimit.DefaultMaxBatch, o.MaxBatch)
+	require.NotNil(t, o.Logger)
+}
+
+// TestDatabaseLimiterRefusesPerDatabaseFields: a limit made from a Database
+// takes what is per database from it; setting such a field on the limit as
+// well is refused, naming the option to set instead, so that no setting is
+// silently ignored.
+func TestDatabaseLimiterRefusesPerDatabaseFields(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	db, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	require.NoError(t, err)
+	ok := ratelimit.Config{Name: "per-db", Limit: 5, Window: time.Minute}
+	for field, set := range map[string]func(*ratelimit.Config){
+		"Timeout":           func(c *ratelimit.Config) { c.Timeout = time.Second },
+		"BreakerThreshold":  func(c *ratelimit.Config) { c.BreakerThreshold = 3 },
+		"BreakerCooldown":   func(c *ratelimit.Config) { c.BreakerCooldown = time.Second },
+		"DisableCoalescing": func(c *ratelimit.Config) { c.DisableCoalescing = true },
+		"MaxBatch":          func(c *ratelimit.Config) { c.MaxBatch = 8 },
+		"MaxInFlight":       func(c *ratelimit.Config) { c.MaxInFlight = 8 },
+		"CreatePartitions":  func(c *ratelimit.Config) { c.CreatePartitions = true },
+		"Cleanup":           func(c *ratelimit.Config) { c.Cleanup = &cleanup.Opportunistic{} },
+		"Observer":          func(c *ratelimit.Config) { c.Observer = &breakerEvents{} },
+		"Logger":            func(c *ratelimit.Config) { c.Logger = slog.New(slog.DiscardHandler) },
+	} {
+		cfg := ok
+		set(&cfg)
+		_, err := db.Limiter(cfg)
+		require.ErrorIs(t, err, ratelimit.ErrInvalidOption, field)
+		require.ErrorContains(t, err, "set DatabaseOptions."+field+" instead")
+	}
+	bad := ok
+	bad.Limit = -1
+	_, err = db.Limiter(bad)
+	require.ErrorIs(t, err, ratelimit.ErrInvalidLimit, "the limit's own rules still apply")
+	l, err := db.Limiter(ok)
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.DefaultTimeout, l.Config().Timeout, "the limit reports the Database's options")
+}
+
+// TestDatabaseSharesCoalescerAndBreaker: every limit of one Database puts
+// its checks into the same coalesced statements, and one judgement of the
+// database's health holds for all of them: failures seen by one limit open
+// the breaker for the others, whose checks are then answered by their
+// failure policy without a round trip, and the Observer hears of it once
+// per limit.
+func TestDatabaseSharesCoalescerAndBreaker(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	live, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	require.NoError(t, err)
+	a, err := live.Limiter(ratelimit.Config{Name: "shared-a", Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	b, err := live.Limiter(ratelimit.Config{Name: "shared-b", Algorithm: ratelimit.TokenBucket, Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	require.True(t, ratelimit.SharesCoalescer(a, b), "one coalescer per Database")
+	alone, err := ratelimit.New(pool, ratelimit.Config{Name: "shared-a", Limit: 5, Window: time.Minute, MaxBatch: 7})
+	require.NoError(t, err)
+	require.False(t, ratelimit.SharesCoalescer(a, alone), "a limiter with other coalescer settings has its own")
+
+	// A database that refuses connections: a real failure on every check.
+	dead := &testkit.CountingDB{Pool: testkit.DeadPool(t)}
+	events := &breakerEvents{}
+	down, err := ratelimit.NewDatabase(dead, ratelimit.DatabaseOptions{BreakerThreshold: 2, BreakerCooldown: time.Hour,
+		Observer: events, Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	x, err := down.Limiter(ratelimit.Config{Name: "down-x", Limit: 5, Window: time.Minute})
+	require.NoError(t, err)
+	y, err := down.Limiter(ratelimit.Config{Name: "down-y", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute,
+		OnFailure: ratelimit.FailClosed})
+	require.NoError(t, err)
+	ctx := context.Background()
+	for range 2 {
+		d, err := x.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, ratelimit.StoreMemory, d.Store, "FailToMemory answers while the database is down")
+	}
+	require.True(t, down.BreakerOpen(), "two failures of x open the Database's breaker")
+	require.True(t, y.BreakerOpen(), "and y sees it open, without a failure of its own")
+	sent := dead.Statements()
+	d, err := y.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed, "y's own failure policy (FailClosed) answers")
+	require.Equal(t, ratelimit.StorePolicy, d.Store)
+	require.Equal(t, sent, dead.Statements(), "no round trip while the breaker is open")
+	require.ElementsMatch(t, []string{"open down-x", "open down-y"}, events.list(), "the Observer hears once per limit")
+}
+
+// breakerEvents records an Observer's breaker events.
+type breakerEvents struct {
+	mu     sync.Mutex
+	events []string
+}
+
+func (e *breakerEvents) ObserveDecision(string, ratelimit.Decision, time.Duration, error) {}
+
+func (e *breakerEvents) ObserveBreaker(limiter string, open bool) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	state := "open"
+	if !open {
+		state = "closed"
+	}
+	e.events = append(e.events, state+" "+limiter)
+}
+
+func (e *breakerEvents) list() []string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]string(nil), e.events...)
+}
