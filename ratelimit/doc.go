@@ -2,7 +2,9 @@
 // key) may do something, with counters shared by every instance of an
 // application through the PostgreSQL database it already runs.
 //
-//	lim, err := ratelimit.New(pool, ratelimit.Config{
+//	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{}) // once per database
+//	...
+//	lim, err := limits.Limiter(ratelimit.Config{
 //		Name:   "login:ip",
 //		Limit:  20,
 //		Window: time.Minute,
@@ -25,14 +27,14 @@
 // number of processes, are serialised by the database and admit exactly the
 // limit. Checks of different keys do not wait for each other.
 //
-// Concurrent checks share statements. Every limiter on one database handle
-// (a *pgxpool.Pool, or a DB of your own that wraps one) with the same
-// MaxBatch and MaxInFlight shares one coalescer: a check goes out at once,
-// alone, when fewer than MaxInFlight of the handle's round trips are running
-// and no check of its key is in flight, so a lone caller pays nothing (the
+// Concurrent checks share statements. The limits of one Database (and
+// the limiters made by New on one database handle with the same MaxBatch
+// and MaxInFlight) share one coalescer: a check goes out at once, alone,
+// when fewer than MaxInFlight of its round trips are running and no check
+// of its key is in flight, so a lone caller pays nothing (the
 // same statement: p50 0.96 to 1.09 times the raw SQL in rl-bench);
 // otherwise it waits for the next round trip, which decides up to MaxBatch
-// waiting checks of every limiter on the handle in one statement per
+// waiting checks of every limiter sharing it in one statement per
 // algorithm. The waiting checks of one key, a hot key, are decided by one
 // update of its row, one after another in arrival order, with exactly the
 // arithmetic of the single-check statement: each caller gets its own

@@ -36,7 +36,12 @@ func TestMain(m *testing.M) {
 
 func ExampleLimiter_Allow() {
 	ctx := context.Background()
-	login, err := ratelimit.New(pool, ratelimit.Config{
+	// Once per database, at start-up: what every limit there shares.
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	login, err := limits.Limiter(ratelimit.Config{
 		Name:   "login:ip",  // scopes the keys: two limiters never share a counter
 		Limit:  3,           // 3 attempts…
 		Window: time.Minute, // …per minute, in windows aligned on the database clock
@@ -62,11 +67,15 @@ func ExampleLimiter_Allow() {
 
 func ExampleAllowAll() {
 	ctx := context.Background()
-	perIP, err := ratelimit.New(pool, ratelimit.Config{Name: "signup:ip", Limit: 2, Window: time.Minute, Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
 	if err != nil {
 		log.Fatal(err)
 	}
-	perEmail, err := ratelimit.New(pool, ratelimit.Config{
+	perIP, err := limits.Limiter(ratelimit.Config{Name: "signup:ip", Limit: 2, Window: time.Minute, Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
+	perEmail, err := limits.Limiter(ratelimit.Config{
 		Name: "signup:email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Hour, Now: exampleClock,
 	})
 	if err != nil {
@@ -97,7 +106,11 @@ func ExampleAllowAll() {
 
 func ExampleLimiter_AllowNTx() {
 	ctx := context.Background()
-	uploads, err := ratelimit.New(pool, ratelimit.Config{Name: "upload:bytes", Limit: 10 << 20, Window: time.Hour, Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	uploads, err := limits.Limiter(ratelimit.Config{Name: "upload:bytes", Limit: 10 << 20, Window: time.Hour, Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -131,4 +131,3 @@ func TakeGroups(ctx context.Context, limiters []*Limiter, keys []string, costs [
 	}
 	return decs, nil
 }
-
