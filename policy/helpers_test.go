@@ -14,7 +14,7 @@ import (
 // test machine can outlast it and be answered by the failure policy, which
 // a test asserting what PostgreSQL decided must not see.
 func newLimiter(ctx context.Context, db ratelimit.DB, name string, o policy.Options) (*policy.Limiter, error) {
-	if o.Config.Timeout == 0 {
+	if o.Config.Timeout == 0 && o.Database == nil {
 		o.Config.Timeout = testkit.DecisionTimeout
 	}
 	return policy.NewLimiter(ctx, db, name, o)

@@ -36,6 +36,14 @@ type Options struct {
 	// of the policy are coalesced (a hot key's checks share one row update)
 	// and Spread may be used.
 	FromCache bool
+	// Database, when not nil, is where the policy's limits are kept: each
+	// load of the policy makes its limiter with Database.Limiter, so that
+	// it shares the Database's coalescer, breaker (kept across reloads),
+	// Timeout, Observer and Logger with every other limit there. Config
+	// then leaves those per-database fields unset (Database.Limiter
+	// refuses them), and db must be the same database. When nil, each load
+	// builds its limiter with ratelimit.New and Config's fields.
+	Database *ratelimit.Database
 }
 
 // Limiter is a ratelimit.Limiter whose limit is a stored policy. Each check
@@ -50,6 +58,7 @@ type Options struct {
 type Limiter struct {
 	name  string
 	db    DB
+	rdb   *ratelimit.Database // nil: limiters made by ratelimit.New
 	cache *Cache
 	base  ratelimit.Config
 	// inStatement: checks read the policy in their statement.
@@ -113,6 +122,9 @@ func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter
 			inStatement = false
 			if citusLogged.CompareAndSwap(false, true) {
 				logger := opts.Config.Logger
+				if opts.Database != nil {
+					logger = opts.Database.Options().Logger
+				}
 				if logger == nil {
 					logger = slog.Default()
 				}
@@ -121,7 +133,7 @@ func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter
 			}
 		}
 	}
-	l := &Limiter{name: name, db: db, cache: c, base: opts.Config, inStatement: inStatement}
+	l := &Limiter{name: name, db: db, rdb: opts.Database, cache: c, base: opts.Config, inStatement: inStatement}
 	if _, err := l.current(); err != nil {
 		return nil, err
 	}
@@ -172,7 +184,13 @@ func (l *Limiter) currentEntry() (*built, *entry, error) {
 			cfg.DenyCacheSize = -1
 		}
 	}
-	lim, err := ratelimit.New(l.db, cfg)
+	var lim *ratelimit.Limiter
+	var err error
+	if l.rdb != nil {
+		lim, err = l.rdb.Limiter(cfg)
+	} else {
+		lim, err = ratelimit.New(l.db, cfg)
+	}
 	if err != nil {
 		return nil, nil, invalid(err, "")
 	}

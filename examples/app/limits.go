@@ -119,24 +119,24 @@ type limits struct {
 // current), the beacon's in memory.
 func newLimits(ctx context.Context, pool *pgxpool.Pool, cache *policy.Cache, ips *clientip.Resolver, col *metrics.Collector, opts httplimit.Config) (*limits, error) {
 	l := &limits{}
-	var err error
+	// What every limit in this database shares. When PostgreSQL is down or
+	// slower than Timeout, each process keeps limiting on its own, in
+	// memory (FailToMemory, every policy's default), and logs the outage
+	// once.
+	db, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{
+		Timeout:  250 * time.Millisecond,
+		Observer: col,
+		Logger:   opts.Logger,
+	})
+	if err != nil {
+		return nil, err
+	}
 	stored := func(s limitSpec) *policy.Limiter {
 		if err != nil {
 			return nil
 		}
 		var lim *policy.Limiter
-		lim, err = policy.NewLimiter(ctx, pool, s.Name, policy.Options{
-			Cache: cache,
-			// Everything a policy does not hold. When PostgreSQL is down
-			// or slower than this, each process keeps limiting on its own,
-			// in memory (FailToMemory, the default), and logs the outage
-			// once.
-			Config: ratelimit.Config{
-				Timeout:  250 * time.Millisecond,
-				Observer: col,
-				Logger:   opts.Logger,
-			},
-		})
+		lim, err = policy.NewLimiter(ctx, pool, s.Name, policy.Options{Cache: cache, Database: db})
 		l.Names = append(l.Names, s.Name)
 		return lim
 	}

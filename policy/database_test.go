@@ -1,0 +1,96 @@
+package policy_test
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/policy"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// TestLimiterFromDatabase: with Options.Database, the policy's limits are
+// the Database's: its Observer sees their decisions, its breaker judges the
+// database for them and survives a reload of the policy, and a per-database
+// field set in Config as well is refused, naming the option to set.
+func TestLimiterFromDatabase(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "from-db", Limit: 2, Window: time.Hour})
+	require.NoError(t, err)
+	obs := &decisions{}
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Observer: obs})
+	require.NoError(t, err)
+	lim, err := newLimiter(ctx, pool, "from-db", policy.Options{Database: limits})
+	require.NoError(t, err)
+	for _, want := range []bool{true, true, false} {
+		d, err := lim.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, want, d.Allowed)
+		require.Equal(t, ratelimit.StorePostgres, d.Store)
+	}
+	require.Equal(t, []string{"from-db true", "from-db true", "from-db false"}, obs.list(), "the Database's Observer")
+	l, err := lim.For("k")
+	require.NoError(t, err)
+	require.Equal(t, testkit.DecisionTimeout, l.Config().Timeout, "the Database's Timeout")
+
+	_, err = newLimiter(ctx, pool, "from-db", policy.Options{Database: limits,
+		Config: ratelimit.Config{Observer: obs}})
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	require.ErrorContains(t, err, "DatabaseOptions.Observer")
+
+	// The Database's breaker: a database that refuses connections opens it
+	// after two failures, and it stays open across a reload of the policy
+	// (checks from the cache, which the live pool loaded).
+	cache := policy.NewCache(pool)
+	require.NoError(t, cache.Reload(ctx))
+	down, err := ratelimit.NewDatabase(testkit.DeadPool(t), ratelimit.DatabaseOptions{BreakerThreshold: 2,
+		BreakerCooldown: time.Hour, Logger: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	dl, err := newLimiter(ctx, pool, "from-db", policy.Options{Database: down, Cache: cache, FromCache: true})
+	require.NoError(t, err)
+	for range 2 {
+		d, err := dl.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, ratelimit.StoreMemory, d.Store)
+	}
+	require.True(t, down.BreakerOpen())
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "from-db", Limit: 3, Window: time.Hour})
+	require.NoError(t, err)
+	require.NoError(t, cache.ReloadPolicy(ctx, "from-db"))
+	l, err = dl.For("k")
+	require.NoError(t, err)
+	require.Equal(t, int64(3), l.Config().Limit, "rebuilt from the reloaded policy")
+	require.True(t, l.BreakerOpen(), "the rebuilt limiter keeps the Database's open breaker")
+}
+
+// decisions records an Observer's decisions as "name allowed".
+type decisions struct {
+	mu  sync.Mutex
+	got []string
+}
+
+func (o *decisions) ObserveDecision(name string, d ratelimit.Decision, _ time.Duration, _ error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	state := "false"
+	if d.Allowed {
+		state = "true"
+	}
+	o.got = append(o.got, name+" "+state)
+}
+
+func (o *decisions) ObserveBreaker(string, bool) {}
+
+func (o *decisions) list() []string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return append([]string(nil), o.got...)
+}
