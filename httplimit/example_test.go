@@ -38,7 +38,11 @@ func TestMain(m *testing.M) {
 }
 
 func Example() {
-	lim, err := ratelimit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	if err != nil {
+		log.Fatal(err)
+	}
+	lim, err := limits.Limiter(ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -16,7 +16,9 @@
 //	reg := prometheus.NewRegistry()
 //	col, err := metrics.New(reg)
 //	...
-//	lim, err := ratelimit.New(pool, ratelimit.Config{Name: "api", ..., Observer: col})
+//	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Observer: col})
+//	...
+//	lim, err := limits.Limiter(ratelimit.Config{Name: "api", ...})
 //	col.Init("api") // optional: the per-limiter series exist at zero before the first check
 //	...
 //	l, err := policy.Watch(ctx, listenerURL, cache, policy.ListenerOptions{})
