@@ -120,7 +120,7 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				require.False(t, res.Skipped)
 				require.False(t, res.Cutoff.After(txStart), "cutoff %s is after the open transaction's start %s", res.Cutoff, txStart)
 
-				d, err := inside.AllowNTx(ctx, tx, "k", 1)
+				d, err := inside.AllowTx(ctx, tx, "k")
 				require.NoError(t, err)
 				require.False(t, d.Allowed, "the transaction decides at its start, inside the exhausted window")
 				if alg == ratelimit.FixedWindow {

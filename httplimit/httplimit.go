@@ -53,13 +53,11 @@ type KeyFunc func(r *http.Request) (key string, ok bool)
 // skips the limit for that request.
 type CostFunc func(r *http.Request) int64
 
-// Checker is one limit: *ratelimit.Limiter (in PostgreSQL),
-// *ratelimit.MemoryLimiter (in process memory) and *policy.Limiter (a
-// limit stored in PostgreSQL, also a KeyedLimiter) satisfy it.
-type Checker interface {
-	AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error)
-	Config() ratelimit.Config
-}
+// Checker is one limit: ratelimit.Checker, which *ratelimit.Limiter (in
+// PostgreSQL), *ratelimit.MemoryLimiter (in process memory) and
+// *policy.Limiter (a limit stored in PostgreSQL, also a KeyedLimiter)
+// satisfy.
+type Checker = ratelimit.Checker
 
 // KeyedLimiter is a limit whose rate depends on the key and may change
 // while the middleware runs: *policy.Limiter, a limit stored in PostgreSQL
@@ -442,9 +440,9 @@ func (m *Middleware) decide(ctx context.Context, act []active) (ratelimit.MultiD
 		var d ratelimit.Decision
 		var err error
 		if act[0].lim != nil {
-			d, err = act[0].lim.AllowN(ctx, act[0].key, act[0].cost)
+			d, err = act[0].lim.Allow(ctx, act[0].key, ratelimit.Cost(act[0].cost))
 		} else {
-			d, err = act[0].r.checker.AllowN(ctx, act[0].key, act[0].cost)
+			d, err = act[0].r.checker.Allow(ctx, act[0].key, ratelimit.Cost(act[0].cost))
 		}
 		if err != nil {
 			return ratelimit.MultiDecision{}, err

@@ -572,12 +572,28 @@ func TestKeyedLimiterReportsTheRateApplied(t *testing.T) {
 // *policy.Limiter is), for Config.Limiter.
 type keyedChecker struct{ perKey }
 
-func (k keyedChecker) AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error) {
+func (k keyedChecker) Allow(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
 	l, err := k.For(key)
 	if err != nil {
 		return ratelimit.Decision{}, err
 	}
-	return l.AllowN(ctx, key, n)
+	return l.Allow(ctx, key, opts...)
+}
+
+func (k keyedChecker) Peek(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
+	l, err := k.For(key)
+	if err != nil {
+		return ratelimit.Decision{}, err
+	}
+	return l.Peek(ctx, key, opts...)
+}
+
+func (k keyedChecker) Reset(ctx context.Context, key string, opts ...ratelimit.Option) error {
+	l, err := k.For(key)
+	if err != nil {
+		return err
+	}
+	return l.Reset(ctx, key, opts...)
 }
 
 func TestNewRejectsBadConfig(t *testing.T) {

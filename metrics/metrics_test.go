@@ -285,16 +285,16 @@ func TestShadowDenialsCountedAsShadowDenied(t *testing.T) {
 		Shadow: true, Logger: quiet, Observer: col}, ratelimit.MemoryOptions{})
 	require.NoError(t, err)
 
-	d, err := shadow.AllowN(ctx, "k", 5)
+	d, err := shadow.Allow(ctx, "k", ratelimit.Cost(5))
 	require.NoError(t, err)
 	require.Equal(t, int64(5), d.Granted)
 	for range 2 { // PostgreSQL, then the deny cache
-		d, err = shadow.AllowN(ctx, "k", 2)
+		d, err = shadow.Allow(ctx, "k", ratelimit.Cost(2))
 		require.NoError(t, err)
 		require.True(t, d.ShadowDenied)
 		require.Zero(t, d.Granted)
 	}
-	d, err = shadow.AllowUpTo(ctx, "k", 4)
+	d, err = shadow.Allow(ctx, "k", ratelimit.UpTo(4))
 	require.NoError(t, err)
 	require.True(t, d.ShadowDenied)
 	require.Zero(t, d.Granted)
@@ -307,10 +307,10 @@ func TestShadowDenialsCountedAsShadowDenied(t *testing.T) {
 	require.True(t, m.Decisions[0].ShadowDenied)
 	require.Zero(t, m.Decisions[0].Granted)
 	for _, n := range []int64{5, 2, 2} {
-		_, err = mem.AllowN(ctx, "k", n)
+		_, err = mem.Allow(ctx, "k", ratelimit.Cost(n))
 		require.NoError(t, err)
 	}
-	d, err = mem.AllowUpTo(ctx, "k", 4)
+	d, err = mem.Allow(ctx, "k", ratelimit.UpTo(4))
 	require.NoError(t, err)
 	require.True(t, d.ShadowDenied)
 

@@ -61,7 +61,9 @@ func TestLimiterFromDatabase(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, ratelimit.StoreMemory, d.Store)
 	}
-	require.True(t, down.BreakerOpen())
+	l, err = dl.For("k")
+	require.NoError(t, err)
+	require.True(t, l.BreakerOpen())
 	_, err = policy.Set(ctx, pool, policy.Policy{Name: "from-db", Limit: 3, Window: time.Hour})
 	require.NoError(t, err)
 	require.NoError(t, cache.ReloadPolicy(ctx, "from-db"))
@@ -93,4 +95,26 @@ func (o *decisions) list() []string {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return append([]string(nil), o.got...)
+}
+
+// TestLimiterRefusesAtRate: a policy holds its rate, so a rate given with a
+// call is refused on every verb, counting nothing; Cost and UpTo apply.
+func TestLimiterRefusesAtRate(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	_, err := policy.Set(ctx, pool, policy.Policy{Name: "no-rate", Limit: 5, Window: time.Hour})
+	require.NoError(t, err)
+	lim, err := newLimiter(ctx, pool, "no-rate", policy.Options{})
+	require.NoError(t, err)
+	r := ratelimit.AtRate(ratelimit.Rate{Limit: 100, Window: time.Hour})
+	_, err = lim.Allow(ctx, "k", ratelimit.Cost(2), r)
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	require.ErrorContains(t, err, "override")
+	_, err = lim.Peek(ctx, "k", r)
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	require.ErrorIs(t, lim.Reset(ctx, "k", r), ratelimit.ErrInvalidOption)
+	d, err := lim.Allow(ctx, "k", ratelimit.UpTo(9))
+	require.NoError(t, err)
+	require.Equal(t, int64(5), d.Granted, "UpTo applies to a policy's limit")
 }

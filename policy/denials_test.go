@@ -56,7 +56,7 @@ func sharer(t *testing.T, pool *pgxpool.Pool, cfg ratelimit.Config) *ratelimit.L
 
 // deny spends key's unit and checks it once more: PostgreSQL denies.
 func deny(t *testing.T, l interface {
-	Allow(context.Context, string) (ratelimit.Decision, error)
+	Allow(context.Context, string, ...ratelimit.Option) (ratelimit.Decision, error)
 }, key string) ratelimit.Decision {
 	t.Helper()
 	ctx := context.Background()
@@ -90,8 +90,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			cdb := &testkit.CountingDB{Pool: poolB}
 
 			var a, b interface {
-				Allow(context.Context, string) (ratelimit.Decision, error)
-				AllowN(context.Context, string, int64) (ratelimit.Decision, error)
+				Allow(context.Context, string, ...ratelimit.Option) (ratelimit.Decision, error)
 				ShareStats() ratelimit.ShareStats
 			}
 			var recv policy.DenialReceiver

@@ -71,7 +71,7 @@ func Explain(ctx context.Context, db DB, name, key string) (Explanation, error) 
 	if err != nil {
 		return Explanation{}, invalid(err, "policy %q as stored", name)
 	}
-	x.Counter, err = lim.PeekRate(ctx, key, x.Rate)
+	x.Counter, err = lim.Peek(ctx, key, ratelimit.AtRate(x.Rate))
 	if err != nil {
 		return Explanation{}, err
 	}

@@ -35,11 +35,11 @@ func TestPolicyLimiterGrants(t *testing.T) {
 				Config: ratelimit.Config{Shadow: true, Logger: quiet, Now: testkit.Pinned(time.Date(2031, 1, 1, 0, 10, 0, 0, time.UTC)),
 					Timeout: time.Minute}})
 			require.NoError(t, err)
-			d, err := lim.AllowN(ctx, "k", 5)
+			d, err := lim.Allow(ctx, "k", ratelimit.Cost(5))
 			require.NoError(t, err)
 			require.Equal(t, int64(5), d.Granted, name)
 			for range 2 {
-				d, err = lim.AllowN(ctx, "k", 2)
+				d, err = lim.Allow(ctx, "k", ratelimit.Cost(2))
 				require.NoError(t, err)
 				require.True(t, d.Allowed, name)
 				require.True(t, d.ShadowDenied, name)
@@ -47,11 +47,11 @@ func TestPolicyLimiterGrants(t *testing.T) {
 			}
 			l, err := lim.For("k")
 			require.NoError(t, err)
-			d, err = l.AllowUpTo(ctx, "k", 4)
+			d, err = l.Allow(ctx, "k", ratelimit.UpTo(4))
 			require.NoError(t, err)
 			require.True(t, d.ShadowDenied, name)
 			require.Zero(t, d.Granted, name)
-			d, err = l.AllowUpTo(ctx, "fresh", math.MaxInt64)
+			d, err = l.Allow(ctx, "fresh", ratelimit.UpTo(math.MaxInt64))
 			require.NoError(t, err, "%s: an ask above the limit is a ceiling", name)
 			require.Equal(t, int64(5), d.Granted, name)
 		}

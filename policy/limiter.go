@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -53,7 +52,7 @@ type Options struct {
 // and window); when the statement finds the policy changed in a way that
 // moves the row, the limiter reloads the policy and checks again, once.
 // A key with an override in force is checked at the override's rate
-// (ratelimit.Limiter.AllowRate), so what the key has used carries over as
+// (ratelimit.AtRate), so what the key has used carries over as
 // ratelimit.Rate describes. A Limiter is safe for concurrent use.
 type Limiter struct {
 	name  string
@@ -69,6 +68,8 @@ type Limiter struct {
 	// policy version and key, so that a bad one is logged once.
 	warned sync.Map
 }
+
+var _ ratelimit.Checker = (*Limiter)(nil)
 
 // citusLogged is set once NewLimiter has logged that it checks from the
 // cache because the database is a Citus coordinator.
@@ -113,29 +114,22 @@ func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter
 		}
 	}
 	inStatement := !opts.FromCache
+	citus := false
 	if inStatement {
-		citus, err := onCitus(ctx, db)
-		if err != nil {
+		var err error
+		if citus, err = onCitus(ctx, db); err != nil {
 			return nil, mapErr(err)
 		}
-		if citus {
-			inStatement = false
-			if citusLogged.CompareAndSwap(false, true) {
-				logger := opts.Config.Logger
-				if opts.Database != nil {
-					logger = opts.Database.Options().Logger
-				}
-				if logger == nil {
-					logger = slog.Default()
-				}
-				logger.Info("pgrl: on Citus, policy limiters check with the policy as last loaded into their Cache (Options.FromCache): a check that reads its policy in the statement does not run there; keep the Cache current with a Listener",
-					"policy", name)
-			}
-		}
+		inStatement = !citus
 	}
 	l := &Limiter{name: name, db: db, rdb: opts.Database, cache: c, base: opts.Config, inStatement: inStatement}
-	if _, err := l.current(); err != nil {
+	b, err := l.current()
+	if err != nil {
 		return nil, err
+	}
+	if citus && citusLogged.CompareAndSwap(false, true) {
+		b.lim.Config().Logger.Info("pgrl: on Citus, policy limiters check with the policy as last loaded into their Cache (Options.FromCache): a check that reads its policy in the statement does not run there; keep the Cache current with a Listener",
+			"policy", name)
 	}
 	return l, nil
 }
@@ -250,14 +244,11 @@ func (l *Limiter) now() time.Time {
 	return time.Now()
 }
 
-// Allow checks and counts one unit for key.
-func (l *Limiter) Allow(ctx context.Context, key string) (ratelimit.Decision, error) {
-	return l.AllowN(ctx, key, 1)
-}
-
-// AllowN checks and counts n units for key under the policy, or under the
-// key's override when one is in force (ratelimit.Limiter.AllowN describes
-// the answer and the errors). A policy deleted since the limiter was made
+// Allow checks and counts units for key under the policy, or under the
+// key's override when one is in force: one unit, or what ratelimit.Cost or
+// ratelimit.UpTo asks for (ratelimit.Limiter.Allow describes the answer and
+// the errors). A policy holds its rate: ratelimit.AtRate is refused with
+// ratelimit.ErrInvalidOption. A policy deleted since the limiter was made
 // gives ErrNotFound.
 //
 // When the check finds the policy changed under the cached one (its
@@ -266,14 +257,17 @@ func (l *Limiter) Allow(ctx context.Context, key string) (ratelimit.Decision, er
 // exceeds the cached limit, which may have been raised), the limiter
 // reloads the policy and checks once more. Nothing was counted by the
 // first attempt.
-func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error) {
+func (l *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
+	if err := l.noRate(opts); err != nil {
+		return ratelimit.Decision{}, err
+	}
 	for attempt := 0; ; attempt++ {
 		b, e, err := l.currentEntry()
 		if err != nil {
 			return ratelimit.Decision{}, err
 		}
 		lim, _ := l.forKey(b, e, key)
-		d, err := lim.AllowN(ctx, key, n)
+		d, err := lim.Allow(ctx, key, opts...)
 		if attempt == 0 && l.inStatement && stale(err) {
 			// The reload is bounded as the check is (Config.Timeout).
 			rctx, cancel := context.WithTimeout(ctx, b.lim.Config().Timeout)
@@ -288,6 +282,16 @@ func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (ratelimit.De
 	}
 }
 
+// noRate refuses a rate given with a call: the policy holds the rate.
+func (l *Limiter) noRate(opts []ratelimit.Option) error {
+	for _, o := range opts {
+		if _, ok := o.Rate(); ok {
+			return fmt.Errorf("%w: AtRate for policy %q, whose rate is stored; change the policy or give the key an override (rl-policy)", ratelimit.ErrInvalidOption, l.name)
+		}
+	}
+	return nil
+}
+
 // stale reports a check refused because the cached policy may be out of
 // date.
 func stale(err error) bool {
@@ -296,27 +300,34 @@ func stale(err error) bool {
 
 // Peek reports key's state under the rate that applies to it, counting
 // nothing.
-func (l *Limiter) Peek(ctx context.Context, key string) (ratelimit.Decision, error) {
+func (l *Limiter) Peek(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
+	if err := l.noRate(opts); err != nil {
+		return ratelimit.Decision{}, err
+	}
 	lim, _, err := l.resolve(key)
 	if err != nil {
 		return ratelimit.Decision{}, err
 	}
-	return lim.Peek(ctx, key)
+	return lim.Peek(ctx, key, opts...)
 }
 
 // Reset forgets what key counted under the rate that applies to it.
-func (l *Limiter) Reset(ctx context.Context, key string) error {
+func (l *Limiter) Reset(ctx context.Context, key string, opts ...ratelimit.Option) error {
+	if err := l.noRate(opts); err != nil {
+		return err
+	}
 	lim, _, err := l.resolve(key)
 	if err != nil {
 		return err
 	}
-	return lim.Reset(ctx, key)
+	return lim.Reset(ctx, key, opts...)
 }
 
 // Config returns the configuration of the policy's own limiter (the policy
 // as last loaded, with Options.Config for the rest), or, when the policy no
-// longer exists, Options.Config with the policy's name. With it and AllowN
-// a Limiter is an httplimit.Checker, and with For an httplimit.KeyedLimiter:
+// longer exists, Options.Config with the policy's name. With it, Allow,
+// Peek and Reset a Limiter is a ratelimit.Checker (and so an
+// httplimit.Checker), and with For an httplimit.KeyedLimiter:
 // the middleware checks each request with For's limiter, so that its
 // RateLimit-Policy and RateLimit fields report the rate in force for the
 // request's key (the override's, when one applies, and the policy as last

@@ -405,7 +405,7 @@ func TestPolicyNewWindowStartsAfresh(t *testing.T) {
 		require.NoError(t, cache.Reload(ctx))
 		lim, err := newLimiter(ctx, pool, name, policy.Options{Cache: cache, FromCache: fromCache, Config: ratelimit.Config{Now: now}})
 		require.NoError(t, err)
-		d, err := lim.AllowN(ctx, "k", 3)
+		d, err := lim.Allow(ctx, "k", ratelimit.Cost(3))
 		require.NoError(t, err)
 		require.True(t, d.Allowed)
 		_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours', "limit" = 5 WHERE name = $1`, name)

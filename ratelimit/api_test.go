@@ -62,9 +62,9 @@ func TestUsedAfterPartialRefillAndSlide(t *testing.T) {
 	c := testkit.NewClock(base)
 	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 4, Window: time.Minute, Now: c.Now})
 	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 4, Window: time.Minute, Now: c.Now})
-	_, err := tb.AllowN(ctx, "k", 4)
+	_, err := tb.Allow(ctx, "k", ratelimit.Cost(4))
 	require.NoError(t, err)
-	_, err = sw.AllowN(ctx, "k", 4)
+	_, err = sw.Allow(ctx, "k", ratelimit.Cost(4))
 	require.NoError(t, err)
 	c.Add(time.Minute + 20*time.Second) // bucket: 4*80/60 > 4, full; sliding: prev 4 weighs 4*40/60 = 2.67
 	d, err := sw.Peek(ctx, "k")
@@ -72,7 +72,7 @@ func TestUsedAfterPartialRefillAndSlide(t *testing.T) {
 	require.Equal(t, int64(3), d.Used)
 	require.Equal(t, int64(1), d.Remaining)
 	c.Set(base.Add(5 * time.Minute))
-	_, err = tb.AllowN(ctx, "k", 4)
+	_, err = tb.Allow(ctx, "k", ratelimit.Cost(4))
 	require.NoError(t, err)
 	c.Add(20 * time.Second) // 4/60 per second: 1.33 tokens back
 	d, err = tb.Peek(ctx, "k")

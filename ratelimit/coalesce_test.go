@@ -54,7 +54,7 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 					for range 40 {
 						key := fmt.Sprintf("k%02d", rng.IntN(50))
 						cost := 1 + rng.Int64N(5)
-						d, err := l.AllowN(ctx, key, cost)
+						d, err := l.Allow(ctx, key, ratelimit.Cost(cost))
 						if err != nil {
 							t.Error(err)
 							return
@@ -93,7 +93,7 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 			r := testkit.NewLimiter(t, replayPool, rcfg)
 			admitted := map[string]int64{}
 			for i, o := range got {
-				d, err := r.AllowN(ctx, o.key, o.cost)
+				d, err := r.Allow(ctx, o.key, ratelimit.Cost(o.cost))
 				require.NoError(t, err)
 				require.Equal(t, o.allowed, d.Allowed, "replay step %d: %+v", i, o)
 				if d.Allowed {

@@ -197,8 +197,8 @@ type Config struct {
 	// and rebuilds them on that error; use it unless you manage policies
 	// yourself.
 	//
-	// Only single checks read the policy: Allow, AllowN, AllowNTx and
-	// AllowRate (whose rate then only chooses the window's rows). AllowUpTo,
+	// Only single checks read the policy: Allow and AllowTx (at AtRate's
+	// rate, the rate only chooses the window's rows). UpTo,
 	// AllowAll and Peek use the limiter's own figures. Checks are never
 	// coalesced, and Spread must be 1. Empty (the default) uses the
 	// limiter's own figures for everything.

@@ -130,13 +130,6 @@ func (s *Database) Limiter(cfg Config) (*Limiter, error) {
 	return l, nil
 }
 
-// BreakerOpen reports whether the Database's breaker currently keeps checks
-// away from the database.
-func (s *Database) BreakerOpen() bool { return s.breaker.open.Load() }
-
-// Options returns the Database's options, defaults filled in.
-func (s *Database) Options() DatabaseOptions { return s.opts }
-
 // observeBreaker tells the Observer that the breaker opened or closed, once
 // for each limit of the Database.
 func (s *Database) observeBreaker(open bool) {

@@ -40,11 +40,13 @@ func TestNewDatabaseRefusesBadOptions(t *testing.T) {
 	}
 	db, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
 	require.NoError(t, err)
-	o := db.Options()
-	require.Equal(t, ratelimit.DefaultTimeout, o.Timeout, "a check's wait is bounded by default")
-	require.Equal(t, ratelimit.DefaultBreakerThreshold, o.BreakerThreshold)
-	require.Equal(t, ratelimit.DefaultMaxBatch, o.MaxBatch)
-	require.NotNil(t, o.Logger)
+	l, err := db.Limiter(ratelimit.Config{Name: "defaults", Limit: 1, Window: time.Minute})
+	require.NoError(t, err)
+	c := l.Config()
+	require.Equal(t, ratelimit.DefaultTimeout, c.Timeout, "a check's wait is bounded by default")
+	require.Equal(t, ratelimit.DefaultBreakerThreshold, c.BreakerThreshold)
+	require.Equal(t, ratelimit.DefaultMaxBatch, c.MaxBatch)
+	require.NotNil(t, c.Logger)
 }
 
 // TestDatabaseLimiterRefusesPerDatabaseFields: a limit made from a Database
@@ -121,7 +123,7 @@ func TestDatabaseSharesCoalescerAndBreaker(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, ratelimit.StoreMemory, d.Store, "FailToMemory answers while the database is down")
 	}
-	require.True(t, down.BreakerOpen(), "two failures of x open the Database's breaker")
+	require.True(t, x.BreakerOpen(), "two failures of x open the Database's breaker")
 	require.True(t, y.BreakerOpen(), "and y sees it open, without a failure of its own")
 	sent := dead.Statements()
 	d, err := y.Allow(ctx, "k")

@@ -27,8 +27,8 @@ const (
 type Decision struct {
 	// Allowed reports whether the request may proceed.
 	Allowed bool
-	// Granted is how many units the check took: for AllowN, n when
-	// Allowed and 0 when not; for AllowUpTo, what was left of n (0 to n,
+	// Granted is how many units the check took: for Cost(n), n when
+	// Allowed and 0 when not; for UpTo(n), what was left of n (0 to n,
 	// never more than Limit, Allowed when more than 0). Under Penalty a
 	// check is charged its whole cost whatever it was granted (a partial
 	// grant its ask, at most Limit). A shadow-mode denial reports what the

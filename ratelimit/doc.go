@@ -47,7 +47,7 @@
 //
 // # Partial grants
 //
-// AllowUpTo takes as many of n units as the key has left and reports how
+// UpTo(n), an option of Allow, takes as many of n units as the key has left and reports how
 // many in Decision.Granted: the bytes an upload may still send, the rows a
 // batch job may still process. n is a ceiling, not a cost: any n >= 1 is
 // valid, and an n above the limit's capacity (Limit, or Burst for the token
@@ -126,18 +126,18 @@
 //
 // # Per-call limits
 //
-// AllowRate checks a key at a Rate given with the call (Limit, Window,
+// AtRate checks a key at a Rate given with the call (Limit, Window,
 // Burst) instead of the limiter's own: a plan's quota, a tenant's
 // override. A rate is validated as Config is. With the limiter's window
 // it uses the limiter's rows, so the key's count carries over; another
 // window of a fixed or sliding window counts in rows of its own (the
 // stored key of RateName); a token bucket keeps one balance per key at any
-// rate. WithRate returns the limiter of a rate, for AllowAll. Package
+// rate. Check.Rate gives a rate to one check of AllowAll. Package
 // policy keeps such limits in the database.
 //
 // # Transactions
 //
-// AllowTx, AllowNTx, PeekTx, ResetTx and AllowAllTx run in the caller's
+// AllowTx, PeekTx, ResetTx and AllowAllTx run in the caller's
 // pgx.Tx: when the transaction rolls back, the units are refunded (a failed
 // signup does not count against the signup limit). AllowAllTx works under a
 // savepoint, so a denial or a failure leaves the transaction usable. The key's row stays locked until the

@@ -109,7 +109,7 @@ func TestIsConfigErrorFromChecks(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalidInput)
 	require.True(t, ratelimit.IsConfigError(err), "%v", err)
 
-	_, err = l.AllowN(ctx, "k", 0)
+	_, err = l.Allow(ctx, "k", ratelimit.Cost(0))
 	require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 	require.True(t, ratelimit.IsConfigError(err), "%v", err)
 

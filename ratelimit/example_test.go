@@ -104,7 +104,7 @@ func ExampleAllowAll() {
 	// email used after the denial: 2
 }
 
-func ExampleLimiter_AllowNTx() {
+func ExampleLimiter_AllowTx() {
 	ctx := context.Background()
 	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
 	if err != nil {
@@ -118,7 +118,7 @@ func ExampleLimiter_AllowNTx() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	d, err := uploads.AllowNTx(ctx, tx, "user:42", 4<<20) // 4 MiB
+	d, err := uploads.AllowTx(ctx, tx, "user:42", ratelimit.Cost(4<<20)) // 4 MiB
 	if err != nil {
 		log.Fatal(err)
 	}

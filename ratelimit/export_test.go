@@ -52,7 +52,7 @@ func SendBatch(ctx context.Context, l *Limiter, keys []string, costs []int64) ([
 
 // TakeBatch decides checks as the coalescer decides one batch, several of
 // one key included (upTo[i] makes check i a partial grant), and returns
-// their decisions in order, as AllowN and AllowUpTo report them.
+// their decisions in order, as Allow with Cost and UpTo reports them.
 func TakeBatch(ctx context.Context, l *Limiter, keys []string, costs []int64, upTo []bool) ([]Decision, error) {
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
@@ -103,7 +103,7 @@ var MapErr = mapErr
 // TakeGroups decides checks in one check statement, in their order, as
 // AllowAll decides an all-or-nothing group: checks with the same non-zero
 // groups[i] (consecutive) are allowed together or not at all. It returns
-// the decisions as AllowN, AllowUpTo and AllowAll report them: a group
+// the decisions as Allow (Cost, UpTo) and AllowAll report them: a group
 // that a check with a veto (not in shadow mode) denied grants nothing.
 func TakeGroups(ctx context.Context, limiters []*Limiter, keys []string, costs []int64, upTo []bool, groups []int32) ([]Decision, error) {
 	batch := make([]*pendingCheck, len(keys))

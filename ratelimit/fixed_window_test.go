@@ -53,7 +53,7 @@ func TestFixedWindowSequence(t *testing.T) {
 
 	// The next window starts afresh.
 	c.Set(base.Add(time.Minute))
-	d, err = l.AllowN(ctx, "k", 3)
+	d, err = l.Allow(ctx, "k", ratelimit.Cost(3))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
 	require.Equal(t, int64(0), d.Remaining)

@@ -77,8 +77,8 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 					c.Observer = obs
 					l := testkit.NewLimiter(t, pool, c)
 					exhaust(t, c.Name,
-						func(n int64) (ratelimit.Decision, error) { return l.AllowN(ctx, "k", n) },
-						func(n int64) (ratelimit.Decision, error) { return l.AllowUpTo(ctx, "k", n) })
+						func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
+						func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
 					seen := obs.seen()
 					require.Len(t, seen, 6)
 					for _, d := range seen[1:] {
@@ -100,9 +100,9 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 							var d ratelimit.Decision
 							var err error
 							if g%2 == 0 {
-								d, err = l.AllowN(ctx, "k", 1)
+								d, err = l.Allow(ctx, "k")
 							} else {
-								d, err = l.AllowUpTo(ctx, "k", 3)
+								d, err = l.Allow(ctx, "k", ratelimit.UpTo(3))
 							}
 							if !assertNoError(t, err) {
 								return
@@ -129,8 +129,8 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				require.NoError(t, err)
 				defer func() { _ = tx.Rollback(ctx) }()
 				exhaust(t, "tx",
-					func(n int64) (ratelimit.Decision, error) { return l.AllowNTx(ctx, tx, "k", n) },
-					func(n int64) (ratelimit.Decision, error) { return l.AllowUpToTx(ctx, tx, "k", n) })
+					func(n int64) (ratelimit.Decision, error) { return l.AllowTx(ctx, tx, "k", ratelimit.Cost(n)) },
+					func(n int64) (ratelimit.Decision, error) { return l.AllowTx(ctx, tx, "k", ratelimit.UpTo(n)) })
 			})
 			t.Run("allow-all", func(t *testing.T) {
 				obs := &recordingObserver{}
@@ -164,8 +164,8 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				setPolicy(t, pool, c.Policy, alg, 5, time.Hour, 0, false)
 				l := testkit.NewLimiter(t, pool, c)
 				exhaust(t, "policy",
-					func(n int64) (ratelimit.Decision, error) { return l.AllowN(ctx, "k", n) },
-					func(n int64) (ratelimit.Decision, error) { return l.AllowUpTo(ctx, "k", n) })
+					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
+					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
 			})
 			t.Run("memory", func(t *testing.T) {
 				obs := &recordingObserver{}
@@ -174,8 +174,8 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				m, err := ratelimit.NewMemory(c, ratelimit.MemoryOptions{})
 				require.NoError(t, err)
 				exhaust(t, "memory",
-					func(n int64) (ratelimit.Decision, error) { return m.AllowN(ctx, "k", n) },
-					func(n int64) (ratelimit.Decision, error) { return m.AllowUpTo(ctx, "k", n) })
+					func(n int64) (ratelimit.Decision, error) { return m.Allow(ctx, "k", ratelimit.Cost(n)) },
+					func(n int64) (ratelimit.Decision, error) { return m.Allow(ctx, "k", ratelimit.UpTo(n)) })
 				seen := obs.seen()
 				require.Len(t, seen, 6)
 				for _, d := range seen[1:] {
@@ -189,18 +189,18 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				c.OnFailure = ratelimit.FailToMemory
 				l := testkit.NewLimiter(t, dead, c)
 				exhaust(t, "fail to memory",
-					func(n int64) (ratelimit.Decision, error) { return l.AllowN(ctx, "k", n) },
-					func(n int64) (ratelimit.Decision, error) { return l.AllowUpTo(ctx, "k", n) })
+					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
+					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
 				c = cfg("dead-closed")
 				c.Timeout = 200 * time.Millisecond
 				c.OnFailure = ratelimit.FailClosed
 				l = testkit.NewLimiter(t, dead, c)
 				for _, upTo := range []bool{false, true} {
-					check := l.AllowN
+					ask := ratelimit.Cost(2)
 					if upTo {
-						check = l.AllowUpTo
+						ask = ratelimit.UpTo(2)
 					}
-					d, err := check(ctx, "k", 2)
+					d, err := l.Allow(ctx, "k", ask)
 					require.NoError(t, err)
 					require.Equal(t, ratelimit.StorePolicy, d.Store)
 					requireShadowDenied(t, d, fmt.Sprintf("fail closed, upTo=%v", upTo))
@@ -224,7 +224,7 @@ func assertNoError(t *testing.T, err error) bool {
 // up to the largest int64.
 var hugeAsks = []int64{1, 5, 6, 9, 10, 11, 25, 1 << 53, math.MaxInt64 - 1, math.MaxInt64}
 
-// TestPartialGrantAskIsACeiling is the property of AllowUpTo's ask: it is a
+// TestPartialGrantAskIsACeiling is the property of UpTo's ask: it is a
 // ceiling, not a cost. With a limit of 10 and u units used, an ask of n
 // grants min(n, 10-u) and, under Penalty, charges min(n, 10): an ask above
 // the capacity is an ask of the capacity in every field of the Decision.
@@ -253,10 +253,10 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 				viaLimiter := func(l *ratelimit.Limiter) func(*testing.T, string, int64, int64) (ratelimit.Decision, error) {
 					return func(t *testing.T, key string, used, n int64) (ratelimit.Decision, error) {
 						if used > 0 {
-							_, err := l.AllowN(ctx, key, used)
+							_, err := l.Allow(ctx, key, ratelimit.Cost(used))
 							require.NoError(t, err)
 						}
-						return l.AllowUpTo(ctx, key, n)
+						return l.Allow(ctx, key, ratelimit.UpTo(n))
 					}
 				}
 				single := cfg("single")
@@ -289,18 +289,18 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 						require.NoError(t, err)
 						defer func() { require.NoError(t, tx.Commit(ctx)) }()
 						if used > 0 {
-							_, err := inTx.AllowNTx(ctx, tx, key, used)
+							_, err := inTx.AllowTx(ctx, tx, key, ratelimit.Cost(used))
 							require.NoError(t, err)
 						}
-						return inTx.AllowUpToTx(ctx, tx, key, n)
+						return inTx.AllowTx(ctx, tx, key, ratelimit.UpTo(n))
 					}},
 					{"policy", viaLimiter(testkit.NewLimiter(t, pool, pol))},
 					{"memory", func(t *testing.T, key string, used, n int64) (ratelimit.Decision, error) {
 						if used > 0 {
-							_, err := mem.AllowN(ctx, key, used)
+							_, err := mem.Allow(ctx, key, ratelimit.Cost(used))
 							require.NoError(t, err)
 						}
-						return mem.AllowUpTo(ctx, key, n)
+						return mem.Allow(ctx, key, ratelimit.UpTo(n))
 					}},
 					{"fallback", viaLimiter(testkit.NewLimiter(t, testkit.DeadPool(t), fallback))},
 				}
@@ -350,7 +350,7 @@ func TestPartialGrantAskAboveCapacityElsewhere(t *testing.T) {
 				Window: time.Hour, Spread: 2, Penalty: penalty, DenyCacheSize: -1, Now: testkit.Pinned(base),
 				Timeout: time.Minute})
 			for i, want := range []int64{10, 10, 0} {
-				d, err := spread.AllowUpTo(ctx, "k", math.MaxInt64)
+				d, err := spread.Allow(ctx, "k", ratelimit.UpTo(math.MaxInt64))
 				require.NoError(t, err, "%s: grant %d", name, i)
 				require.Equal(t, want, d.Granted, "%s: grant %d", name, i)
 				require.Equal(t, int64(20), d.Limit)
@@ -361,20 +361,20 @@ func TestPartialGrantAskAboveCapacityElsewhere(t *testing.T) {
 			open := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "open-" + name, Algorithm: alg,
 				Limit: 10, Window: time.Hour, Penalty: penalty, OnFailure: ratelimit.FailOpen, Timeout: 200 * time.Millisecond, Logger: quiet})
 			for _, n := range hugeAsks {
-				d, err := open.AllowUpTo(ctx, "k", n)
+				d, err := open.Allow(ctx, "k", ratelimit.UpTo(n))
 				require.NoError(t, err)
 				require.Equal(t, ratelimit.StorePolicy, d.Store)
 				require.True(t, d.Allowed)
 				require.Equal(t, min(n, 10), d.Granted, "%s: fail open grants the ask, at most the capacity", name)
 			}
 			for _, n := range []int64{0, -1, math.MinInt64} {
-				_, err := spread.AllowUpTo(ctx, "k", n)
+				_, err := spread.Allow(ctx, "k", ratelimit.UpTo(n))
 				require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
-				_, err = open.AllowUpTo(ctx, "k", n)
+				_, err = open.Allow(ctx, "k", ratelimit.UpTo(n))
 				require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 				m, err := ratelimit.NewMemory(ratelimit.Config{Name: "m", Algorithm: alg, Limit: 10, Window: time.Hour}, ratelimit.MemoryOptions{})
 				require.NoError(t, err)
-				_, err = m.AllowUpTo(ctx, "k", n)
+				_, err = m.Allow(ctx, "k", ratelimit.UpTo(n))
 				require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
 			}
 		}
@@ -440,7 +440,7 @@ func TestFallbackDeniesACostAboveItsLimit(t *testing.T) {
 			l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "fb-" + what, Algorithm: alg, Limit: 10, FallbackLimit: 5,
 				Window: time.Hour, Penalty: penalty, Timeout: 200 * time.Millisecond, BreakerCooldown: time.Second,
 				Logger: quiet, Now: testkit.Pinned(base)})
-			d, err := l.AllowN(ctx, "k", 8)
+			d, err := l.Allow(ctx, "k", ratelimit.Cost(8))
 			require.NoError(t, err, what)
 			require.False(t, d.Allowed, what)
 			require.Zero(t, d.Granted, what)
@@ -449,11 +449,11 @@ func TestFallbackDeniesACostAboveItsLimit(t *testing.T) {
 			m, err := ratelimit.AllowAll(ctx, ratelimit.ConsumeAll, ratelimit.Check{Limiter: l, Key: "k", Cost: 8})
 			require.NoError(t, err, what)
 			require.False(t, m.Allowed, what)
-			d, err = l.AllowN(ctx, "k", 5)
+			d, err = l.Allow(ctx, "k", ratelimit.Cost(5))
 			require.NoError(t, err, what)
 			require.True(t, d.Allowed, "%s: nothing was counted for the costs it could not admit", what)
 			require.Equal(t, int64(5), d.Granted, what)
-			_, err = l.AllowN(ctx, "k", 11)
+			_, err = l.Allow(ctx, "k", ratelimit.Cost(11))
 			require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit, "%s: above the limit itself, still refused", what)
 		}
 	}

@@ -80,13 +80,13 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 				require.Zero(t, p.Remaining, what)
 			}
 			check("postgres "+key, func(k string, n int64) (ratelimit.Decision, error) {
-				d, err := l.AllowN(ctx, k, n)
+				d, err := l.Allow(ctx, k, ratelimit.Cost(n))
 				if err == nil && d.Store != ratelimit.StorePostgres {
 					return d, errors.New("answered by " + string(d.Store) + ": " + d.Reason)
 				}
 				return d, err
 			}, func(k string) (ratelimit.Decision, error) { return l.Peek(ctx, k) })
-			check("memory "+key, func(k string, n int64) (ratelimit.Decision, error) { return m.AllowN(ctx, k, n) },
+			check("memory "+key, func(k string, n int64) (ratelimit.Decision, error) { return m.Allow(ctx, k, ratelimit.Cost(n)) },
 				func(k string) (ratelimit.Decision, error) { return m.Peek(ctx, k) })
 			// The coalesced statement: two keys at once.
 			keys := []string{key + "-a", key + "-b"}
@@ -140,7 +140,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 	l, err := ratelimit.New(pool, ratelimit.Config{Name: "slow", Timeout: testkit.DecisionTimeout, Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second,
 		DenyCacheSize: -1, Now: testkit.Pinned(base)})
 	require.NoError(t, err)
-	d, err := l.AllowN(ctx, "k", 1e9)
+	d, err := l.Allow(ctx, "k", ratelimit.Cost(1e9))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
 	require.Equal(t, ratelimit.StorePostgres, d.Store)
@@ -178,8 +178,8 @@ func TestInputErrorsNeverReachTheFailurePolicy(t *testing.T) {
 		isInput("Peek", err)
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
-		_, err = l.AllowNTx(ctx, tx, "k", 1)
-		isInput("AllowNTx", err)
+		_, err = l.AllowTx(ctx, tx, "k")
+		isInput("AllowTx", err)
 		require.NoError(t, tx.Rollback(ctx))
 		_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: l, Key: "k"})
 		isInput("AllowAll", err)
@@ -244,8 +244,8 @@ func TestReadableKeyLength(t *testing.T) {
 		tooLong("Reset", l.Reset(ctx, long))
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
-		_, err = l.AllowNTx(ctx, tx, long, 1)
-		tooLong("AllowNTx", err)
+		_, err = l.AllowTx(ctx, tx, long)
+		tooLong("AllowTx", err)
 		_, err = l.PeekTx(ctx, tx, long)
 		tooLong("PeekTx", err)
 		tooLong("ResetTx", l.ResetTx(ctx, tx, long))

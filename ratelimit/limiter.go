@@ -23,6 +23,15 @@ type DB = gen.DBTX
 // Limiter is one limit kept in PostgreSQL. Every check is one SQL statement
 // in one round trip; the row lock on the key's counter is the only lock. A
 // Limiter is safe for concurrent use.
+//
+// Its methods are one matrix. Three verbs: Allow checks and counts, Peek
+// reads without counting, Reset forgets. Each has a …Tx twin (AllowTx,
+// PeekTx, ResetTx) that runs in the caller's transaction. Each takes the
+// same options: AtRate(r) counts against rate r instead of the limiter's
+// own, and for Allow, Cost(n) asks for n units at once and UpTo(n) for as
+// many of n as are left. AllowAll and AllowAllTx decide several limits
+// together, each Check with its Cost and Rate. MemoryLimiter and package
+// policy's Limiter have the same verbs (Checker), without the twins.
 type Limiter struct {
 	shape
 	st           *Database // the database, its coalescer and breaker
@@ -138,43 +147,20 @@ func (l *Limiter) BreakerOpen() bool { return l.st.breaker.open.Load() }
 // Config returns the limiter's configuration, defaults filled in.
 func (l *Limiter) Config() Config { return l.cfg }
 
-// Allow checks and counts one unit for key.
-func (l *Limiter) Allow(ctx context.Context, key string) (Decision, error) {
-	return l.AllowN(ctx, key, 1)
-}
-
-// AllowN checks and counts n units (a cost, such as bytes or tokens) for key.
-// Either all n are admitted or none.
+// Allow checks and counts units for key: one, or what Cost or UpTo asks
+// for, at the limiter's rate or AtRate's.
 //
-// When the database fails or takes longer than Config.Timeout, the failure
+// When the database fails or takes longer than the Timeout, the failure
 // policy answers (Decision.Store and Reason say so) and the error is nil,
 // unless the policy is FailError. Errors that mean the setup is wrong
 // (ErrNotMigrated, ErrReadOnly) and bad arguments are always returned, as is
 // the caller's own context ending.
-func (l *Limiter) AllowN(ctx context.Context, key string, n int64) (Decision, error) {
-	return l.check(ctx, nil, key, ask{n: n})
-}
-
-// AllowUpTo is a partial grant: it takes as many of n units as key has
-// left, possibly none, and reports how many in Decision.Granted (Allowed
-// when at least one). Use it to hand out what is left of a quota: the bytes
-// an upload may still send, the rows a batch job may still process.
-//
-// n is a ceiling, not a cost: any n of at least 1 is valid (0 or less is
-// ErrInvalidCost), and an n above what the limit holds at once (Limit, or
-// Burst for the token bucket; a row's share with Spread) is an ask of that
-// capacity in every respect, so AllowUpTo(ctx, key, math.MaxInt64) takes
-// all that is left. Under Penalty the ask is counted whatever is granted,
-// as for any denied check: n, or the capacity when n is above it (as an
-// AllowN of the whole capacity would be), so one huge ask cannot push a
-// count further than the largest valid AllowN. Concurrent AllowUpTo and
-// AllowN checks of one key are decided one after another, as AllowN checks
-// are. The failure policy answers as for AllowN: the memory tier grants
-// from its own count (its capacity is FallbackLimit's), FailOpen grants the
-// whole ask (at most the capacity), FailClosed none. A shadow-mode denial
-// proceeds with Granted 0.
-func (l *Limiter) AllowUpTo(ctx context.Context, key string, n int64) (Decision, error) {
-	return l.check(ctx, nil, key, ask{n: n, upTo: true})
+func (l *Limiter) Allow(ctx context.Context, key string, opts ...Option) (Decision, error) {
+	lr, a, err := l.resolve(opts, true)
+	if err != nil {
+		return Decision{}, err
+	}
+	return lr.check(ctx, nil, key, a)
 }
 
 // check decides one check of l (in tx when it is not nil) through the
@@ -220,74 +206,93 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 	return l.spreadDecision(d)
 }
 
-// AllowTx is Allow inside the caller's transaction: AllowNTx with a cost
-// of one.
-func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string) (Decision, error) {
-	return l.AllowNTx(ctx, tx, key, 1)
-}
-
-// AllowNTx is AllowN inside the caller's transaction: rolling the
+// AllowTx is Allow inside the caller's transaction: rolling the
 // transaction back refunds the units. The key's counter row stays locked
 // until the transaction ends, so other checks of the same key wait for it:
-// keep such transactions short. Config.Observer sees the decision, whether
-// the transaction commits or not.
-func (l *Limiter) AllowNTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
+// keep such transactions short. There is no failure policy, breaker, deny
+// cache or Timeout: errors are returned. The Observer sees the decision,
+// whether the transaction commits or not.
+func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string, opts ...Option) (Decision, error) {
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	return l.check(ctx, tx, key, ask{n: n})
-}
-
-// AllowUpToTx is AllowUpTo inside the caller's transaction, under the rules
-// of AllowNTx.
-func (l *Limiter) AllowUpToTx(ctx context.Context, tx pgx.Tx, key string, n int64) (Decision, error) {
-	if tx == nil {
-		return Decision{}, ErrNilDB
-	}
-	return l.check(ctx, tx, key, ask{n: n, upTo: true})
-}
-
-// Peek reports the key's state, as a check costing one unit would see it,
-// without counting anything.
-func (l *Limiter) Peek(ctx context.Context, key string) (Decision, error) {
-	if err := l.cfg.checkKey(key); err != nil {
+	lr, a, err := l.resolve(opts, true)
+	if err != nil {
 		return Decision{}, err
 	}
-	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	return lr.check(ctx, tx, key, a)
+}
+
+// Peek reports the key's state, as a check of one unit would see it
+// (at AtRate's rate, when given), without counting anything.
+func (l *Limiter) Peek(ctx context.Context, key string, opts ...Option) (Decision, error) {
+	lr, _, err := l.resolve(opts, false)
+	if err != nil {
+		return Decision{}, err
+	}
+	if err := lr.cfg.checkKey(key); err != nil {
+		return Decision{}, err
+	}
+	cctx, cancel := context.WithTimeout(ctx, lr.cfg.Timeout)
 	defer cancel()
-	d, err := l.peek(cctx, l.st.db, key)
-	return d, l.explain(ctx, err)
+	d, err := lr.peek(cctx, lr.st.db, key)
+	return d, lr.explain(ctx, err)
 }
 
 // PeekTx is Peek inside the caller's transaction.
-func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string) (Decision, error) {
+func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string, opts ...Option) (Decision, error) {
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	if err := l.cfg.checkKey(key); err != nil {
+	lr, _, err := l.resolve(opts, false)
+	if err != nil {
 		return Decision{}, err
 	}
-	d, err := l.peek(ctx, tx, key)
-	return d, l.explain(ctx, err)
+	if err := lr.cfg.checkKey(key); err != nil {
+		return Decision{}, err
+	}
+	d, err := lr.peek(ctx, tx, key)
+	return d, lr.explain(ctx, err)
 }
 
 // Reset forgets everything counted for key under this limiter (in
-// PostgreSQL, in this process's memory fallback and in its deny cache).
+// PostgreSQL, in this process's memory fallback and in its deny cache); at
+// AtRate's rate, it forgets the rows that rate uses (for the token bucket,
+// the key's one bucket).
 //
 // Reset returns no Decision: afterwards the key is in the state of a key
 // never seen (Used 0, Remaining Limit, or Burst for the token bucket,
 // Allowed true), known without asking the database, and a Decision built
 // by Reset would lack what only a check knows (ResetAt on the database's
-// clock). Peek reports it in full if you need it. Keeping the signature
-// also keeps existing callers compiling.
-func (l *Limiter) Reset(ctx context.Context, key string) error {
-	if err := l.cfg.checkKey(key); err != nil {
+// clock). Peek reports it in full if you need it.
+func (l *Limiter) Reset(ctx context.Context, key string, opts ...Option) error {
+	lr, _, err := l.resolve(opts, false)
+	if err != nil {
 		return err
 	}
-	l.forgetLocal(ctx, key)
-	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	if err := lr.cfg.checkKey(key); err != nil {
+		return err
+	}
+	lr.forgetLocal(ctx, key)
+	cctx, cancel := context.WithTimeout(ctx, lr.cfg.Timeout)
 	defer cancel()
-	return l.explain(ctx, l.reset(cctx, l.st.db, key))
+	return lr.explain(ctx, lr.reset(cctx, lr.st.db, key))
+}
+
+// ResetTx is Reset inside the caller's transaction.
+func (l *Limiter) ResetTx(ctx context.Context, tx pgx.Tx, key string, opts ...Option) error {
+	if tx == nil {
+		return ErrNilDB
+	}
+	lr, _, err := l.resolve(opts, false)
+	if err != nil {
+		return err
+	}
+	if err := lr.cfg.checkKey(key); err != nil {
+		return err
+	}
+	lr.forgetLocal(ctx, key)
+	return lr.explain(ctx, lr.reset(ctx, tx, key))
 }
 
 func (l *Limiter) forgetLocal(ctx context.Context, key string) {
@@ -299,18 +304,6 @@ func (l *Limiter) forgetLocal(ctx context.Context, key string) {
 		s.forgetLocal(ctx, key)
 	}
 	_ = l.memory.Reset(ctx, key)
-}
-
-// ResetTx is Reset inside the caller's transaction.
-func (l *Limiter) ResetTx(ctx context.Context, tx pgx.Tx, key string) error {
-	if tx == nil {
-		return ErrNilDB
-	}
-	if err := l.cfg.checkKey(key); err != nil {
-		return err
-	}
-	l.forgetLocal(ctx, key)
-	return l.explain(ctx, l.reset(ctx, tx, key))
 }
 
 // localNow is the process's clock (with its monotonic reading), or the

@@ -70,11 +70,11 @@ func TestBadInputs(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
 		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute})
-		_, err := l.AllowN(ctx, "k", 0)
+		_, err := l.Allow(ctx, "k", ratelimit.Cost(0))
 		require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
-		_, err = l.AllowN(ctx, "k", -3)
+		_, err = l.Allow(ctx, "k", ratelimit.Cost(-3))
 		require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
-		_, err = l.AllowN(ctx, "k", 6)
+		_, err = l.Allow(ctx, "k", ratelimit.Cost(6))
 		require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
 		// Nothing was written by the refused calls.
 		var n int
@@ -142,7 +142,7 @@ func TestTxRollbackRefunds(t *testing.T) {
 		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base)})
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
-		d, err := l.AllowNTx(ctx, tx, "k", 2)
+		d, err := l.AllowTx(ctx, tx, "k", ratelimit.Cost(2))
 		require.NoError(t, err)
 		require.True(t, d.Allowed)
 		require.NoError(t, tx.Rollback(ctx))
@@ -153,7 +153,7 @@ func TestTxRollbackRefunds(t *testing.T) {
 
 		tx, err = pool.Begin(ctx)
 		require.NoError(t, err)
-		_, err = l.AllowNTx(ctx, tx, "k", 2)
+		_, err = l.AllowTx(ctx, tx, "k", ratelimit.Cost(2))
 		require.NoError(t, err)
 		require.NoError(t, tx.Commit(ctx))
 		p, err = l.Peek(ctx, "k")
@@ -193,9 +193,9 @@ func TestTxChecksAreObserved(t *testing.T) {
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs, Now: testkit.Pinned(base)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
-	_, err = l.AllowNTx(ctx, tx, "k", 1)
+	_, err = l.AllowTx(ctx, tx, "k")
 	require.NoError(t, err)
-	_, err = l.AllowNTx(ctx, tx, "k", 1)
+	_, err = l.AllowTx(ctx, tx, "k")
 	require.NoError(t, err)
 	require.NoError(t, tx.Commit(ctx))
 	_, err = l.Peek(ctx, "k")
@@ -216,7 +216,7 @@ func TestElapsedClampedAtZero(t *testing.T) {
 	ctx := context.Background()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 3, Now: c.Now})
-	_, err := tb.AllowN(ctx, "k", 3)
+	_, err := tb.Allow(ctx, "k", ratelimit.Cost(3))
 	require.NoError(t, err)
 	c.Set(base.Add(8 * time.Second)) // older than the row
 	d, err := tb.Allow(ctx, "k")
@@ -231,7 +231,7 @@ func TestElapsedClampedAtZero(t *testing.T) {
 
 	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.Now})
 	c.Set(base.Add(time.Minute))
-	_, err = sw.AllowN(ctx, "k", 2)
+	_, err = sw.Allow(ctx, "k", ratelimit.Cost(2))
 	require.NoError(t, err)
 	c.Set(base.Add(59 * time.Second)) // the previous window, after the row rolled forward
 	d, err = sw.Allow(ctx, "k")

@@ -136,27 +136,29 @@ func (m *MemoryLimiter) Config() Config { return m.cfg }
 // swept. It never exceeds MaxKeys.
 func (m *MemoryLimiter) Len() int { return m.keys.len() }
 
-// Allow checks and counts one unit for key.
-func (m *MemoryLimiter) Allow(ctx context.Context, key string) (Decision, error) {
-	return m.AllowN(ctx, key, 1)
-}
-
-// AllowN checks and counts n units for key. Either all n are admitted or
-// none (unless Penalty is set: then a denied check is counted too). ctx is
+// Allow checks and counts units for key: one, or what Cost or UpTo asks
+// for, as Limiter.Allow does. A MemoryLimiter counts at its own rate only:
+// AtRate is ErrInvalidOption (make a MemoryLimiter per rate). Under Cost,
+// all n are admitted or none (unless Penalty is set: then a denied check
+// is counted too); UpTo is a partial grant, its n a ceiling. ctx is
 // accepted for symmetry with Limiter and not consulted: a memory check
 // never waits on I/O, and a fallback must answer even when the context of a
 // failed database check has expired.
-func (m *MemoryLimiter) AllowN(_ context.Context, key string, n int64) (Decision, error) {
-	return m.observe(key, ask{n: n})
+func (m *MemoryLimiter) Allow(_ context.Context, key string, opts ...Option) (Decision, error) {
+	a, err := m.options(opts, true)
+	if err != nil {
+		return Decision{}, err
+	}
+	return m.observe(key, a)
 }
 
-// AllowUpTo is a partial grant, as Limiter.AllowUpTo: it takes as many of
-// n units as key has left, possibly none, and reports how many in
-// Decision.Granted. n is a ceiling: any n >= 1, an n above the capacity
-// being an ask of the capacity. Under Penalty the ask (at most the
-// capacity) is counted whatever is granted.
-func (m *MemoryLimiter) AllowUpTo(_ context.Context, key string, n int64) (Decision, error) {
-	return m.observe(key, ask{n: n, upTo: true})
+// options is what opts ask of m, which takes no AtRate.
+func (m *MemoryLimiter) options(opts []Option, counts bool) (ask, error) {
+	a, _, rated, err := options(m.cfg.Name, opts, counts)
+	if err == nil && rated {
+		err = invalid(ErrInvalidOption, "AtRate for %q, a MemoryLimiter, which counts at its own rate; make a MemoryLimiter per rate", m.cfg.Name)
+	}
+	return a, err
 }
 
 // observe runs allowAsk and reports it to the Observer.
@@ -207,10 +209,7 @@ func (m *MemoryLimiter) fallbackAsk(key string, a ask) (Decision, error) {
 	if a.upTo || a.n <= m.cfg.capacity() {
 		return m.allowAsk(key, a)
 	}
-	d, err := m.Peek(context.Background(), key)
-	if err != nil {
-		return Decision{}, err
-	}
+	d := m.peek(key)
 	d.Allowed = false
 	d.RetryAfter = m.cfg.BreakerCooldown
 	return d, nil
@@ -218,7 +217,17 @@ func (m *MemoryLimiter) fallbackAsk(key string, a ask) (Decision, error) {
 
 // Peek reports the key's state, as a check costing one unit would see it,
 // without counting anything. It does not make the key more recently used.
-func (m *MemoryLimiter) Peek(_ context.Context, key string) (Decision, error) {
+// It takes no options but for symmetry with Limiter: any is
+// ErrInvalidOption.
+func (m *MemoryLimiter) Peek(_ context.Context, key string, opts ...Option) (Decision, error) {
+	if _, err := m.options(opts, false); err != nil {
+		return Decision{}, err
+	}
+	return m.peek(key), nil
+}
+
+// peek is Peek.
+func (m *MemoryLimiter) peek(key string) Decision {
 	now := m.nowUs()
 	k := lookupKey(key)
 	sh := m.keys.shard(k)
@@ -232,13 +241,16 @@ func (m *MemoryLimiter) Peek(_ context.Context, key string) (Decision, error) {
 	}
 	sh.mu.Unlock()
 	st = m.alg.roll(m, st, now)
-	d := m.peekDecision(st, now)
-	return d, nil
+	return m.peekDecision(st, now)
 }
 
-// Reset forgets everything counted for key. It never fails; the error is
-// there for symmetry with Limiter.
-func (m *MemoryLimiter) Reset(_ context.Context, key string) error {
+// Reset forgets everything counted for key. It fails only when given an
+// option (ErrInvalidOption); the options are there for symmetry with
+// Limiter.
+func (m *MemoryLimiter) Reset(_ context.Context, key string, opts ...Option) error {
+	if _, err := m.options(opts, false); err != nil {
+		return err
+	}
 	m.keys.remove(lookupKey(key))
 	return nil
 }

@@ -49,7 +49,7 @@ func runSteps(t *testing.T, cfg ratelimit.Config, steps []memStep) {
 		if s.n == 0 {
 			d, err = m.Peek(ctx, "k")
 		} else {
-			d, err = m.AllowN(ctx, "k", s.n)
+			d, err = m.Allow(ctx, "k", ratelimit.Cost(s.n))
 		}
 		require.NoError(t, err)
 		msg := fmt.Sprintf("step %d: %+v", i, s)
@@ -189,7 +189,7 @@ func TestMemoryMatchesModel(t *testing.T) {
 					if rng.IntN(3) > 0 {
 						n = 1
 					}
-					d, err := m.AllowN(context.Background(), key, n)
+					d, err := m.Allow(context.Background(), key, ratelimit.Cost(n))
 					require.NoError(t, err)
 					allowed, remaining := ref.take(key, n, c.Now().UnixMicro())
 					require.Equal(t, allowed, d.Allowed, "check %d", i)
@@ -212,11 +212,11 @@ func TestMemoryBadInputs(t *testing.T) {
 
 	for _, alg := range ratelimit.Algorithms {
 		m := newMemory(t, ratelimit.Config{Name: "x", Algorithm: alg, Limit: 3, Window: time.Minute}, ratelimit.MemoryOptions{})
-		_, err = m.AllowN(ctx, "k", 0)
+		_, err = m.Allow(ctx, "k", ratelimit.Cost(0))
 		require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
-		_, err = m.AllowN(ctx, "k", -1)
+		_, err = m.Allow(ctx, "k", ratelimit.Cost(-1))
 		require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
-		_, err = m.AllowN(ctx, "k", 4)
+		_, err = m.Allow(ctx, "k", ratelimit.Cost(4))
 		require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
 		require.Zero(t, m.Len(), "a bad check stores nothing")
 		d, err := m.Peek(ctx, "k")
@@ -236,7 +236,7 @@ func TestMemoryResetPeekAndKeys(t *testing.T) {
 	long := strings.Repeat("x", 1<<20)
 	keys := []string{"", "\x00", "\xff\xfe", long + "a", long + "b", strings.Repeat("y", 64), strings.Repeat("y", 65)}
 	for _, k := range keys {
-		d, err := m.AllowN(ctx, k, 2)
+		d, err := m.Allow(ctx, k, ratelimit.Cost(2))
 		require.NoError(t, err)
 		require.True(t, d.Allowed, "%.10q", k)
 	}
@@ -271,7 +271,7 @@ func TestMemoryRealClock(t *testing.T) {
 	ctx := context.Background()
 	m := newMemory(t, ratelimit.Config{Name: "clock", Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Second, Burst: 2}, ratelimit.MemoryOptions{})
 	before := time.Now()
-	d, err := m.AllowN(ctx, "k", 2)
+	d, err := m.Allow(ctx, "k", ratelimit.Cost(2))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
 	require.WithinDuration(t, before, d.Now, time.Second)
@@ -380,7 +380,7 @@ func TestMemoryLazySweep(t *testing.T) {
 			m := newMemory(t, ratelimit.Config{Name: "sweep", Algorithm: tc.alg, Limit: 10, Window: window, Burst: 3, Now: c.Now},
 				ratelimit.MemoryOptions{Shards: 1})
 			for i := range 100 {
-				_, err := m.AllowN(ctx, strconv.Itoa(i), 3)
+				_, err := m.Allow(ctx, strconv.Itoa(i), ratelimit.Cost(3))
 				require.NoError(t, err)
 			}
 			require.Equal(t, 100, m.Len())

@@ -210,7 +210,7 @@ func replay(t *testing.T, db ratelimit.DB, alg ratelimit.Algorithm, penalty bool
 			step = 0
 		}
 		now = now.Add(step)
-		d, err := l.AllowN(ctx, key, cost)
+		d, err := l.Allow(ctx, key, ratelimit.Cost(cost))
 		require.NoError(t, err)
 		wantAllowed, wantRemaining := m.take(key, cost, now.UnixMicro())
 		require.Equal(t, wantAllowed, d.Allowed, "%s step %d key %s cost %d at %v", cfg.Name, i, key, cost, now)
@@ -309,7 +309,7 @@ func TestRetryAfterIsHonest(t *testing.T) {
 			var denied ratelimit.Decision
 			cost := int64(1 + rng.IntN(3))
 			for {
-				d, err := l.AllowN(ctx, "k", cost)
+				d, err := l.Allow(ctx, "k", ratelimit.Cost(cost))
 				require.NoError(t, err)
 				if !d.Allowed {
 					denied = d
@@ -325,7 +325,7 @@ func TestRetryAfterIsHonest(t *testing.T) {
 				require.False(t, p.Allowed, "%s trial %d: admitted before RetryAfter (%v)", alg, trial, denied.RetryAfter)
 			}
 			now = at.Add(denied.RetryAfter)
-			d, err := l.AllowN(ctx, "k", cost)
+			d, err := l.Allow(ctx, "k", ratelimit.Cost(cost))
 			require.NoError(t, err)
 			require.True(t, d.Allowed, "%s trial %d: denied at RetryAfter (%v)", alg, trial, denied.RetryAfter)
 		}

@@ -16,6 +16,9 @@ type Check struct {
 	Key string
 	// Cost is the units the check asks for. Defaults to 1.
 	Cost int64
+	// Rate, when not zero, is the rate the check counts against instead
+	// of the limiter's own (as AtRate gives it to a single check).
+	Rate Rate
 }
 
 // MultiMode says what a multi-limit decision consumes when a limit denies.
@@ -89,7 +92,7 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 // checks run under a savepoint, released when they succeed and rolled back
 // when they fail or, under AllOrNothing, when a limit denies, so the
 // caller's transaction stays usable either way; that costs two more round
-// trips than a statement alone. As with AllowNTx, there is no failure
+// trips than a statement alone. As with AllowTx, there is no failure
 // policy, breaker, deny cache or Config.Timeout: errors are returned, and
 // the rows stay locked until the transaction ends. In the partitioned
 // layout, a missing partition is created outside the transaction (with
@@ -147,6 +150,14 @@ func newMultiRequest(tx pgx.Tx, mode MultiMode, checks []Check) (*request, error
 		if c.Limiter == nil {
 			return nil, invalid(ErrNilLimiter, "check %d", i)
 		}
+		if c.Rate != (Rate{}) {
+			lr, err := c.Limiter.WithRate(c.Rate)
+			if err != nil {
+				return nil, fmt.Errorf("check %d: %w", i, err)
+			}
+			c.Limiter = lr
+		}
+		whole := c.Limiter
 		if c.Cost == 0 {
 			c.Cost = 1
 		}
@@ -175,7 +186,7 @@ func newMultiRequest(tx pgx.Tx, mode MultiMode, checks []Check) (*request, error
 		}
 		seen[id] = i
 		req.checks[i] = &pendingCheck{l: c.Limiter, key: c.Key, skey: skey, ask: ask{n: c.Cost}}
-		req.whole[i] = checks[i].Limiter
+		req.whole[i] = whole
 	}
 	return req, nil
 }

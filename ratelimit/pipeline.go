@@ -8,8 +8,8 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Every check goes through decide, whether it is one check (Allow, AllowN,
-// AllowUpTo and their …Tx forms) or the checks of one AllowAll decision, in
+// Every check goes through decide, whether it is one check (Allow and
+// AllowTx, with any options) or the checks of one AllowAll decision, in
 // these stages, in this order:
 //
 //  1. validate: the ask and the key, before anything else (the callers:

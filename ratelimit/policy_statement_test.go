@@ -118,9 +118,9 @@ func TestPolicyStatementMatchesGivenRate(t *testing.T) {
 						rate.Burst = rate.Limit
 					}
 					n := 1 + rng.Int64N(min(rate.Burst, 3))
-					got, err := stored.AllowN(ctx, key, n)
+					got, err := stored.Allow(ctx, key, ratelimit.Cost(n))
 					require.NoError(t, err, "step %d", step)
-					want, err := given.AllowRate(ctx, key, n, rate)
+					want, err := given.Allow(ctx, key, ratelimit.Cost(n), ratelimit.AtRate(rate))
 					require.NoError(t, err, "step %d", step)
 					require.Equal(t, want, got, "step %d: %d of key %q at %+v", step, n, key, rate)
 				}

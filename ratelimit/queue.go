@@ -8,7 +8,7 @@ import (
 )
 
 // ask is what one check asks for: n units, all of them or none, or with
-// upTo as many of them as are left (a partial grant, AllowUpTo).
+// upTo as many of them as are left (a partial grant, UpTo).
 type ask struct {
 	n    int64
 	upTo bool

@@ -85,9 +85,9 @@ func TestBatchesMatchSingleChecks(t *testing.T) {
 					for i := range n {
 						var want ratelimit.Decision
 						if upTo[i] {
-							want, err = single.AllowUpTo(ctx, keys[i], costs[i])
+							want, err = single.Allow(ctx, keys[i], ratelimit.UpTo(costs[i]))
 						} else {
-							want, err = single.AllowN(ctx, keys[i], costs[i])
+							want, err = single.Allow(ctx, keys[i], ratelimit.Cost(costs[i]))
 						}
 						require.NoError(t, err)
 						require.Equal(t, want, got[i], "round %d check %d of %v %v %v", round, i, keys, costs, upTo)
@@ -112,26 +112,26 @@ func TestAllowUpToGrantsWhatIsLeft(t *testing.T) {
 			t.Parallel()
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto", Algorithm: alg, Limit: 100,
 				Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
-			d, err := l.AllowN(ctx, "quota", 30)
+			d, err := l.Allow(ctx, "quota", ratelimit.Cost(30))
 			require.NoError(t, err)
 			require.Equal(t, int64(30), d.Granted)
 			left := d.Remaining
 			require.Equal(t, int64(70), left)
 
-			d, err = l.AllowUpTo(ctx, "quota", 50) // demand below what is left
+			d, err = l.Allow(ctx, "quota", ratelimit.UpTo(50)) // demand below what is left
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
 			require.Equal(t, int64(50), d.Granted)
 			require.Equal(t, int64(20), d.Remaining)
 
-			d, err = l.AllowUpTo(ctx, "quota", 45) // demand above it: all that is left
+			d, err = l.Allow(ctx, "quota", ratelimit.UpTo(45)) // demand above it: all that is left
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
 			require.Equal(t, int64(20), d.Granted)
 			require.Zero(t, d.Remaining)
 			require.Zero(t, d.RetryAfter)
 
-			d, err = l.AllowUpTo(ctx, "quota", 1)
+			d, err = l.Allow(ctx, "quota", ratelimit.UpTo(1))
 			require.NoError(t, err)
 			require.False(t, d.Allowed)
 			require.Zero(t, d.Granted)
@@ -141,7 +141,7 @@ func TestAllowUpToGrantsWhatIsLeft(t *testing.T) {
 			m, err := ratelimit.NewMemory(l.Config(), ratelimit.MemoryOptions{})
 			require.NoError(t, err)
 			for _, c := range []struct{ n, want int64 }{{30, 30}, {50, 50}, {45, 20}, {1, 0}} {
-				md, err := m.AllowUpTo(ctx, "quota", c.n)
+				md, err := m.Allow(ctx, "quota", ratelimit.UpTo(c.n))
 				require.NoError(t, err)
 				require.Equal(t, c.want, md.Granted, "memory, demand %d", c.n)
 			}
@@ -149,10 +149,10 @@ func TestAllowUpToGrantsWhatIsLeft(t *testing.T) {
 			// Penalty: everything asked is counted.
 			p := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto-penalty", Algorithm: alg, Limit: 100,
 				Window: time.Hour, Penalty: true, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
-			d, err = p.AllowUpTo(ctx, "quota", 80)
+			d, err = p.Allow(ctx, "quota", ratelimit.UpTo(80))
 			require.NoError(t, err)
 			require.Equal(t, int64(80), d.Granted)
-			d, err = p.AllowUpTo(ctx, "quota", 50)
+			d, err = p.Allow(ctx, "quota", ratelimit.UpTo(50))
 			require.NoError(t, err)
 			require.Equal(t, int64(20), d.Granted)
 			require.Equal(t, int64(130), d.Used, "all 50 counted")
@@ -179,7 +179,7 @@ func TestAllowUpToConcurrentNeverOverGrants(t *testing.T) {
 				wg.Go(func() {
 					rng := rand.New(rand.NewPCG(uint64(g), 7))
 					for range 20 {
-						d, err := l.AllowUpTo(ctx, "shared", 1+rng.Int64N(10))
+						d, err := l.Allow(ctx, "shared", ratelimit.UpTo(1+rng.Int64N(10)))
 						if err != nil {
 							t.Error(err)
 							return
@@ -252,9 +252,9 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 		for i := range n {
 			var want ratelimit.Decision
 			if upTo[i] {
-				want, err = single[idx[i]].AllowUpTo(ctx, keys[i], costs[i])
+				want, err = single[idx[i]].Allow(ctx, keys[i], ratelimit.UpTo(costs[i]))
 			} else {
-				want, err = single[idx[i]].AllowN(ctx, keys[i], costs[i])
+				want, err = single[idx[i]].Allow(ctx, keys[i], ratelimit.Cost(costs[i]))
 			}
 			require.NoError(t, err)
 			require.Equal(t, want, got[i], "round %d check %d (%s)", round, i, cfgs[idx[i]].Name)
@@ -287,7 +287,7 @@ func TestQueueFunctionMissingFallsBack(t *testing.T) {
 // TestGroupsMatchSequentialDecisions: one check statement holding lone
 // checks and all-or-nothing groups of several limiters of one algorithm,
 // interleaved on two keys, decides each exactly as the same requests made
-// one after another would be: a lone check as AllowN or AllowUpTo, a group
+// one after another would be: a lone check as Allow with Cost or UpTo, a group
 // as AllowAllTx, whose savepoint and vote roll back a denied group. A
 // denied group changes no row, so the checks after it see the rows as they
 // were before it.
@@ -355,9 +355,9 @@ func TestGroupsMatchSequentialDecisions(t *testing.T) {
 					if groups[i] == 0 {
 						var want ratelimit.Decision
 						if upTo[i] {
-							want, err = single[idx[i]].AllowUpTo(ctx, keys[i], costs[i])
+							want, err = single[idx[i]].Allow(ctx, keys[i], ratelimit.UpTo(costs[i]))
 						} else {
-							want, err = single[idx[i]].AllowN(ctx, keys[i], costs[i])
+							want, err = single[idx[i]].Allow(ctx, keys[i], ratelimit.Cost(costs[i]))
 						}
 						require.NoError(t, err)
 						require.Equal(t, want, got[i], "round %d check %d (%s)", round, i, cfgs[idx[i]].Name)

@@ -1,7 +1,6 @@
 package ratelimit
 
 import (
-	"context"
 	"strconv"
 	"sync"
 	"time"
@@ -63,17 +62,13 @@ func RateName(name string, window time.Duration) string {
 	return name + "@" + strconv.FormatInt(window.Microseconds(), 10) + "us"
 }
 
-// WithRate returns a limiter that checks the same keys as l at rate r:
-// l itself when r is l's own rate, otherwise a limiter with l's
-// configuration but r's Limit, Window and Burst, which counts as Rate
-// describes and shares l's database and breaker. It is built once per
-// distinct rate and kept (up to 256 rates per limiter), so calling WithRate
-// on every check is cheap. Use it to put a per-call rate into AllOrNothing
-// decisions (a Check's Limiter); AllowRate is the single check.
-//
-// FallbackLimit scales with the rate (r.Limit × FallbackLimit / Limit, at
-// least 1). With Spread, r's Limit and Burst must still give every row at
-// least one unit.
+// WithRate returns the limiter that checks the same keys as l at rate r,
+// which AtRate and Check.Rate use: l itself when r is l's own rate,
+// otherwise a limiter with l's configuration but r's Limit, Window and
+// Burst, which counts as Rate describes and shares l's Database. It is
+// built once per distinct rate and kept (up to 256 rates per limiter), so
+// a rate given with every check is cheap. Package policy hands it out for
+// a key with an override.
 func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 	if r.Burst == 0 {
 		r.Burst = r.Limit
@@ -112,40 +107,6 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 	}
 	l.rates.m[r] = d
 	return d, nil
-}
-
-// AllowRate checks and counts n units for key at rate r instead of the
-// limiter's own: the per-call limit of clients that pass their limit with
-// every check (a plan's quota, a per-tenant override). Counters follow the
-// rules of Rate. Everything else is AllowN's: the failure policy, the deny
-// cache, Shadow, Penalty and the Observer, which sees the limiter's own
-// name at every rate.
-func (l *Limiter) AllowRate(ctx context.Context, key string, n int64, r Rate) (Decision, error) {
-	d, err := l.WithRate(r)
-	if err != nil {
-		return Decision{}, err
-	}
-	return d.AllowN(ctx, key, n)
-}
-
-// PeekRate is Peek at rate r: the key's state as a check of one unit at
-// that rate would see it, counting nothing.
-func (l *Limiter) PeekRate(ctx context.Context, key string, r Rate) (Decision, error) {
-	d, err := l.WithRate(r)
-	if err != nil {
-		return Decision{}, err
-	}
-	return d.Peek(ctx, key)
-}
-
-// ResetRate is Reset at rate r: it forgets what key counted in the rows
-// that rate uses (for the token bucket, the key's one bucket).
-func (l *Limiter) ResetRate(ctx context.Context, key string, r Rate) error {
-	d, err := l.WithRate(r)
-	if err != nil {
-		return err
-	}
-	return d.Reset(ctx, key)
 }
 
 // Validate reports whether New would accept c, with the error New would

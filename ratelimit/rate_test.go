@@ -25,7 +25,7 @@ func TestAllowRateWindows(t *testing.T) {
 	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
 		t.Run(string(alg), func(t *testing.T) {
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-" + string(alg), Algorithm: alg, Limit: 3, Window: time.Minute, Now: c.Now})
-			d, err := l.AllowN(ctx, "k", 3)
+			d, err := l.Allow(ctx, "k", ratelimit.Cost(3))
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
 			d, err = l.Allow(ctx, "k")
@@ -34,12 +34,12 @@ func TestAllowRateWindows(t *testing.T) {
 
 			// Same window, higher limit: the 3 already used count.
 			more := ratelimit.Rate{Limit: 5, Window: time.Minute}
-			d, err = l.AllowRate(ctx, "k", 2, more)
+			d, err = l.Allow(ctx, "k", ratelimit.Cost(2), ratelimit.AtRate(more))
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
 			require.Equal(t, int64(5), d.Used)
 			require.Equal(t, int64(5), d.Limit)
-			d, err = l.AllowRate(ctx, "k", 1, more)
+			d, err = l.Allow(ctx, "k", ratelimit.AtRate(more))
 			require.NoError(t, err)
 			require.False(t, d.Allowed)
 			p, err := l.Peek(ctx, "k")
@@ -48,11 +48,11 @@ func TestAllowRateWindows(t *testing.T) {
 
 			// Another window: a counter of its own.
 			other := ratelimit.Rate{Limit: 2, Window: 2 * time.Minute}
-			d, err = l.AllowRate(ctx, "k", 1, other)
+			d, err = l.Allow(ctx, "k", ratelimit.AtRate(other))
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
 			require.Equal(t, int64(1), d.Used)
-			p, err = l.PeekRate(ctx, "k", other)
+			p, err = l.Peek(ctx, "k", ratelimit.AtRate(other))
 			require.NoError(t, err)
 			require.Equal(t, int64(1), p.Used)
 			p, err = l.Peek(ctx, "k")
@@ -65,8 +65,8 @@ func TestAllowRateWindows(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, int64(1), p.Used)
 
-			require.NoError(t, l.ResetRate(ctx, "k", other))
-			p, err = l.PeekRate(ctx, "k", other)
+			require.NoError(t, l.Reset(ctx, "k", ratelimit.AtRate(other)))
+			p, err = l.Peek(ctx, "k", ratelimit.AtRate(other))
 			require.NoError(t, err)
 			require.Equal(t, int64(0), p.Used)
 		})
@@ -81,19 +81,19 @@ func TestAllowRateTokenBucketSharesTheBalance(t *testing.T) {
 	ctx := context.Background()
 	c := testkit.NewClock(base)
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute, Now: c.Now})
-	d, err := l.AllowN(ctx, "k", 10)
+	d, err := l.Allow(ctx, "k", ratelimit.Cost(10))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
 	big := ratelimit.Rate{Limit: 100, Window: time.Hour, Burst: 100}
-	d, err = l.AllowRate(ctx, "k", 1, big)
+	d, err = l.Allow(ctx, "k", ratelimit.AtRate(big))
 	require.NoError(t, err)
 	require.False(t, d.Allowed, "the bucket is empty at any rate")
 	require.Equal(t, int64(100), d.Limit)
 	c.Add(36 * time.Second) // 1 token at 100 per hour, 6 at 10 per minute
-	d, err = l.AllowRate(ctx, "k", 1, big)
+	d, err = l.Allow(ctx, "k", ratelimit.AtRate(big))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
-	d, err = l.AllowRate(ctx, "k", 1, big)
+	d, err = l.Allow(ctx, "k", ratelimit.AtRate(big))
 	require.NoError(t, err)
 	require.False(t, d.Allowed)
 }
@@ -127,10 +127,10 @@ func TestWithRate(t *testing.T) {
 		{ratelimit.Rate{Limit: 1, Window: time.Minute, Burst: -1}, ratelimit.ErrInvalidBurst},
 		{ratelimit.Rate{Limit: 1, Window: time.Minute, Burst: ratelimit.MaxTokens + 1}, ratelimit.ErrInvalidBurst},
 	} {
-		_, err := l.AllowRate(ctx, "k", 1, tc.r)
+		_, err := l.Allow(ctx, "k", ratelimit.AtRate(tc.r))
 		require.ErrorIs(t, err, tc.want, "%+v", tc.r)
 	}
-	_, err = l.AllowRate(ctx, "k", 30, r)
+	_, err = l.Allow(ctx, "k", ratelimit.Cost(30), ratelimit.AtRate(r))
 	require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
 }
 
@@ -158,9 +158,9 @@ func TestAllowRateObservedUnderTheLimitersName(t *testing.T) {
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-obs", Limit: 1, Window: time.Minute, Observer: obs, Now: testkit.Pinned(base)})
 	_, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
-	_, err = l.AllowRate(ctx, "k", 1, ratelimit.Rate{Limit: 5, Window: time.Hour})
+	_, err = l.Allow(ctx, "k", ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Hour}))
 	require.NoError(t, err)
-	_, err = l.AllowRate(ctx, "k", 1, ratelimit.Rate{Limit: 5, Window: time.Minute})
+	_, err = l.Allow(ctx, "k", ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Minute}))
 	require.NoError(t, err)
 	obs.mu.Lock()
 	defer obs.mu.Unlock()
@@ -181,7 +181,7 @@ func TestKeyByWindow(t *testing.T) {
 	for _, byWindow := range []bool{false, true} {
 		name := "kbw-" + map[bool]string{false: "name", true: "window"}[byWindow]
 		hourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 3, Window: time.Hour, Now: now, KeyByWindow: byWindow})
-		d, err := hourly.AllowN(ctx, "k", 3)
+		d, err := hourly.Allow(ctx, "k", ratelimit.Cost(3))
 		require.NoError(t, err)
 		require.True(t, d.Allowed)
 		twoHourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 5, Window: 2 * time.Hour, Now: now, KeyByWindow: byWindow})

@@ -26,7 +26,7 @@ const StatementTimeoutParam = "statement_timeout"
 // called on the checking goroutine and must be fast and safe for concurrent use.
 type Observer interface {
 	// ObserveDecision is called after every check that counts (Allow,
-	// AllowN, AllowNTx, and each limit of AllowAll) with the
+	// AllowTx, and each limit of AllowAll) with the
 	// decision, how long the check took, and its error (nil when a
 	// decision was made, by whatever store). Peek counts nothing and is
 	// not observed.

@@ -53,7 +53,7 @@ func sessionScript(t *testing.T, db *pgxpool.Pool) []string {
 			ls = append(ls, l)
 			for i, step := range []time.Duration{0, 0, 1100 * time.Millisecond, 0, 2333333 * time.Microsecond, 7 * time.Second, 0} {
 				now = now.Add(step)
-				d, err := l.AllowN(ctx, "k", int64(1+i%2))
+				d, err := l.Allow(ctx, "k", ratelimit.Cost(int64(1+i%2)))
 				record(fmt.Sprintf("%s penalty=%v check %d", alg, penalty, i), d, err)
 				p, err := l.Peek(ctx, "k")
 				record(fmt.Sprintf("%s penalty=%v peek %d", alg, penalty, i), p, err)

@@ -65,6 +65,6 @@ func TestSpreadAccuracy(t *testing.T) {
 	_, err := ratelimit.New(pool, ratelimit.Config{Name: "tiny", Limit: 3, Window: time.Minute, Spread: 4})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidLimit)
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cost", Limit: 100, Window: time.Minute, Spread: 4})
-	_, err = l.AllowN(ctx, "k", 26)
+	_, err = l.Allow(ctx, "k", ratelimit.Cost(26))
 	require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
 }

@@ -20,7 +20,7 @@ func TestTokenBucketSequence(t *testing.T) {
 	// 10 tokens per second, capacity 5.
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Second, Burst: 5, Now: c.Now})
 
-	d, err := l.AllowN(ctx, "k", 5)
+	d, err := l.Allow(ctx, "k", ratelimit.Cost(5))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
 	require.Equal(t, int64(0), d.Remaining)
@@ -34,7 +34,7 @@ func TestTokenBucketSequence(t *testing.T) {
 	require.Equal(t, int64(1), d.RetryAfterSeconds())
 
 	c.Add(250 * time.Millisecond) // 2.5 tokens back
-	d, err = l.AllowN(ctx, "k", 2)
+	d, err = l.Allow(ctx, "k", ratelimit.Cost(2))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
 	require.Equal(t, int64(0), d.Remaining) // 0.5 left

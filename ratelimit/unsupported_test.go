@@ -57,7 +57,7 @@ AS $$ SELECT timestamptz 'epoch' + us * interval '1 microsecond' $$`,
 
 // TestUnsupportedNeverReachesTheFailurePolicy: when the check's SQL does not
 // fit the server (SQLSTATE class 0A or 42), every failure policy, with and
-// without coalescing, single checks, AllowAll and AllowNTx alike, returns
+// without coalescing, single checks, AllowAll and AllowTx alike, returns
 // ErrUnsupported with the *pgconn.PgError: no decision from the policy or
 // the memory tier, no open breaker however often it happens, and one error
 // log per limiter. Once the schema fits again, the next check is counted by
@@ -119,8 +119,8 @@ func TestUnsupportedNeverReachesTheFailurePolicy(t *testing.T) {
 					}
 					tx, err := pool.Begin(ctx)
 					require.NoError(t, err)
-					d, err := l.AllowNTx(ctx, tx, "k0", 1)
-					misfit("AllowNTx", d, err)
+					d, err := l.AllowTx(ctx, tx, "k0")
+					misfit("AllowTx", d, err)
 					require.NoError(t, tx.Rollback(ctx))
 					if m.peekFails {
 						d, err := l.Peek(ctx, "k0")

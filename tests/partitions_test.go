@@ -178,7 +178,7 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	require.Contains(t, err.Error(), "rl-cleanup --partitions")
 	tx, err := owner.Begin(ctx)
 	require.NoError(t, err)
-	_, err = l.AllowNTx(ctx, tx, "k", 1)
+	_, err = l.AllowTx(ctx, tx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrNoPartition)
 	require.NoError(t, tx.Rollback(ctx))
 	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: l, Key: "k"})

@@ -309,9 +309,9 @@ func bouncerSequence(t *testing.T, via, direct ratelimit.DB, mode string, alg ra
 		if rng.IntN(4) != 0 {
 			now = now.Add(time.Duration(rng.Int64N(window.Microseconds()*2/5)) * time.Microsecond)
 		}
-		dv, err := lv.AllowN(ctx, key, cost)
+		dv, err := lv.Allow(ctx, key, ratelimit.Cost(cost))
 		require.NoError(t, err)
-		dd, err := ld.AllowN(ctx, key, cost)
+		dd, err := ld.Allow(ctx, key, ratelimit.Cost(cost))
 		require.NoError(t, err)
 		require.Equal(t, ratelimit.StorePostgres, dv.Store, "%s step %d", cfg.Name, i)
 		require.Equal(t, dd, dv, "%s step %d: the same decision through PgBouncer", cfg.Name, i)

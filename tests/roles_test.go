@@ -98,7 +98,7 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 			require.NoError(t, err, name)
 			require.Equal(t, ratelimit.StorePostgres, d.Store, name)
 			require.True(t, d.Allowed, name)
-			d, err = l.AllowUpTo(ctx, "k", 3)
+			d, err = l.Allow(ctx, "k", ratelimit.UpTo(3))
 			require.NoError(t, err, name)
 			require.Equal(t, int64(3), d.Granted, name)
 			_, err = l.Peek(ctx, "k")
@@ -107,7 +107,7 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 
 			tx, err := app.Begin(ctx)
 			require.NoError(t, err)
-			_, err = l.AllowNTx(ctx, tx, "k", 2)
+			_, err = l.AllowTx(ctx, tx, "k", ratelimit.Cost(2))
 			require.NoError(t, err, name)
 			_, err = l.PeekTx(ctx, tx, "k")
 			require.NoError(t, err, name)

@@ -103,14 +103,14 @@ func (w workload) raw(db gen.DBTX) loadtest.Check {
 	}
 }
 
-// library returns the library path: Limiter.AllowN on db.
+// library returns the library path: Limiter.Allow on db.
 func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
 	l, err := ratelimit.New(db, w.cfg)
 	if err != nil {
 		return nil, err
 	}
 	return func(ctx context.Context, k int) error {
-		d, err := l.AllowN(ctx, w.keys[k], 1)
+		d, err := l.Allow(ctx, w.keys[k])
 		if err == nil && !d.Allowed {
 			return fmt.Errorf("check of %q denied with a limit of %d: the benchmark measures admitted checks", w.keys[k], benchLimit)
 		}

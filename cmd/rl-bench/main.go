@@ -8,7 +8,7 @@
 //
 //   - raw: the generated statement (package gen) sent through pgx directly,
 //     with the key already hashed: the floor for one check;
-//   - library: ratelimit.Limiter.AllowN, which sends a check that goes out
+//   - library: ratelimit.Limiter.Allow, which sends a check that goes out
 //     alone as byte for byte the same statement with the same parameters,
 //     and builds a Decision.
 //

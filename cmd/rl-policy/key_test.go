@@ -121,14 +121,14 @@ func TestKeyCodeLimiter(t *testing.T) {
 			d, err := lim.Peek(ctx, key)
 			require.NoError(t, err)
 			require.Equal(t, int64(5), d.Remaining)
-			d, err = lim.AllowN(ctx, key, 5)
+			d, err = lim.Allow(ctx, key, ratelimit.Cost(5))
 			require.NoError(t, err)
 			require.True(t, d.Allowed, "the limiter has 5 again after the reset")
 
 			// Idempotent: a second reset finds nothing and succeeds.
 			out, stderr, code = ks.asApp(t, append([]string{"key", "reset", name, key}, shape...)...)
 			require.Equal(t, cli.ExitOK, code, stderr)
-			require.Equal(t, true, out["existed"], "the AllowN above made a row")
+			require.Equal(t, true, out["existed"], "the check above made a row")
 			for range 2 {
 				out, stderr, code = ks.asApp(t, append([]string{"key", "reset", name, key}, shape...)...)
 				require.Equal(t, cli.ExitOK, code, stderr)
@@ -188,7 +188,7 @@ func TestKeyStoredPolicy(t *testing.T) {
 			out, stderr, code = ks.asApp(t, "key", "reset", name, key)
 			require.Equal(t, cli.ExitOK, code, stderr)
 			require.Equal(t, true, out["existed"])
-			d, err := lim.AllowN(ctx, key, 5)
+			d, err := lim.Allow(ctx, key, ratelimit.Cost(5))
 			require.NoError(t, err)
 			require.True(t, d.Allowed, "the policy's limiter has 5 again after the reset")
 
@@ -214,7 +214,7 @@ func TestKeyAnyBytesAndRows(t *testing.T) {
 	key := "\x00\xffbin"
 	lim, err := ratelimit.New(ks.pool, ratelimit.Config{Name: "raw", Limit: 5, Window: keyWindow, KeyMode: ratelimit.ReadableKeys})
 	require.NoError(t, err)
-	_, err = lim.AllowN(ctx, key, 2)
+	_, err = lim.Allow(ctx, key, ratelimit.Cost(2))
 	require.NoError(t, err)
 	out, stderr, code := ks.asApp(t, "key", "get", "raw", "--key-hex", hex.EncodeToString([]byte(key)), "--limit", "5", "--window", keyWindow.String(), "--key-mode", "readable")
 	require.Equal(t, cli.ExitOK, code, stderr)

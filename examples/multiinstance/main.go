@@ -426,15 +426,10 @@ func runRound(ctx context.Context, o options, store string, stderr io.Writer) ([
 	return admitted, fallback, nil
 }
 
-// allower is what a round checks against: a pgrl limiter or a memory one.
-type allower interface {
-	AllowN(ctx context.Context, key string, n int64) (ratelimit.Decision, error)
-}
-
 // runChild is one process of a round.
 func runChild(ctx context.Context, o options, stdin io.Reader, stdout io.Writer) error {
 	cfg := limiterConfig(o)
-	var lim allower
+	var lim ratelimit.Checker
 	switch o.child {
 	case storeMemory:
 		m, err := newMemoryLimiter(cfg)
@@ -475,7 +470,7 @@ func runChild(ctx context.Context, o options, stdin io.Reader, stdout io.Writer)
 		go func() {
 			defer wg.Done()
 			<-fire
-			d, err := lim.AllowN(callCtx, o.key, 1)
+			d, err := lim.Allow(callCtx, o.key)
 			mu.Lock()
 			defer mu.Unlock()
 			switch {

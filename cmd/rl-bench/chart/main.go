@@ -90,7 +90,7 @@ func render(r report) string {
 		bar(&b, x, top, 20, c.RawOpsPerSec/maxOps, colorRaw, fmt.Sprintf("raw %.0f/s", c.RawOpsPerSec))
 		bar(&b, x+22, top, 20, c.LibraryOpsPerSec/maxOps, colorLib, fmt.Sprintf("library %.0f/s", c.LibraryOpsPerSec))
 	}
-	legend(&b, marginLeft+10, top-12, [][2]string{{colorRaw, "raw statement (pgx + gen)"}, {colorLib, "library (Limiter.AllowN)"}})
+	legend(&b, marginLeft+10, top-12, [][2]string{{colorRaw, "raw statement (pgx + gen)"}, {colorLib, "library (Limiter.Allow)"}})
 	caseLabels(&b, r, top+panelH)
 
 	// Panel 2: ratios, library / raw.

@@ -1,0 +1,127 @@
+package ratelimit
+
+import "context"
+
+// Checker is what every kind of limit does, with one set of methods:
+// *Limiter (in PostgreSQL), *MemoryLimiter (in process memory) and package
+// policy's *Limiter (a limit stored in PostgreSQL) satisfy it, and package
+// httplimit and the ulule store take it. Each verb takes the same options
+// (Cost, UpTo, AtRate); a Limiter's verbs have …Tx twins that run in the
+// caller's transaction (AllowTx, PeekTx, ResetTx).
+type Checker interface {
+	// Allow checks and counts what the options ask for (one unit by
+	// default) for key.
+	Allow(ctx context.Context, key string, opts ...Option) (Decision, error)
+	// Peek reports key's state without counting anything.
+	Peek(ctx context.Context, key string, opts ...Option) (Decision, error)
+	// Reset forgets what was counted for key.
+	Reset(ctx context.Context, key string, opts ...Option) error
+	// Config is the limit's configuration.
+	Config() Config
+}
+
+var (
+	_ Checker = (*Limiter)(nil)
+	_ Checker = (*MemoryLimiter)(nil)
+)
+
+// An Option varies one check: Cost and UpTo say what it asks for, AtRate
+// the rate it counts against. A check without options asks for one unit at
+// the limiter's own rate. Options are values (no allocation per check).
+type Option struct {
+	kind optionKind
+	n    int64
+	rate Rate
+}
+
+type optionKind uint8
+
+const (
+	optCost optionKind = iota + 1
+	optUpTo
+	optRate
+)
+
+// Cost asks for n units (a cost, such as bytes or tokens), all of them or
+// none. Without it a check asks for 1. n must be at least 1 and at most what
+// the limit holds at once (Limit, or Burst for the token bucket):
+// ErrInvalidCost and ErrCostExceedsLimit otherwise.
+func Cost(n int64) Option { return Option{kind: optCost, n: n} }
+
+// UpTo is a partial grant: the check takes as many of n units as the key
+// has left, possibly none, and reports how many in Decision.Granted
+// (Allowed when at least one). Use it to hand out what is left of a quota:
+// the bytes an upload may still send, the rows a batch job may still
+// process.
+//
+// n is a ceiling, not a cost: any n of at least 1 is valid (0 or less is
+// ErrInvalidCost), and an n above what the limit holds at once (Limit, or
+// Burst for the token bucket; a row's share with Spread) is an ask of that
+// capacity in every respect, so UpTo(math.MaxInt64) takes all that is
+// left. Under Penalty the ask is counted whatever is granted, as for any
+// denied check: n, or the capacity when n is above it, so one huge ask
+// cannot push a count further than the largest valid Cost. Concurrent
+// partial grants and other checks of one key are decided one after
+// another. The failure policy answers as for any check: the memory tier
+// grants from its own count (its capacity is FallbackLimit's), FailOpen
+// grants the whole ask (at most the capacity), FailClosed none. A
+// shadow-mode denial proceeds with Granted 0.
+func UpTo(n int64) Option { return Option{kind: optUpTo, n: n} }
+
+// AtRate counts the check against rate r instead of the limiter's own: the
+// per-call limit of clients that pass their limit with every check (a
+// plan's quota, a per-tenant override), as redis_rate does. Counters
+// follow the rules of Rate. Everything else is the limiter's: the failure
+// policy, the deny cache, Shadow, Penalty and the Observer, which sees the
+// limiter's own name at every rate. FallbackLimit scales with the rate
+// (r.Limit × FallbackLimit / Limit, at least 1). With Spread, r's Limit
+// and Burst must still give every row at least one unit. With Peek and
+// Reset, it reads or forgets the rows that rate uses.
+func AtRate(r Rate) Option { return Option{kind: optRate, rate: r} }
+
+// Rate reports the rate o gives, when o is an AtRate option: for
+// wrappers (package policy's Limiter) that decide the rate themselves and
+// refuse one given with the call.
+func (o Option) Rate() (r Rate, ok bool) { return o.rate, o.kind == optRate }
+
+// options returns what opts ask for, and the rate they give when rated.
+// A check may give Cost or UpTo once, and AtRate once; counts says whether
+// the caller counts units (Peek and Reset do not, and refuse Cost and
+// UpTo).
+func options(name string, opts []Option, counts bool) (a ask, r Rate, rated bool, err error) {
+	a = ask{n: 1}
+	sized := false
+	for _, o := range opts {
+		switch o.kind {
+		case optCost, optUpTo:
+			if !counts {
+				return a, r, false, invalid(ErrInvalidOption, "Cost or UpTo for %q where nothing is counted; Peek and Reset take only AtRate", name)
+			}
+			if sized {
+				return a, r, false, invalid(ErrInvalidOption, "Cost or UpTo given twice for %q; give one of them, once", name)
+			}
+			sized = true
+			a = ask{n: o.n, upTo: o.kind == optUpTo}
+		case optRate:
+			if rated {
+				return a, r, false, invalid(ErrInvalidOption, "AtRate given twice for %q; give it once", name)
+			}
+			rated = true
+			r = o.rate
+		default:
+			return a, r, false, invalid(ErrInvalidOption, "the zero Option for %q; use Cost, UpTo or AtRate", name)
+		}
+	}
+	return a, r, rated, nil
+}
+
+// resolve resolves opts for l: the limiter that decides (l, or l at the rate
+// AtRate gives) and the ask.
+func (l *Limiter) resolve(opts []Option, counts bool) (*Limiter, ask, error) {
+	a, r, rated, err := options(l.cfg.Name, opts, counts)
+	if err != nil || !rated {
+		return l, a, err
+	}
+	lr, err := l.WithRate(r)
+	return lr, a, err
+}
