@@ -78,10 +78,11 @@ func TestCleanupKeepsRowsAnOpenTransactionStillDecidesOn(t *testing.T) {
 				// Every check must be PostgreSQL's answer: wait for it as long as
 				// it takes on a busy machine (a late answer under the default
 				// Timeout would come from the memory tier).
-				cfg := ratelimit.Config{Name: "cutoff", Algorithm: alg, Limit: 2, Window: window, Timeout: testkit.DecisionTimeout}
-				outside, err := ratelimit.New(db, cfg)
+				cfg := ratelimit.Config{Name: "cutoff", Algorithm: alg, Limit: 2, Window: window}
+				dbOpts := ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout}
+				outside, err := testkit.New(db, cfg, dbOpts)
 				require.NoError(t, err)
-				inside, err := ratelimit.New(db, cfg)
+				inside, err := testkit.New(db, cfg, dbOpts)
 				require.NoError(t, err)
 
 				waitPastBoundary(t, db, window)

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/httplimit"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -30,8 +31,7 @@ func TestHTTPDocResponse(t *testing.T) {
 
 	// A long Timeout: the test needs PostgreSQL's answer, also on a loaded
 	// machine (the documented response does not depend on it).
-	lim, err := ratelimit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock,
-		Timeout: time.Minute})
+	lim, err := testkit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock}, ratelimit.DatabaseOptions{Timeout: time.Minute})
 	require.NoError(t, err)
 	mw, err := httplimit.New(httplimit.Config{Limiter: lim, Key: httplimit.Constant("doc-response")})
 	require.NoError(t, err)

@@ -444,7 +444,7 @@ func TestShadowModeAllowsWithHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow", Limit: 1, Window: time.Minute, Now: c.Now, Shadow: true, Logger: quietLogger()})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow", Limit: 1, Window: time.Minute, Now: c.Now, Shadow: true}, ratelimit.DatabaseOptions{Logger: quietLogger()})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	for range 3 {
 		r := get(t, srv)
@@ -461,7 +461,7 @@ func TestStoreErrors(t *testing.T) {
 	_ = ctx
 
 	t.Run("fail with error: 503 by default", func(t *testing.T) {
-		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "err", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "err", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{Logger: quietLogger()})
 		srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 		r := get(t, srv)
 		require.Equal(t, http.StatusServiceUnavailable, r.status)
@@ -470,7 +470,7 @@ func TestStoreErrors(t *testing.T) {
 		require.Zero(t, *reached)
 	})
 	t.Run("custom OnError lets the request through", func(t *testing.T) {
-		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "err2", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "err2", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{Logger: quietLogger()})
 		var got error
 		var mw *httplimit.Middleware
 		mw, err := httplimit.New(httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Logger: quietLogger(),
@@ -489,7 +489,7 @@ func TestStoreErrors(t *testing.T) {
 		requireHeaders(t, r, map[string]string{"X-Limit-Skipped": "1", "Content-Length": "0"})
 	})
 	t.Run("fail open: allowed without rate-limit fields", func(t *testing.T) {
-		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "open", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailOpen, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "open", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{Logger: quietLogger()})
 		srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 		r := get(t, srv)
 		require.Equal(t, http.StatusOK, r.status)
@@ -497,8 +497,7 @@ func TestStoreErrors(t *testing.T) {
 		require.Equal(t, 1, *reached)
 	})
 	t.Run("fail closed: 429 for the breaker cooldown", func(t *testing.T) {
-		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "closed", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailClosed,
-			BreakerCooldown: 2500 * time.Millisecond, Logger: quietLogger()})
+		l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "closed", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailClosed}, ratelimit.DatabaseOptions{BreakerCooldown: 2500 * time.Millisecond, Logger: quietLogger()})
 		srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 		r := get(t, srv)
 		require.Equal(t, http.StatusTooManyRequests, r.status)
@@ -726,7 +725,7 @@ func TestErrorsAreLogged(t *testing.T) {
 		defer mu.Unlock()
 		return buf.Write(p)
 	}), nil))
-	l := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "logged", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, Logger: quietLogger()})
+	l := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "logged", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{Logger: quietLogger()})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Logger: logger})
 	require.Equal(t, http.StatusServiceUnavailable, get(t, srv).status)
 	mu.Lock()

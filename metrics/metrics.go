@@ -46,7 +46,8 @@
 // A PolicyCollector exports the pgrl_policy_* series (see PolicyCollector).
 //
 // Events (the breaker opening and closing, outages) are logged by the
-// limiters themselves through their Config.Logger (log/slog); the
+// limiters themselves through their Database's logger
+// (ratelimit.DatabaseOptions.Logger, log/slog); the
 // Collector only counts.
 package metrics
 

@@ -87,19 +87,21 @@ func TestScrapeFindsEveryDocumentedSeries(t *testing.T) {
 	require.Equal(t, "0", samples[`pgrl_deny_cache_hits_total{limiter="idle"}`])
 
 	now := func() time.Time { return base }
-	lim := func(db ratelimit.DB, cfg ratelimit.Config) *ratelimit.Limiter {
-		cfg.Observer, cfg.Logger, cfg.Window = col, quiet, time.Minute
-		l, err := ratelimit.New(db, cfg)
+	// Each limiter has a Database of its own: broken's breaker is its own.
+	lim := func(db ratelimit.DB, cfg ratelimit.Config, opts ratelimit.DatabaseOptions) *ratelimit.Limiter {
+		cfg.Window = time.Minute
+		opts.Observer, opts.Logger = col, quiet
+		l, err := testkit.New(db, cfg, opts)
 		require.NoError(t, err)
 		return l
 	}
 	// The limiters on the live pool wait as long as PostgreSQL needs: on a
 	// busy machine the default Timeout would let the memory tier answer.
-	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2, Now: now, Timeout: time.Minute})
-	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1, Now: now, Timeout: time.Minute})
-	broken := lim(dead, ratelimit.Config{Name: "broken", Limit: 5, OnFailure: ratelimit.FailError, BreakerThreshold: 1, BreakerCooldown: time.Hour})
-	fallback := lim(dead, ratelimit.Config{Name: "fallback", Limit: 5})
-	open := lim(dead, ratelimit.Config{Name: "open", Limit: 5, OnFailure: ratelimit.FailOpen})
+	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2, Now: now}, ratelimit.DatabaseOptions{Timeout: time.Minute})
+	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1, Now: now}, ratelimit.DatabaseOptions{Timeout: time.Minute})
+	broken := lim(dead, ratelimit.Config{Name: "broken", Limit: 5, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{BreakerThreshold: 1, BreakerCooldown: time.Hour})
+	fallback := lim(dead, ratelimit.Config{Name: "fallback", Limit: 5}, ratelimit.DatabaseOptions{})
+	open := lim(dead, ratelimit.Config{Name: "open", Limit: 5, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{})
 
 	// api: 2 allowed, 1 denied by PostgreSQL, then 2 denied by the deny cache.
 	for i, want := range []ratelimit.Store{ratelimit.StorePostgres, ratelimit.StorePostgres, ratelimit.StorePostgres, ratelimit.StoreDenyCache, ratelimit.StoreDenyCache} {
@@ -229,12 +231,10 @@ func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
 	col, err := metrics.New(reg)
 	require.NoError(t, err)
 	at := func() time.Time { return base }
-	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at, Observer: col,
-		Timeout: time.Minute})
-	require.NoError(t, err)
-	loose, err := ratelimit.New(pool, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at, Observer: col,
-		Timeout: time.Minute})
-	require.NoError(t, err)
+	// One Database: the limits of one AllowAll.
+	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Observer: col, Timeout: time.Minute})
+	strict := testkit.Limiter(t, db, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at})
+	loose := testkit.Limiter(t, db, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at})
 	ctx := context.Background()
 	// An allowed decision (Check.Cost left at its default) is allowed.
 	m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
@@ -275,14 +275,12 @@ func TestShadowDenialsCountedAsShadowDenied(t *testing.T) {
 	at := func() time.Time { return base }
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()
-	shadow, err := ratelimit.New(pool, ratelimit.Config{Name: "shadow", Limit: 5, Window: time.Hour, Now: at,
-		Shadow: true, Logger: quiet, Observer: col, Timeout: time.Minute})
-	require.NoError(t, err)
-	strict, err := ratelimit.New(pool, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at,
-		Observer: col, Timeout: time.Minute})
-	require.NoError(t, err)
+	// One Database: the limits of one AllowAll.
+	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: quiet, Observer: col, Timeout: time.Minute})
+	shadow := testkit.Limiter(t, db, ratelimit.Config{Name: "shadow", Limit: 5, Window: time.Hour, Now: at, Shadow: true})
+	strict := testkit.Limiter(t, db, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at})
 	mem, err := ratelimit.NewMemory(ratelimit.Config{Name: "shadow-memory", Limit: 5, Window: time.Hour, Now: at,
-		Shadow: true, Logger: quiet, Observer: col}, ratelimit.MemoryOptions{})
+		Shadow: true}, ratelimit.MemoryOptions{Logger: quiet, Observer: col})
 	require.NoError(t, err)
 
 	d, err := shadow.Allow(ctx, "k", ratelimit.Cost(5))

@@ -37,9 +37,8 @@ func TestCitusPolicyLimiterFollowsNotifications(t *testing.T) {
 	defer cancel()
 	require.NoError(t, lis.WaitSynced(wctx))
 
-	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{
-		Timeout: testkit.DecisionTimeout,
-	}})
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+		Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})})
 	require.NoError(t, err)
 	allowed := 0
 	for range 3 {

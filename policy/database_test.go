@@ -3,6 +3,7 @@ package policy_test
 import (
 	"context"
 	"log/slog"
+	"reflect"
 	"sync"
 	"testing"
 	"time"
@@ -18,7 +19,7 @@ import (
 // TestLimiterFromDatabase: with Options.Database, the policy's limits are
 // the Database's: its Observer sees their decisions, its breaker judges the
 // database for them and survives a reload of the policy, and a per-database
-// field set in Config as well is refused, naming the option to set.
+// field cannot be set in Config as well.
 func TestLimiterFromDatabase(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
@@ -39,12 +40,17 @@ func TestLimiterFromDatabase(t *testing.T) {
 	require.Equal(t, []string{"from-db true", "from-db true", "from-db false"}, obs.list(), "the Database's Observer")
 	l, err := lim.For("k")
 	require.NoError(t, err)
-	require.Equal(t, testkit.DecisionTimeout, l.Config().Timeout, "the Database's Timeout")
+	require.Equal(t, testkit.DecisionTimeout, limits.Options().Timeout, "the Database's Timeout")
+	d, err := l.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+	require.Equal(t, []string{"from-db true", "from-db true", "from-db false", "from-db false"}, obs.list(),
+		"the policy's limit is the Database's")
 
-	_, err = newLimiter(ctx, pool, "from-db", policy.Options{Database: limits,
-		Config: ratelimit.Config{Observer: obs}})
-	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
-	require.ErrorContains(t, err, "DatabaseOptions.Observer")
+	// A per-database field cannot be set in Config as well: Config has
+	// none (the Observer is DatabaseOptions.Observer).
+	_, inConfig := reflect.TypeFor[ratelimit.Config]().FieldByName("Observer")
+	require.False(t, inConfig, "Config.Observer")
 
 	// The Database's breaker: a database that refuses connections opens it
 	// after two failures, and it stays open across a reload of the policy

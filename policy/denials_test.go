@@ -42,14 +42,16 @@ func watchDenialsInto(t *testing.T, cache *policy.Cache, s string) *policy.Liste
 // denied for about an hour, whatever the instant.
 // Its checks wait for PostgreSQL as long as the tests look: they assert
 // which store answered.
-var hourly = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, Timeout: testkit.DecisionTimeout}
+var hourly = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}
+
+// hourlyDB is the DatabaseOptions of hourly's limiters.
+var hourlyDB = ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout}
 
 // sharer is the limiter that learns a denial from PostgreSQL and shares it.
 func sharer(t *testing.T, pool *pgxpool.Pool, cfg ratelimit.Config) *ratelimit.Limiter {
 	t.Helper()
 	cfg.ShareDenials = true
-	cfg.Timeout = max(cfg.Timeout, testkit.DecisionTimeout)
-	l, err := ratelimit.New(pool, cfg)
+	l, err := testkit.New(pool, cfg, hourlyDB)
 	require.NoError(t, err)
 	return l
 }
@@ -96,7 +98,7 @@ func TestSharedDenialReachesOtherLimiter(t *testing.T) {
 			var recv policy.DenialReceiver
 			if kind == "ratelimit" {
 				a = sharer(t, poolA, hourly)
-				rb, err := ratelimit.New(cdb, hourly)
+				rb, err := testkit.New(cdb, hourly, hourlyDB)
 				require.NoError(t, err)
 				b, recv = rb, rb
 			} else {
@@ -162,7 +164,7 @@ func TestSharedDenialHostilePayloads(t *testing.T) {
 	pool, s := dbtest.Pool(t)
 	listener := watchDenials(t, pool, s)
 	cdb := &testkit.CountingDB{Pool: pool}
-	b, err := ratelimit.New(cdb, hourly)
+	b, err := testkit.New(cdb, hourly, hourlyDB)
 	require.NoError(t, err)
 	require.NoError(t, listener.Register(b))
 	key := hex.EncodeToString(ratelimit.StoredKey(ratelimit.HashedKeys, hourly.Name, "victim"))
@@ -261,7 +263,7 @@ func TestSharedDenialListenerReconnects(t *testing.T) {
 	listener := watchDenials(t, pool, s)
 	a := sharer(t, pool, hourly)
 	cdb := &testkit.CountingDB{Pool: pool}
-	b, err := ratelimit.New(cdb, hourly)
+	b, err := testkit.New(cdb, hourly, hourlyDB)
 	require.NoError(t, err)
 	require.ErrorContains(t, plain.Register(b), "ListenerOptions{Denials: true}")
 	require.Error(t, listener.Register(nil))

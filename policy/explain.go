@@ -67,7 +67,11 @@ func Explain(ctx context.Context, db DB, name, key string) (Explanation, error) 
 	if x.Rate.Burst == 0 {
 		x.Rate.Burst = x.Rate.Limit
 	}
-	lim, err := ratelimit.New(db, p.Config(ratelimit.Config{DisableCoalescing: true, OnFailure: ratelimit.FailError, DenyCacheSize: -1}))
+	rdb, err := ratelimit.NewDatabase(db, ratelimit.DatabaseOptions{DisableCoalescing: true})
+	if err != nil {
+		return Explanation{}, err
+	}
+	lim, err := rdb.Limiter(p.Config(ratelimit.Config{OnFailure: ratelimit.FailError, DenyCacheSize: -1}))
 	if err != nil {
 		return Explanation{}, invalid(err, "policy %q as stored", name)
 	}

@@ -9,13 +9,17 @@ import (
 )
 
 // newLimiter is policy.NewLimiter with the tests' decision timeout
-// (testkit.DecisionTimeout) where the options set none: the default of
-// ratelimit.DefaultTimeout is a bound for production, and a check on a busy
-// test machine can outlast it and be answered by the failure policy, which
-// a test asserting what PostgreSQL decided must not see.
+// (testkit.DecisionTimeout) where the options give no Database: the default
+// of ratelimit.DefaultTimeout is a bound for production, and a check on a
+// busy test machine can outlast it and be answered by the failure policy,
+// which a test asserting what PostgreSQL decided must not see.
 func newLimiter(ctx context.Context, db ratelimit.DB, name string, o policy.Options) (*policy.Limiter, error) {
-	if o.Config.Timeout == 0 && o.Database == nil {
-		o.Config.Timeout = testkit.DecisionTimeout
+	if o.Database == nil {
+		var err error
+		o.Database, err = ratelimit.NewDatabase(db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+		if err != nil {
+			return nil, err
+		}
 	}
 	return policy.NewLimiter(ctx, db, name, o)
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgrl/pgrl/httplimit"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -96,7 +97,7 @@ func TestHTTPMiddlewareRules(t *testing.T) {
 	cache := policy.NewCache(pool)
 	perTenant, err := newLimiter(ctx, pool, "per-tenant", policy.Options{Cache: cache})
 	require.NoError(t, err)
-	ceiling, err := ratelimit.New(pool, ratelimit.Config{Name: "ceiling", Limit: 100, Window: time.Hour})
+	ceiling, err := testkit.New(pool, ratelimit.Config{Name: "ceiling", Limit: 100, Window: time.Hour})
 	require.NoError(t, err)
 	get := tenantHandler(t, httplimit.Config{Logger: slog.New(slog.DiscardHandler), Rules: []httplimit.Rule{
 		{Keyed: perTenant},

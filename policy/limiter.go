@@ -13,10 +13,11 @@ import (
 
 // Options configures NewLimiter.
 type Options struct {
-	// Config supplies everything a policy does not hold: OnFailure,
-	// Timeout, FallbackLimit, Observer, Logger, Shadow, Spread and the
-	// other tuning fields. Its Name, Algorithm, Limit, Window, Burst,
-	// Penalty and KeyMode are replaced by the policy's.
+	// Config supplies what a limit holds and a policy does not:
+	// OnFailure, FallbackLimit, Shadow, Spread, DenyCacheSize and the
+	// sharing of denials. Its Name, Algorithm, Limit, Window, Burst,
+	// Penalty and KeyMode are replaced by the policy's. What is per
+	// database (Timeout, Observer, Logger, ...) is Database's.
 	Config ratelimit.Config
 	// Cache is where the limiter reads its policy. Share one Cache among
 	// all limiters of a schema, kept current by one Listener (Watch).
@@ -35,13 +36,12 @@ type Options struct {
 	// of the policy are coalesced (a hot key's checks share one row update)
 	// and Spread may be used.
 	FromCache bool
-	// Database, when not nil, is where the policy's limits are kept: each
-	// load of the policy makes its limiter with Database.Limiter, so that
-	// it shares the Database's coalescer, breaker (kept across reloads),
-	// Timeout, Observer and Logger with every other limit there. Config
-	// then leaves those per-database fields unset (Database.Limiter
-	// refuses them), and db must be the same database. When nil, each load
-	// builds its limiter with ratelimit.New and Config's fields.
+	// Database is where the policy's limits are kept: each load of the
+	// policy makes its limiter with Database.Limiter, so that it shares
+	// the Database's coalescer, breaker (kept across reloads), Timeout,
+	// Observer and Logger with every other limit there. It must be db's
+	// database. When nil, NewLimiter makes a Database of its own on db
+	// with the default options.
 	Database *ratelimit.Database
 }
 
@@ -57,7 +57,7 @@ type Options struct {
 type Limiter struct {
 	name  string
 	db    DB
-	rdb   *ratelimit.Database // nil: limiters made by ratelimit.New
+	rdb   *ratelimit.Database // where the policy's limits are kept
 	cache *Cache
 	base  ratelimit.Config
 	// inStatement: checks read the policy in their statement.
@@ -122,13 +122,19 @@ func NewLimiter(ctx context.Context, db DB, name string, opts Options) (*Limiter
 		}
 		inStatement = !citus
 	}
-	l := &Limiter{name: name, db: db, rdb: opts.Database, cache: c, base: opts.Config, inStatement: inStatement}
-	b, err := l.current()
-	if err != nil {
+	rdb := opts.Database
+	if rdb == nil {
+		var err error
+		if rdb, err = ratelimit.NewDatabase(db, ratelimit.DatabaseOptions{}); err != nil {
+			return nil, err
+		}
+	}
+	l := &Limiter{name: name, db: db, rdb: rdb, cache: c, base: opts.Config, inStatement: inStatement}
+	if _, err := l.current(); err != nil {
 		return nil, err
 	}
 	if citus && citusLogged.CompareAndSwap(false, true) {
-		b.lim.Config().Logger.Info("pgrl: on Citus, policy limiters check with the policy as last loaded into their Cache (Options.FromCache): a check that reads its policy in the statement does not run there; keep the Cache current with a Listener",
+		rdb.Options().Logger.Info("pgrl: on Citus, policy limiters check with the policy as last loaded into their Cache (Options.FromCache): a check that reads its policy in the statement does not run there; keep the Cache current with a Listener",
 			"policy", name)
 	}
 	return l, nil
@@ -178,13 +184,7 @@ func (l *Limiter) currentEntry() (*built, *entry, error) {
 			cfg.DenyCacheSize = -1
 		}
 	}
-	var lim *ratelimit.Limiter
-	var err error
-	if l.rdb != nil {
-		lim, err = l.rdb.Limiter(cfg)
-	} else {
-		lim, err = ratelimit.New(l.db, cfg)
-	}
+	lim, err := l.rdb.Limiter(cfg)
 	if err != nil {
 		return nil, nil, invalid(err, "")
 	}
@@ -229,7 +229,7 @@ func (l *Limiter) forKey(b *built, e *entry, key string) (*ratelimit.Limiter, *O
 		// invalid for the policy as it is now: apply the policy.
 		wk := fmt.Sprintf("%d/%x", b.policy.UpdatedAt.UnixNano(), sk)
 		if _, seen := l.warned.LoadOrStore(wk, true); !seen {
-			b.lim.Config().Logger.Warn("pgrl: ignoring an override that the policy no longer admits; fix or delete it (rl-policy override list)",
+			l.rdb.Options().Logger.Warn("pgrl: ignoring an override that the policy no longer admits; fix or delete it (rl-policy override list)",
 				"policy", l.name, "key", fmt.Sprintf("%x", sk), "error", err)
 		}
 		return b.lim, nil
@@ -269,8 +269,8 @@ func (l *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Optio
 		lim, _ := l.forKey(b, e, key)
 		d, err := lim.Allow(ctx, key, opts...)
 		if attempt == 0 && l.inStatement && stale(err) {
-			// The reload is bounded as the check is (Config.Timeout).
-			rctx, cancel := context.WithTimeout(ctx, b.lim.Config().Timeout)
+			// The reload is bounded as the check is (DatabaseOptions.Timeout).
+			rctx, cancel := context.WithTimeout(ctx, l.rdb.Options().Timeout)
 			rerr := l.cache.refreshKey(rctx, l.name, b.policy.StoredKey(key), e)
 			cancel()
 			if rerr != nil {

@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -44,7 +45,7 @@ func TestListenerFollowsChanges(t *testing.T) {
 	require.NoError(t, l.WaitSynced(wctx))
 	require.Equal(t, int64(10), limitOf(cache, "api"))
 	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
-		Config: ratelimit.Config{Timeout: time.Minute}})
+		Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Timeout: time.Minute})})
 	require.NoError(t, err)
 
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "limit" = 20 WHERE name = 'api'`)
@@ -160,7 +161,7 @@ func TestListenerOverrideNotifications(t *testing.T) {
 	// Its checks wait as long as PostgreSQL needs: under load the default
 	// 500 ms Timeout ended a Peek before it was answered.
 	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
-		Config: ratelimit.Config{Timeout: time.Minute}})
+		Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Timeout: time.Minute})})
 	require.NoError(t, err)
 	limitFor := func(key string) int64 {
 		d, err := lim.Peek(ctx, key)

@@ -272,7 +272,8 @@ func TestLimiterFollowsPolicyChanges(t *testing.T) {
 	cache := policy.NewCache(pool)
 	require.NoError(t, cache.Reload(ctx))
 	var logs testkit.LogBuffer
-	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{Logger: slog.New(slog.NewTextHandler(&logs, nil))}})
+	lim, err := newLimiter(ctx, pool, "api", policy.Options{Cache: cache,
+		Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil))})})
 	require.NoError(t, err)
 	l, err := lim.For("k")
 	require.NoError(t, err)
@@ -363,7 +364,8 @@ func TestChangedPolicyReloadedOnce(t *testing.T) {
 	require.NoError(t, cache.Reload(ctx))
 	// 64 uncoalesced checks of one key count exactly: a loaded machine's
 	// late answer must not go to the memory tier (testkit.DecisionTimeout).
-	lim, err := newLimiter(ctx, pool, "herd", policy.Options{Cache: cache, Config: ratelimit.Config{Timeout: testkit.DecisionTimeout}})
+	lim, err := newLimiter(ctx, pool, "herd", policy.Options{Cache: cache,
+		Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})})
 	require.NoError(t, err)
 	_, err = pool.Exec(ctx, `UPDATE pgrl_policy SET "window" = interval '2 hours' WHERE name = 'herd'`)
 	require.NoError(t, err)

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -41,12 +42,13 @@ CREATE TRIGGER refuse_write BEFORE INSERT OR UPDATE ON pgrl_fixed_window FOR EAC
 			name := fmt.Sprintf("p%d-%v", onFailure, fromCache)
 			_, err := policy.Set(ctx, pool, policy.Policy{Name: name, Limit: 5, Window: time.Hour})
 			require.NoError(t, err)
+			rdb := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute})
 			lim, err := newLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
-				Config: ratelimit.Config{OnFailure: onFailure, Logger: quiet, Timeout: time.Minute}})
+				Config: ratelimit.Config{OnFailure: onFailure}, Database: rdb})
 			require.NoError(t, err)
 			l, err := lim.For("k")
 			require.NoError(t, err)
-			for range 3 * l.Config().BreakerThreshold {
+			for range 3 * rdb.Options().BreakerThreshold {
 				d, err := lim.Allow(ctx, "k")
 				require.ErrorIs(t, err, ratelimit.ErrUnsupported, "%s: decision %+v", name, d)
 				var pgErr *pgconn.PgError

@@ -171,7 +171,8 @@ func TestAllowAllTx(t *testing.T) {
 func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	cfg := ratelimit.Config{Name: "errs", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError, DisableCoalescing: true}
+	cfg := ratelimit.Config{Name: "errs", Limit: 5, Window: time.Minute, OnFailure: ratelimit.FailError}
+	opts := ratelimit.DatabaseOptions{DisableCoalescing: true}
 	both := func(t *testing.T, err error, sentinel error, code string) {
 		t.Helper()
 		if sentinel != nil {
@@ -184,7 +185,7 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 
 	t.Run("not migrated", func(t *testing.T) {
 		pool := dbtest.PoolOn(t, dbtest.NewSchema(t))
-		l := testkit.NewLimiter(t, pool, cfg)
+		l := testkit.NewLimiter(t, pool, cfg, opts)
 		_, err := l.Allow(ctx, "k")
 		// 42P01: a check's INSERT names its table before pgrl's functions,
 		// so a schema without them fails there first.
@@ -199,7 +200,7 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		pool := dbtest.PoolOn(t, s, func(c *pgxpool.Config) {
 			c.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
 		})
-		l := testkit.NewLimiter(t, pool, cfg)
+		l := testkit.NewLimiter(t, pool, cfg, opts)
 		_, err := l.Allow(ctx, "k")
 		both(t, err, ratelimit.ErrReadOnly, "25006")
 		// A primary whose session is read-only is not called a standby.
@@ -213,13 +214,13 @@ func TestErrorsKeepTheirSentinelAndThePgError(t *testing.T) {
 		slow := dbtest.PoolOn(t, s, func(c *pgxpool.Config) {
 			c.ConnConfig.RuntimeParams["statement_timeout"] = "100"
 		})
-		holder := testkit.NewLimiter(t, pool, cfg)
+		holder := testkit.NewLimiter(t, pool, cfg, opts)
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		defer func() { _ = tx.Rollback(ctx) }()
 		_, err = holder.AllowTx(ctx, tx, "k")
 		require.NoError(t, err)
-		l := testkit.NewLimiter(t, slow, cfg)
+		l := testkit.NewLimiter(t, slow, cfg, opts)
 		_, err = l.Allow(ctx, "k")
 		both(t, err, nil, "57014")
 		require.False(t, errors.Is(err, ratelimit.ErrInvalidInput))
@@ -234,15 +235,16 @@ func TestOneSentinelPerMeaning(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	ok := ratelimit.Config{Name: "s", Limit: 5, Window: time.Minute}
-	for _, mod := range []func(*ratelimit.Config){
-		func(c *ratelimit.Config) { c.MaxBatch = -1 },
-		func(c *ratelimit.Config) { c.MaxInFlight = -1 },
-		func(c *ratelimit.Config) { c.Spread = -1 },
-		func(c *ratelimit.Config) { c.BreakerThreshold = -1 },
+	for _, mod := range []func(*ratelimit.Config, *ratelimit.DatabaseOptions){
+		func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.MaxBatch = -1 },
+		func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.MaxInFlight = -1 },
+		func(c *ratelimit.Config, _ *ratelimit.DatabaseOptions) { c.Spread = -1 },
+		func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.BreakerThreshold = -1 },
 	} {
 		c := ok
-		mod(&c)
-		_, err := ratelimit.New(pool, c)
+		var o ratelimit.DatabaseOptions
+		mod(&c, &o)
+		_, err := testkit.New(pool, c, o)
 		require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
 		require.NotErrorIs(t, err, ratelimit.ErrInvalidLimit)
 		require.NotErrorIs(t, err, ratelimit.ErrInvalidTimeout)
@@ -295,7 +297,7 @@ func TestPartitionMissingInTxKeepsThePgError(t *testing.T) {
 
 	// Far ahead of the partitions made for now.
 	far := time.Date(2031, 5, 6, 7, 8, 0, 0, time.UTC)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "p", Limit: 3, Window: time.Minute, CreatePartitions: true, Now: testkit.Pinned(far)})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "p", Limit: 3, Window: time.Minute, Now: testkit.Pinned(far)}, ratelimit.DatabaseOptions{CreatePartitions: true})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }() // a failed assertion must not leave the connection busy

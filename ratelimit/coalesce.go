@@ -3,12 +3,10 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"reflect"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
-	"weak"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -103,44 +101,6 @@ func (r *pendingCheck) finish() {
 
 func newCoalescer(maxBatch, maxInFlight int) *coalescer {
 	return &coalescer{maxBatch: maxBatch, maxInFlight: maxInFlight, busy: map[string]int{}, queued: map[string]int{}}
-}
-
-// coalescerKey names a shared coalescer.
-type coalescerKey struct {
-	db                    DB
-	maxBatch, maxInFlight int
-}
-
-// coalescers holds the shared coalescers, weakly: one lives as long as a
-// limiter uses it, and its entry goes with it.
-var coalescers = struct {
-	sync.Mutex
-	m map[coalescerKey]weak.Pointer[coalescer]
-}{m: map[coalescerKey]weak.Pointer[coalescer]{}}
-
-// sharedCoalescer returns the coalescer of the limiters on db with these
-// settings, making it if there is none. A db whose type cannot be a map key
-// (a struct holding a func or a map) gets a coalescer of its own.
-func sharedCoalescer(db DB, maxBatch, maxInFlight int) *coalescer {
-	if !reflect.TypeOf(db).Comparable() {
-		return newCoalescer(maxBatch, maxInFlight)
-	}
-	k := coalescerKey{db: db, maxBatch: maxBatch, maxInFlight: maxInFlight}
-	coalescers.Lock()
-	defer coalescers.Unlock()
-	if c := coalescers.m[k].Value(); c != nil {
-		return c
-	}
-	c := newCoalescer(maxBatch, maxInFlight)
-	coalescers.m[k] = weak.Make(c)
-	runtime.AddCleanup(c, func(k coalescerKey) {
-		coalescers.Lock()
-		defer coalescers.Unlock()
-		if coalescers.m[k].Value() == nil {
-			delete(coalescers.m, k)
-		}
-	}, k)
-	return c
 }
 
 // take decides one check of l, alone or in a batch.
@@ -441,7 +401,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 			// group) on its own so that every error reaches the check it
 			// belongs to.
 			if pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
-				l.cfg.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
+				l.st.opts.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
 					"limiter", l.cfg.Name, "error", pgErr.Message)
 			}
 			for _, unit := range units(group) {
@@ -579,7 +539,7 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		if kind, pgErr := pgerr.Classify(err); kind == pgerr.Unsupported {
 			// Nothing was counted: the statement was refused whole.
 			if c.queuesOnly.CompareAndSwap(false, true) {
-				l.cfg.Logger.Info("pgrl: this server does not run the set-based batch statement, so coalesced checks go as check queues",
+				l.st.opts.Logger.Info("pgrl: this server does not run the set-based batch statement, so coalesced checks go as check queues",
 					"limiter", l.cfg.Name, "sqlstate", pgErr.Code, "error", pgErr.Message)
 			}
 			simple = false

@@ -42,8 +42,8 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 			// A long Timeout: on a busy machine no check may be answered by
 			// the memory fallback, which the replay would not match.
 			cfg := ratelimit.Config{Name: "coalesce", Algorithm: alg, Limit: 40, Window: time.Hour,
-				DenyCacheSize: -1, Now: func() time.Time { return at }, Timeout: time.Minute}
-			l := testkit.NewLimiter(t, pool, cfg)
+				DenyCacheSize: -1, Now: func() time.Time { return at }}
+			l := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{Timeout: time.Minute})
 
 			var mu sync.Mutex
 			var got []observed
@@ -88,9 +88,7 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 				return boolRank(a.allowed) - boolRank(b.allowed)
 			})
 			replayPool, _ := dbtest.Pool(t)
-			rcfg := cfg
-			rcfg.DisableCoalescing = true
-			r := testkit.NewLimiter(t, replayPool, rcfg)
+			r := testkit.NewLimiter(t, replayPool, cfg, ratelimit.DatabaseOptions{Timeout: time.Minute, DisableCoalescing: true})
 			admitted := map[string]int64{}
 			for i, o := range got {
 				d, err := r.Allow(ctx, o.key, ratelimit.Cost(o.cost))
@@ -140,8 +138,7 @@ func TestCoalescingCancellation(t *testing.T) {
 	// checks of "busy" off the locked row.
 	// Timeout: the first check must stay blocked on the row lock for as
 	// long as the test looks (by default it would give up after 500ms).
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, MaxInFlight: 1, DenyCacheSize: -1,
-		Timeout: time.Minute})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cancel", Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{MaxInFlight: 1, Timeout: time.Minute})
 
 	// Hold the row lock of key "busy" so that the round trip in flight
 	// waits, and the next checks queue behind it. The first check opens a

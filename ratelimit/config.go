@@ -1,12 +1,9 @@
 package ratelimit
 
 import (
-	"log/slog"
 	"regexp"
 	"strings"
 	"time"
-
-	"github.com/pgrl/pgrl/cleanup"
 )
 
 // Algorithm selects how a limiter counts.
@@ -100,19 +97,19 @@ const (
 	// DefaultDenyCacheSize is Config.DenyCacheSize when it is 0 and
 	// Penalty is not set (with Penalty the cache is off by default).
 	DefaultDenyCacheSize = 10_000
-	// DefaultBreakerThreshold is Config.BreakerThreshold when it is 0.
+	// DefaultBreakerThreshold is DatabaseOptions.BreakerThreshold when it is 0.
 	DefaultBreakerThreshold = 5
-	// DefaultBreakerCooldown is Config.BreakerCooldown when it is 0.
+	// DefaultBreakerCooldown is DatabaseOptions.BreakerCooldown when it is 0.
 	DefaultBreakerCooldown = 500 * time.Millisecond
 	// DefaultSpread is Config.Spread when it is 0: one row per key.
 	DefaultSpread = 1
-	// DefaultMaxBatch is Config.MaxBatch when it is 0.
+	// DefaultMaxBatch is DatabaseOptions.MaxBatch when it is 0.
 	DefaultMaxBatch = 256
-	// DefaultMaxInFlight is Config.MaxInFlight when it is 0.
+	// DefaultMaxInFlight is DatabaseOptions.MaxInFlight when it is 0.
 	DefaultMaxInFlight = 2
 	// DefaultShareMinRetryAfter is Config.ShareMinRetryAfter when it is 0.
 	DefaultShareMinRetryAfter = time.Second
-	// DefaultTimeout is Config.Timeout when it is 0: how long a check waits
+	// DefaultTimeout is DatabaseOptions.Timeout when it is 0: how long a check waits
 	// for PostgreSQL before the failure policy answers. It is more than five
 	// times the p99 of healthy checks measured on an overloaded two-core
 	// machine (64 callers on one key, both cores busy with other work;
@@ -147,7 +144,7 @@ type Config struct {
 	// Burst is the token bucket's capacity: the most units it admits at
 	// once after being idle. Defaults to Limit. At most MaxTokens (2^53),
 	// and an empty bucket must refill within 1,000 years (Burst/Limit ×
-	// Window); New refuses anything else with ErrInvalidBurst,
+	// Window); Database.Limiter refuses anything else with ErrInvalidBurst,
 	// so a token bucket with Limit above 2^53 needs an explicit Burst.
 	// Ignored by the window algorithms.
 	Burst int64
@@ -217,22 +214,6 @@ type Config struct {
 	// BreakerCooldown. Defaults to Limit.
 	FallbackLimit int64
 
-	// Timeout bounds each check's wait for PostgreSQL (a connection, the
-	// round trip, a row lock), on the client and whatever the caller's
-	// context: a context with no deadline, or a later one, does not lengthen
-	// it. When it passes, the failure policy answers (FailToMemory by
-	// default), so a stalled or partitioned database never stalls the
-	// application. Pair it with a server-side statement_timeout a little
-	// shorter (see StatementTimeoutParam), so that PostgreSQL abandons a
-	// slow statement itself and the connection survives. pgx closes a
-	// connection whose statement was abandoned: a limiter on a single
-	// *pgx.Conn loses its connection at the first timeout, so give it a
-	// pool. Peek and Reset are bounded by it too (they return the error).
-	// Checks inside the caller's transaction (…Tx) are bounded by the
-	// caller's context alone. Defaults to DefaultTimeout (500ms); negative
-	// values are refused with ErrInvalidTimeout.
-	Timeout time.Duration
-
 	// DenyCacheSize caps the keys the local deny cache remembers. When
 	// PostgreSQL denies a key until T, this process answers "denied" for
 	// that key without a round trip until T. Negative disables the cache.
@@ -260,7 +241,7 @@ type Config struct {
 	// per-second ones. Needs the deny cache, HashedKeys (a readable stored
 	// key is the caller's key, and any role of the database may LISTEN),
 	// one row per key (Spread 1), and a pool (a *pgx.Conn or pgx.Tx
-	// cannot run a statement beside the caller's); New refuses anything
+	// cannot run a statement beside the caller's); Database.Limiter refuses anything
 	// else with ErrInvalidOption. With Penalty, whose deny cache is off by
 	// default, nothing is sent. With Config.Now set nothing is sent either
 	// (the deadline would not be on the database's clock). Defaults to
@@ -281,17 +262,6 @@ type Config struct {
 	// watch what it would do. Defaults to false.
 	Shadow bool
 
-	// BreakerThreshold is how many consecutive failed checks open the
-	// breaker; while open, checks skip the database and the failure policy
-	// answers. Defaults to DefaultBreakerThreshold (5). Negative values
-	// are refused with ErrInvalidOption.
-	BreakerThreshold int
-
-	// BreakerCooldown is how long the breaker stays open before one check
-	// probes the database again. Defaults to DefaultBreakerCooldown
-	// (500ms). Negative values are refused with ErrInvalidTimeout.
-	BreakerCooldown time.Duration
-
 	// Spread splits the limit over this many rows, for a key so hot (a
 	// global ceiling checked by every request) that one row's lock becomes
 	// the bottleneck: every check then serialises on it. Each check goes
@@ -307,59 +277,6 @@ type Config struct {
 	// Defaults to DefaultSpread (1, one row). Negative values are refused
 	// with ErrInvalidOption.
 	Spread int
-
-	// DisableCoalescing turns off the coalescing of concurrent checks. By
-	// default, checks of this limiter that arrive while MaxInFlight round
-	// trips are already running, or while a check of their key is in
-	// flight, wait and go out together, one statement for up to MaxBatch of
-	// them, decided exactly as if one after another; a hot key's waiting
-	// checks are decided by one update of its row. A check that finds the
-	// way clear goes out at once, alone, so a lone caller's latency does
-	// not change. A limiter on a *pgx.Conn or a
-	// pgx.Tx never coalesces; one on a pool, or on a DB of your own that
-	// wraps a pool, does. Set DisableCoalescing for a DB of your own that
-	// wraps a single connection. Defaults to false (coalescing on).
-	DisableCoalescing bool
-
-	// MaxBatch caps the checks that one coalesced round trip decides.
-	// Limiters on one database handle with the same MaxBatch and
-	// MaxInFlight share one coalescer (see the package documentation).
-	// Defaults to DefaultMaxBatch (256). Negative values are refused with
-	// ErrInvalidOption.
-	MaxBatch int
-
-	// MaxInFlight is how many round trips of the coalescer this limiter
-	// shares (with the other limiters on its database handle and the same
-	// settings) may run at once before further checks wait to be coalesced (a check of a key in
-	// flight always waits: see DisableCoalescing). Measured on two cores,
-	// 2 gave the best throughput from 8 to 64 callers without raising the
-	// median latency (docs/REDIS.md). Defaults to DefaultMaxInFlight (2).
-	// Negative values are refused with ErrInvalidOption.
-	MaxInFlight int
-
-	// CreatePartitions lets a fixed-window check in the partitioned layout
-	// that finds no partition for its window create it (DDL, from the
-	// request path, under the application's role, which must then own
-	// pgrl's tables) and check again. Defaults to false: such a check
-	// returns ErrNoPartition instead, and partitions are made ahead by
-	// `rl-migrate layout`, rl-cleanup --partitions and EnsurePartitions.
-	CreatePartitions bool
-
-	// Cleanup, when set, deletes dead counter rows from the request path,
-	// for applications that schedule no rl-cleanup: on about one check in
-	// Cleanup.Every it starts one small batch in the background, after the
-	// check has its answer, so the check is never delayed and never fails
-	// because of it. Share one value among all limiters of a pool. Only
-	// limiters on a *pgxpool.Pool use it. Defaults to nil (off).
-	Cleanup *cleanup.Opportunistic
-
-	// Observer receives every decision and breaker change, for metrics.
-	// Defaults to nil (none).
-	Observer Observer
-
-	// Logger receives outage and recovery events (once per outage, not per
-	// check) and shadow denials. Defaults to slog.Default().
-	Logger *slog.Logger
 
 	// Now pins the instant each check is decided at, for tests that replay
 	// a sequence of instants. Leave it nil in production: the database's
@@ -432,12 +349,6 @@ func (c Config) withDefaults() (Config, error) {
 	if c.FallbackLimit == 0 {
 		c.FallbackLimit = c.Limit
 	}
-	if c.Timeout < 0 {
-		return c, invalid(ErrInvalidTimeout, "%v for %q; use a positive timeout, or 0 for the default %v", c.Timeout, c.Name, DefaultTimeout)
-	}
-	if c.Timeout == 0 {
-		c.Timeout = DefaultTimeout
-	}
 	if err := c.checkShare(); err != nil {
 		return c, err
 	}
@@ -448,27 +359,6 @@ func (c Config) withDefaults() (Config, error) {
 			// PostgreSQL.
 			c.DenyCacheSize = -1
 		}
-	}
-	if c.BreakerThreshold < 0 {
-		return c, invalid(ErrInvalidOption, "BreakerThreshold %d for %q; use a positive count of failures, or 0 for %d", c.BreakerThreshold, c.Name, DefaultBreakerThreshold)
-	}
-	if c.BreakerCooldown < 0 {
-		return c, invalid(ErrInvalidTimeout, "BreakerCooldown %v for %q; use a positive duration, or 0 for %v", c.BreakerCooldown, c.Name, DefaultBreakerCooldown)
-	}
-	if c.BreakerThreshold == 0 {
-		c.BreakerThreshold = DefaultBreakerThreshold
-	}
-	if c.BreakerCooldown == 0 {
-		c.BreakerCooldown = DefaultBreakerCooldown
-	}
-	if c.MaxBatch < 0 || c.MaxInFlight < 0 {
-		return c, invalid(ErrInvalidOption, "MaxBatch %d / MaxInFlight %d for %q; use positive values, or 0 for the defaults (%d / %d)", c.MaxBatch, c.MaxInFlight, c.Name, DefaultMaxBatch, DefaultMaxInFlight)
-	}
-	if c.MaxBatch == 0 {
-		c.MaxBatch = DefaultMaxBatch
-	}
-	if c.MaxInFlight == 0 {
-		c.MaxInFlight = DefaultMaxInFlight
 	}
 	if c.Spread < 0 {
 		return c, invalid(ErrInvalidOption, "Spread %d for %q; use 1 or more (0 means %d)", c.Spread, c.Name, DefaultSpread)
@@ -484,9 +374,6 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Spread > 1 && (c.Limit < int64(c.Spread) || c.Burst < int64(c.Spread)) {
 		return c, invalid(ErrInvalidLimit, "limit %d (burst %d) for %q cannot be spread over %d rows; each row needs at least 1", c.Limit, c.Burst, c.Name, c.Spread)
-	}
-	if c.Logger == nil {
-		c.Logger = slog.Default()
 	}
 	return c, nil
 }

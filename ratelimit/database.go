@@ -35,46 +35,87 @@ type Database struct {
 	names []string // the limits made from the Database, for the Observer's breaker events
 }
 
-// DatabaseOptions configures a Database. The zero value is the defaults.
+// DatabaseOptions configures a Database: what is per database. The zero
+// value is the defaults.
 type DatabaseOptions struct {
-	// Timeout bounds every check's wait for PostgreSQL, whatever the
-	// caller's context: when it passes, the limit's failure policy answers.
-	// Defaults to DefaultTimeout. Config.Timeout says how to choose it.
+	// Timeout bounds each check's wait for PostgreSQL (a connection, the
+	// round trip, a row lock), on the client and whatever the caller's
+	// context: a context with no deadline, or a later one, does not lengthen
+	// it. When it passes, the limit's failure policy answers (FailToMemory
+	// by default), so a stalled or partitioned database never stalls the
+	// application. Pair it with a server-side statement_timeout a little
+	// shorter (see StatementTimeoutParam), so that PostgreSQL abandons a
+	// slow statement itself and the connection survives. pgx closes a
+	// connection whose statement was abandoned: a Database on a single
+	// *pgx.Conn loses its connection at the first timeout, so give it a
+	// pool. Peek and Reset are bounded by it too (they return the error).
+	// Checks inside the caller's transaction (…Tx) are bounded by the
+	// caller's context alone. Defaults to DefaultTimeout (500ms); negative
+	// values are refused with ErrInvalidTimeout.
 	Timeout time.Duration
 
-	// BreakerThreshold is how many consecutive database failures open the
-	// breaker, which then answers every limit of the Database by its failure
-	// policy without a round trip. Defaults to DefaultBreakerThreshold.
+	// BreakerThreshold is how many consecutive failed checks (of any limit
+	// of the Database) open the breaker; while open, checks skip the
+	// database and each limit's failure policy answers. Defaults to
+	// DefaultBreakerThreshold (5). Negative values are refused with
+	// ErrInvalidOption.
 	BreakerThreshold int
 
 	// BreakerCooldown is how long the breaker stays open before one check
-	// probes the database again. Defaults to DefaultBreakerCooldown.
+	// probes the database again. Defaults to DefaultBreakerCooldown
+	// (500ms). Negative values are refused with ErrInvalidTimeout.
 	BreakerCooldown time.Duration
 
-	// DisableCoalescing sends every check as a statement of its own.
-	// Config.DisableCoalescing says when that helps.
+	// DisableCoalescing turns off the coalescing of concurrent checks. By
+	// default, checks that arrive while MaxInFlight round trips are
+	// already running, or while a check of their key is in flight, wait
+	// and go out together, one statement for up to MaxBatch of them (of
+	// every limit of the Database), decided exactly as if one after
+	// another; a hot key's waiting checks are decided by one update of its
+	// row. A check that finds the way clear goes out at once, alone, so a
+	// lone caller's latency does not change. A Database on a *pgx.Conn or
+	// a pgx.Tx never coalesces; one on a pool, or on a DB of your own that
+	// wraps a pool, does. Set DisableCoalescing for a DB of your own that
+	// wraps a single connection. Defaults to false (coalescing on).
 	DisableCoalescing bool
 
-	// MaxBatch and MaxInFlight bound the coalescer: the most checks in one
-	// statement (default DefaultMaxBatch), and the most statements of one
-	// algorithm in flight at once (default DefaultMaxInFlight).
-	MaxBatch, MaxInFlight int
+	// MaxBatch caps the checks that one coalesced round trip decides.
+	// Defaults to DefaultMaxBatch (256). Negative values are refused with
+	// ErrInvalidOption.
+	MaxBatch int
 
-	// CreatePartitions lets a check create its window's partition when the
-	// partitioned layout has none (Config.CreatePartitions says more).
+	// MaxInFlight is how many coalesced round trips may run at once before
+	// further checks wait to be coalesced (a check of a key in flight
+	// always waits: see DisableCoalescing). Measured on two cores, 2 gave
+	// the best throughput from 8 to 64 callers without raising the median
+	// latency (docs/REDIS.md). Defaults to DefaultMaxInFlight (2).
+	// Negative values are refused with ErrInvalidOption.
+	MaxInFlight int
+
+	// CreatePartitions lets a fixed-window check in the partitioned layout
+	// that finds no partition for its window create it (DDL, from the
+	// request path, under the application's role, which must then own
+	// pgrl's tables) and check again. Defaults to false: such a check
+	// returns ErrNoPartition instead, and partitions are made ahead by
+	// `rl-migrate layout`, rl-cleanup --partitions and EnsurePartitions.
 	CreatePartitions bool
 
-	// Cleanup, when not nil, deletes expired counters now and then from
-	// the checks' own path (see cleanup.Opportunistic).
+	// Cleanup, when set, deletes dead counter rows from the request path,
+	// for applications that schedule no rl-cleanup: on about one check in
+	// Cleanup.Every it starts one small batch in the background, after the
+	// check has its answer, so the check is never delayed and never fails
+	// because of it. Only a Database on a *pgxpool.Pool uses it. Defaults
+	// to nil (off).
 	Cleanup *cleanup.Opportunistic
 
-	// Observer receives every decision of the Database's limits (under each
-	// limit's name) and the breaker's changes (once per limit, since the
-	// breaker keeps every limit of the Database away from the database).
+	// Observer receives every decision of the Database's limits (under
+	// each limit's name) and the breaker's changes (once per limit, since
+	// the breaker keeps every limit of the Database away from the
+	// database), for metrics. Defaults to nil (none).
 	Observer Observer
 
-	// Logger receives outage and recovery events and shadow denials.
-	// Defaults to slog.Default().
+	// Logger receives outage and recovery events (once per outage, not per
+	// check) and shadow denials. Defaults to slog.Default().
 	Logger *slog.Logger
 }
 
@@ -102,19 +143,10 @@ func NewDatabase(db DB, opts DatabaseOptions) (*Database, error) {
 	return s, nil
 }
 
-// Limiter returns a limit kept in the Database's database. cfg describes the
-// limit; the Database's options (DatabaseOptions) hold what is per database, and
-// setting one of those in cfg as well is refused with ErrInvalidOption,
-// naming the DatabaseOptions field. The limiters of one Database share its
-// coalescer, breaker and pool share.
+// Limiter returns a limit kept in the Database's database, described by
+// cfg (validated as Config.Validate does). The limits of one Database share
+// its coalescer, breaker, pool share, Timeout, Observer and Logger.
 func (s *Database) Limiter(cfg Config) (*Limiter, error) {
-	if err := cfg.perLimitOnly(); err != nil {
-		return nil, err
-	}
-	o := s.opts
-	cfg.Timeout, cfg.BreakerThreshold, cfg.BreakerCooldown = o.Timeout, o.BreakerThreshold, o.BreakerCooldown
-	cfg.DisableCoalescing, cfg.MaxBatch, cfg.MaxInFlight = o.DisableCoalescing, o.MaxBatch, o.MaxInFlight
-	cfg.CreatePartitions, cfg.Cleanup, cfg.Observer, cfg.Logger = o.CreatePartitions, o.Cleanup, o.Observer, o.Logger
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
@@ -130,6 +162,9 @@ func (s *Database) Limiter(cfg Config) (*Limiter, error) {
 	return l, nil
 }
 
+// Options returns the Database's options, defaults filled in.
+func (s *Database) Options() DatabaseOptions { return s.opts }
+
 // observeBreaker tells the Observer that the breaker opened or closed, once
 // for each limit of the Database.
 func (s *Database) observeBreaker(open bool) {
@@ -142,29 +177,6 @@ func (s *Database) observeBreaker(open bool) {
 	for _, n := range names {
 		s.opts.Observer.ObserveBreaker(n, open)
 	}
-}
-
-// databaseOf is the Database of a limiter made by New: its own breaker, and the
-// coalescer New's limiters with the same database and coalescer settings
-// share. cfg has its defaults filled in.
-func databaseOf(db DB, cfg Config) *Database {
-	if pool, ok := db.(*pgxpool.Pool); ok {
-		db = sharedPoolFor(pool)
-	}
-	s := &Database{db: db, opts: DatabaseOptions{
-		Timeout: cfg.Timeout, BreakerThreshold: cfg.BreakerThreshold, BreakerCooldown: cfg.BreakerCooldown,
-		DisableCoalescing: cfg.DisableCoalescing, MaxBatch: cfg.MaxBatch, MaxInFlight: cfg.MaxInFlight,
-		CreatePartitions: cfg.CreatePartitions, Cleanup: cfg.Cleanup, Observer: cfg.Observer, Logger: cfg.Logger,
-	}}
-	if !cfg.DisableCoalescing && !singleConn(db) {
-		s.coalescer = sharedCoalescer(db, cfg.MaxBatch, cfg.MaxInFlight)
-	}
-	s.breaker = newBreaker(s.opts, cfg.Name, func(open bool) {
-		if cfg.Observer != nil {
-			cfg.Observer.ObserveBreaker(cfg.Name, open)
-		}
-	})
-	return s
 }
 
 // withDefaults fills defaults and validates.
@@ -203,29 +215,4 @@ func (o DatabaseOptions) withDefaults() (DatabaseOptions, error) {
 		o.Logger = slog.Default()
 	}
 	return o, nil
-}
-
-// perLimitOnly refuses a Config given to Database.Limiter that sets what the
-// Database holds.
-func (c Config) perLimitOnly() error {
-	for _, f := range []struct {
-		name string
-		set  bool
-	}{
-		{"Timeout", c.Timeout != 0},
-		{"BreakerThreshold", c.BreakerThreshold != 0},
-		{"BreakerCooldown", c.BreakerCooldown != 0},
-		{"DisableCoalescing", c.DisableCoalescing},
-		{"MaxBatch", c.MaxBatch != 0},
-		{"MaxInFlight", c.MaxInFlight != 0},
-		{"CreatePartitions", c.CreatePartitions},
-		{"Cleanup", c.Cleanup != nil},
-		{"Observer", c.Observer != nil},
-		{"Logger", c.Logger != nil},
-	} {
-		if f.set {
-			return invalid(ErrInvalidOption, "Config.%s for %q: a limit made by Database.Limiter takes it from its Database; set DatabaseOptions.%s instead", f.name, c.Name, f.name)
-		}
-	}
-	return nil
 }

@@ -3,13 +3,13 @@ package ratelimit_test
 import (
 	"context"
 	"log/slog"
+	"reflect"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -42,40 +42,30 @@ func TestNewDatabaseRefusesBadOptions(t *testing.T) {
 	require.NoError(t, err)
 	l, err := db.Limiter(ratelimit.Config{Name: "defaults", Limit: 1, Window: time.Minute})
 	require.NoError(t, err)
-	c := l.Config()
+	c := db.Options()
+	require.Equal(t, c, ratelimit.OptionsOf(l), "the limit uses its Database's options")
 	require.Equal(t, ratelimit.DefaultTimeout, c.Timeout, "a check's wait is bounded by default")
 	require.Equal(t, ratelimit.DefaultBreakerThreshold, c.BreakerThreshold)
 	require.Equal(t, ratelimit.DefaultMaxBatch, c.MaxBatch)
 	require.NotNil(t, c.Logger)
 }
 
-// TestDatabaseLimiterRefusesPerDatabaseFields: a limit made from a Database
-// takes what is per database from it; setting such a field on the limit as
-// well is refused, naming the option to set instead, so that no setting is
-// silently ignored.
-func TestDatabaseLimiterRefusesPerDatabaseFields(t *testing.T) {
+// TestPerDatabaseFieldsOnlyInDatabaseOptions: a limit made from a Database
+// takes what is per database from it; no such field can be set on the
+// limit as well (Config has none of them: each is a DatabaseOptions
+// field), so that no setting is silently ignored.
+func TestPerDatabaseFieldsOnlyInDatabaseOptions(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	db, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
 	require.NoError(t, err)
 	ok := ratelimit.Config{Name: "per-db", Limit: 5, Window: time.Minute}
-	for field, set := range map[string]func(*ratelimit.Config){
-		"Timeout":           func(c *ratelimit.Config) { c.Timeout = time.Second },
-		"BreakerThreshold":  func(c *ratelimit.Config) { c.BreakerThreshold = 3 },
-		"BreakerCooldown":   func(c *ratelimit.Config) { c.BreakerCooldown = time.Second },
-		"DisableCoalescing": func(c *ratelimit.Config) { c.DisableCoalescing = true },
-		"MaxBatch":          func(c *ratelimit.Config) { c.MaxBatch = 8 },
-		"MaxInFlight":       func(c *ratelimit.Config) { c.MaxInFlight = 8 },
-		"CreatePartitions":  func(c *ratelimit.Config) { c.CreatePartitions = true },
-		"Cleanup":           func(c *ratelimit.Config) { c.Cleanup = &cleanup.Opportunistic{} },
-		"Observer":          func(c *ratelimit.Config) { c.Observer = &breakerEvents{} },
-		"Logger":            func(c *ratelimit.Config) { c.Logger = slog.New(slog.DiscardHandler) },
-	} {
-		cfg := ok
-		set(&cfg)
-		_, err := db.Limiter(cfg)
-		require.ErrorIs(t, err, ratelimit.ErrInvalidOption, field)
-		require.ErrorContains(t, err, "set DatabaseOptions."+field+" instead")
+	for _, field := range []string{"Timeout", "BreakerThreshold", "BreakerCooldown", "DisableCoalescing", "MaxBatch",
+		"MaxInFlight", "CreatePartitions", "Cleanup", "Observer", "Logger"} {
+		_, inConfig := reflect.TypeFor[ratelimit.Config]().FieldByName(field)
+		require.False(t, inConfig, "Config.%s cannot be set on a limit", field)
+		_, inOptions := reflect.TypeFor[ratelimit.DatabaseOptions]().FieldByName(field)
+		require.True(t, inOptions, "DatabaseOptions.%s is set instead", field)
 	}
 	bad := ok
 	bad.Limit = -1
@@ -83,7 +73,7 @@ func TestDatabaseLimiterRefusesPerDatabaseFields(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalidLimit, "the limit's own rules still apply")
 	l, err := db.Limiter(ok)
 	require.NoError(t, err)
-	require.Equal(t, ratelimit.DefaultTimeout, l.Config().Timeout, "the limit reports the Database's options")
+	require.Equal(t, ratelimit.DefaultTimeout, ratelimit.OptionsOf(l).Timeout, "the limit uses the Database's options")
 }
 
 // TestDatabaseSharesCoalescerAndBreaker: every limit of one Database puts
@@ -102,7 +92,7 @@ func TestDatabaseSharesCoalescerAndBreaker(t *testing.T) {
 	b, err := live.Limiter(ratelimit.Config{Name: "shared-b", Algorithm: ratelimit.TokenBucket, Limit: 5, Window: time.Minute})
 	require.NoError(t, err)
 	require.True(t, ratelimit.SharesCoalescer(a, b), "one coalescer per Database")
-	alone, err := ratelimit.New(pool, ratelimit.Config{Name: "shared-a", Limit: 5, Window: time.Minute, MaxBatch: 7})
+	alone, err := testkit.New(pool, ratelimit.Config{Name: "shared-a", Limit: 5, Window: time.Minute}, ratelimit.DatabaseOptions{MaxBatch: 7})
 	require.NoError(t, err)
 	require.False(t, ratelimit.SharesCoalescer(a, alone), "a limiter with other coalescer settings has its own")
 

@@ -27,12 +27,12 @@ const (
 	// shareInterval is the least time between two statements of one
 	// limiter's sender while marks keep coming.
 	shareInterval = 20 * time.Millisecond
-	// shareTimeout bounds one sending statement when Config.Timeout does
+	// shareTimeout bounds one sending statement when DatabaseOptions.Timeout does
 	// not.
 	shareTimeout = 5 * time.Second
 )
 
-// ShareStats counts what a Limiter has done with shared denials since New.
+// ShareStats counts what a Limiter has done with shared denials since it was made.
 type ShareStats struct {
 	// Sent is the marks sent, in Notifies statements.
 	Sent, Notifies uint64
@@ -73,7 +73,6 @@ type SharedDenial struct {
 
 // denyShare is a limiter's state for shared denials.
 type denyShare struct {
-	name string                    // the name marks are sent under
 	send *denySender               // nil when not sending
 	recv atomic.Pointer[denyCache] // received marks by stored key; nil until the first
 
@@ -112,7 +111,6 @@ func (c Config) checkShare() error {
 
 // initShare sets up sharing for a new limiter.
 func (l *Limiter) initShare() error {
-	l.share.name = l.cfg.Name
 	if l.cfg.ShareMinRetryAfter == 0 {
 		l.cfg.ShareMinRetryAfter = DefaultShareMinRetryAfter
 	}
@@ -247,7 +245,7 @@ const notifySQL = `SELECT count(pg_catalog.pg_notify('` + DenyChannel + `',
 func (l *Limiter) notifyShared(marks []denywire.Mark) {
 	s := l.share.send
 	bodies, skipped := denywire.Encode(denywire.Payload{
-		Limiter: l.share.name, Algorithm: string(l.cfg.Algorithm), WindowUs: l.windowUs,
+		Limiter: l.name, Algorithm: string(l.cfg.Algorithm), WindowUs: l.windowUs,
 		Limit: l.cfg.Limit, Burst: l.cfg.Burst, Marks: marks,
 	})
 	s.failed.Add(uint64(skipped))
@@ -255,8 +253,8 @@ func (l *Limiter) notifyShared(marks []denywire.Mark) {
 		return
 	}
 	timeout := shareTimeout
-	if l.cfg.Timeout > 0 {
-		timeout = l.cfg.Timeout
+	if l.st.opts.Timeout > 0 {
+		timeout = l.st.opts.Timeout
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
@@ -264,7 +262,7 @@ func (l *Limiter) notifyShared(marks []denywire.Mark) {
 	if _, err := l.st.db.Exec(ctx, notifySQL, bodies); err != nil {
 		s.failed.Add(n)
 		if s.failing.CompareAndSwap(false, true) {
-			l.cfg.Logger.Warn("pgrl: cannot share denials with the other processes; they keep asking PostgreSQL (logged once until sending works again)",
+			l.st.opts.Logger.Warn("pgrl: cannot share denials with the other processes; they keep asking PostgreSQL (logged once until sending works again)",
 				"limiter", l.cfg.Name, "error", err)
 		}
 		return

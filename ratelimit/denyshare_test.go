@@ -22,7 +22,10 @@ import (
 // denials: once spent, a key is denied for about an hour.
 // Its checks wait for PostgreSQL as long as the tests look (testkit.DecisionTimeout):
 // they assert which store answered, and a loaded machine answers late.
-var hourlyShared = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, ShareDenials: true, Timeout: testkit.DecisionTimeout}
+var hourlyShared = ratelimit.Config{Name: "signup", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, ShareDenials: true}
+
+// hourlySharedDB is the DatabaseOptions of hourlyShared's limiters.
+var hourlySharedDB = ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout}
 
 // listenDenials opens a connection of its own on schema s that LISTENs on
 // DenyChannel.
@@ -81,21 +84,21 @@ func TestShareDenialsConfigErrors(t *testing.T) {
 	} {
 		cfg := hourlyShared
 		c.edit(&cfg)
-		_, err := ratelimit.New(pool, cfg)
+		_, err := testkit.New(pool, cfg, hourlySharedDB)
 		require.ErrorIs(t, err, c.err)
 		require.ErrorContains(t, err, c.fix)
 	}
 	conn, err := pgx.Connect(ctx, dbtest.URLWithSchema(s))
 	require.NoError(t, err)
 	defer func() { _ = conn.Close(ctx) }()
-	_, err = ratelimit.New(conn, hourlyShared)
+	_, err = testkit.New(conn, hourlyShared, hourlySharedDB)
 	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
 	require.ErrorContains(t, err, "*pgxpool.Pool")
 
 	listen := listenDenials(t, s)
 	cfg := hourlyShared
 	cfg.Penalty = true
-	pen, err := ratelimit.New(pool, cfg)
+	pen, err := testkit.New(pool, cfg, hourlySharedDB)
 	require.NoError(t, err)
 	for range 3 {
 		_, err := pen.Allow(ctx, "k")
@@ -114,7 +117,7 @@ func TestShareDenialsOncePerDeadline(t *testing.T) {
 	ctx := context.Background()
 	pool, s := dbtest.Pool(t)
 	listen := listenDenials(t, s)
-	l, err := ratelimit.New(pool, hourlyShared)
+	l, err := testkit.New(pool, hourlyShared, hourlySharedDB)
 	require.NoError(t, err)
 	const key = "ada@example.com"
 	d, err := l.Allow(ctx, key)
@@ -155,7 +158,7 @@ func TestShareDenialsOncePerDeadline(t *testing.T) {
 	st := l.ShareStats()
 	require.Equal(t, ratelimit.ShareStats{Sent: 1, Notifies: 1}, st)
 
-	fast, err := ratelimit.New(pool, ratelimit.Config{Name: "fast", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: 100 * time.Millisecond, ShareDenials: true})
+	fast, err := testkit.New(pool, ratelimit.Config{Name: "fast", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: 100 * time.Millisecond, ShareDenials: true})
 	require.NoError(t, err)
 	denied := 0
 	for range 20 {
@@ -179,7 +182,7 @@ func TestShareDenialsBounded(t *testing.T) {
 	ctx := context.Background()
 	pool, s := dbtest.Pool(t)
 	listen := listenDenials(t, s)
-	l, err := ratelimit.New(pool, hourlyShared)
+	l, err := testkit.New(pool, hourlyShared, hourlySharedDB)
 	require.NoError(t, err)
 	const keys = 3000
 	var wg sync.WaitGroup

@@ -27,9 +27,8 @@
 // number of processes, are serialised by the database and admit exactly the
 // limit. Checks of different keys do not wait for each other.
 //
-// Concurrent checks share statements. The limits of one Database (and
-// the limiters made by New on one database handle with the same MaxBatch
-// and MaxInFlight) share one coalescer: a check goes out at once, alone,
+// Concurrent checks share statements. The limits of one Database share
+// one coalescer: a check goes out at once, alone,
 // when fewer than MaxInFlight of its round trips are running and no check
 // of its key is in flight, so a lone caller pays nothing (the
 // same statement: p50 0.96 to 1.09 times the raw SQL in rl-bench);
@@ -38,7 +37,7 @@
 // algorithm. The waiting checks of one key, a hot key, are decided by one
 // update of its row, one after another in arrival order, with exactly the
 // arithmetic of the single-check statement: each caller gets its own
-// Decision. DisableCoalescing turns it off for one limiter. An AllowAll
+// Decision. DatabaseOptions.DisableCoalescing turns it off. An AllowAll
 // decision whose limits share one algorithm rides the same statements: the
 // statement decides its checks together and applies them only when all
 // allow (AllOrNothing), so a login costs no round trip of its own. One that
@@ -158,7 +157,7 @@
 //
 // Every accepted value decides exactly: Limit and costs up to math.MaxInt64
 // for the window algorithms; for the token bucket, Burst up to MaxTokens
-// (2^53) and an empty bucket refilling within 1,000 years. New refuses
+// (2^53) and an empty bucket refilling within 1,000 years. Database.Limiter refuses
 // anything else with a typed error that names the fix.
 //
 // # Failures and the database
@@ -189,6 +188,6 @@
 // partitioned`), checks run no DDL: the partitions are made ahead by the
 // layout switch, rl-cleanup --partitions and EnsurePartitions. A check whose
 // window has no partition returns ErrNoPartition (a setup error, never
-// answered by the failure policy), unless Config.CreatePartitions lets it
+// answered by the failure policy), unless DatabaseOptions.CreatePartitions lets it
 // create the partition and check again.
 package ratelimit

@@ -12,11 +12,11 @@ import (
 )
 
 // The engine stage of a check (see decide in pipeline.go): the statements
-// that ask PostgreSQL, within Config.Timeout, coalesced with other callers'
+// that ask PostgreSQL, within DatabaseOptions.Timeout, coalesced with other callers'
 // checks (coalesce.go, queue.go) or in the caller's transaction, and the
 // partitions created when a window has none.
 
-// allowWithin asks PostgreSQL, answering by Config.Timeout at the latest,
+// allowWithin asks PostgreSQL, answering by DatabaseOptions.Timeout at the latest,
 // whatever the caller's context. The statement runs on the caller's
 // goroutine under a context that ends at the Timeout: pgx stops at a
 // context's deadline (it sets the connection's deadline, and waiting for a
@@ -26,7 +26,7 @@ import (
 // TestStallDefaultConfigBounded holds it to the bound against a server that
 // stops answering.
 func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
-	cctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	cctx, cancel := context.WithTimeout(ctx, l.st.opts.Timeout)
 	defer cancel()
 	d, err := l.allowDB(cctx, key, a)
 	if err != nil && cctx.Err() != nil {
@@ -36,7 +36,7 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 	return d, err
 }
 
-// allowDB asks PostgreSQL, and with Config.CreatePartitions creates a
+// allowDB asks PostgreSQL, and with DatabaseOptions.CreatePartitions creates a
 // missing partition and asks once more. A spread
 // limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
@@ -47,7 +47,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, err
 		return l.take(ctx, l.st.db, key, a)
 	}
 	d, err := take()
-	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
+	if err != nil && l.st.opts.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
 		// Partitioned layout and nobody created this window's partition
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
@@ -64,7 +64,7 @@ func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, err
 // is asked to retry: the failed statement aborted the transaction.
 func (l *Limiter) takeInTx(ctx context.Context, tx pgx.Tx, key string, a ask) (Decision, error) {
 	d, err := l.take(ctx, tx, key, a)
-	if err != nil && l.cfg.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
+	if err != nil && l.st.opts.CreatePartitions && l.alg.partitioned() && isMissingPartition(err) {
 		if herr := l.heal(ctx, l.st.db); herr != nil {
 			return Decision{}, mapErr(herr)
 		}
@@ -126,7 +126,7 @@ func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*
 	cctx := ctx
 	if tx == nil {
 		var cancel context.CancelFunc
-		cctx, cancel = context.WithTimeout(ctx, first.cfg.Timeout)
+		cctx, cancel = context.WithTimeout(ctx, first.st.opts.Timeout)
 		defer cancel()
 	}
 	take := func() ([]Decision, error) {
@@ -137,7 +137,7 @@ func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*
 	}
 	decs, err := take()
 	if err != nil && isMissingPartition(err) && !slices.ContainsFunc(group, func(r *pendingCheck) bool {
-		return r.l.alg.partitioned() && !r.l.cfg.CreatePartitions
+		return r.l.alg.partitioned() && !r.l.st.opts.CreatePartitions
 	}) {
 		// Outside the caller's transaction, if any.
 		healed := map[int64]bool{}

@@ -15,7 +15,7 @@ import (
 // Errors returned for bad configuration or bad calls. Test with errors.Is;
 // the returned error's text adds the offending value and the fix.
 var (
-	// ErrNilDB: New, EnsurePartitions or a …Tx method was given no
+	// ErrNilDB: NewDatabase, EnsurePartitions or a …Tx method was given no
 	// database (or no transaction).
 	ErrNilDB = errors.New("ratelimit: nil database; pass a *pgxpool.Pool, *pgx.Conn or pgx.Tx")
 	// ErrNilLimiter: a Check of AllowAll has no Limiter.
@@ -106,13 +106,13 @@ var (
 	ErrPermission = pgerr.ErrPermission
 	// ErrNoPartition: in the partitioned layout, no partition of
 	// pgrl_fixed_window holds the end of this check's window, and the
-	// limiter does not create partitions itself (Config.CreatePartitions).
+	// limiter does not create partitions itself (DatabaseOptions.CreatePartitions).
 	// It is a setup error, like ErrNotMigrated: returned to the caller,
 	// never answered by the failure policy or counted by the breaker.
 	ErrNoPartition = errors.New("ratelimit: no partition of pgrl_fixed_window holds this window's end; " +
 		"run `rl-cleanup --partitions` with a --horizon longer than your longest fixed window (from cron), " +
 		"call ratelimit.EnsurePartitions at start-up as the owner of pgrl's tables, " +
-		"or set Config.CreatePartitions")
+		"or set DatabaseOptions.CreatePartitions")
 	// ErrPartitionMissing: in the partitioned layout, a check inside the
 	// caller's transaction found no partition for its window. The limiter
 	// has created it; retry the transaction.
@@ -133,7 +133,7 @@ var configErrors = []error{
 	// The request, refused by PostgreSQL or before it is sent.
 	ErrInvalidInput, ErrKeyTooLong, ErrInvalidCost, ErrCostExceedsLimit,
 	ErrNilDB, ErrNilLimiter, ErrEmptyMulti, ErrDuplicateCheck, ErrMixedDatabases, ErrInvalidMultiMode,
-	// The limiter's configuration, refused by New.
+	// The limiter's configuration, refused by Database.Limiter.
 	ErrInvalidName, ErrInvalidAlgorithm, ErrInvalidLimit, ErrInvalidWindow, ErrInvalidBurst,
 	ErrInvalidPolicy, ErrInvalidTimeout, ErrInvalidOption,
 }
@@ -221,7 +221,7 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 	if kind != pgerr.Undefined && kind != pgerr.Permission {
 		return err // explained already
 	}
-	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, l.st.opts.Timeout)
 	defer cancel()
 	if pe := pgerr.Diagnose(ctx, l.st.db, missingGrant(l), pgErr); pe != nil {
 		return fmt.Errorf("ratelimit: %w", pe)
@@ -243,7 +243,7 @@ func (l *Limiter) explain(ctx context.Context, err error) error {
 // server is fixed, and the caller gets each error.
 func (l *Limiter) logUnsupported(err error) {
 	if l.unsupportedLogged.CompareAndSwap(false, true) {
-		l.cfg.Logger.Error("pgrl: the check's SQL does not fit this server; checks fail with ErrUnsupported, "+
+		l.st.opts.Logger.Error("pgrl: the check's SQL does not fit this server; checks fail with ErrUnsupported, "+
 			"and no failure policy answers them, until it does (logged once per limiter)",
 			"limiter", l.cfg.Name, "error", err.Error())
 	}
@@ -252,7 +252,7 @@ func (l *Limiter) logUnsupported(err error) {
 // explainReadOnly says why the database refused a write: a standby, or a
 // read-only session on a primary.
 func (l *Limiter) explainReadOnly(ctx context.Context, err error) error {
-	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	ctx, cancel := context.WithTimeout(ctx, l.st.opts.Timeout)
 	defer cancel()
 	var standby bool
 	if qerr := l.st.db.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&standby); qerr != nil {

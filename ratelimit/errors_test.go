@@ -91,10 +91,11 @@ func TestIsConfigErrorFromChecks(t *testing.T) {
 	// A check that outlasted the Timeout would be answered by FailOpen: the
 	// tests' Timeout keeps a busy machine from turning an error into that.
 	cfg := ratelimit.Config{Name: "config", Algorithm: ratelimit.FixedWindow, Limit: 10, Window: time.Minute,
-		OnFailure: ratelimit.FailOpen, Timeout: testkit.DecisionTimeout}
+		OnFailure: ratelimit.FailOpen}
+	opts := ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout}
 
 	empty := dbtest.PoolOn(t, dbtest.NewSchema(t))
-	l, err := ratelimit.New(empty, cfg)
+	l, err := testkit.New(empty, cfg, opts)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrNotMigrated)
@@ -103,7 +104,7 @@ func TestIsConfigErrorFromChecks(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	far := cfg
 	far.Now = func() time.Time { return time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC) }
-	l, err = ratelimit.New(pool, far)
+	l, err = testkit.New(pool, far, opts)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrInvalidInput)
@@ -117,8 +118,8 @@ func TestIsConfigErrorFromChecks(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(down.Close)
 	outage := cfg
-	outage.OnFailure, outage.Timeout = ratelimit.FailError, time.Second
-	l, err = ratelimit.New(down, outage)
+	outage.OnFailure = ratelimit.FailError
+	l, err = testkit.New(down, outage, ratelimit.DatabaseOptions{Timeout: time.Second})
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k")
 	require.Error(t, err)

@@ -11,6 +11,9 @@ func BatchedChecks(l *Limiter) uint64 {
 	return l.coalescer.batched.Load()
 }
 
+// OptionsOf returns the options of the Database l checks with.
+func OptionsOf(l *Limiter) DatabaseOptions { return l.st.opts }
+
 // Coalesces reports whether l coalesces concurrent checks.
 func Coalesces(l *Limiter) bool { return l.coalescer != nil }
 

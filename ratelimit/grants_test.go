@@ -44,8 +44,10 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			t.Parallel()
 			cfg := func(name string) ratelimit.Config {
 				return ratelimit.Config{Name: name + "-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Hour,
-					Shadow: true, Logger: quiet, Now: testkit.Pinned(base), Timeout: time.Minute}
+					Shadow: true, Now: testkit.Pinned(base)}
 			}
+			// The Database of the limits of cfg.
+			opts := ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute}
 			// exhaust runs the sequence through allowN and allowUpTo.
 			exhaust := func(t *testing.T, what string, allowN, allowUpTo func(int64) (ratelimit.Decision, error)) {
 				t.Helper()
@@ -72,10 +74,11 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			t.Run("single", func(t *testing.T) {
 				for _, deny := range []int{-1, 0} {
 					c := cfg(fmt.Sprintf("single%d", deny))
-					c.DisableCoalescing, c.DenyCacheSize = true, deny
+					c.DenyCacheSize = deny
 					obs := &recordingObserver{}
-					c.Observer = obs
-					l := testkit.NewLimiter(t, pool, c)
+					o := opts
+					o.DisableCoalescing, o.Observer = true, obs
+					l := testkit.NewLimiter(t, pool, c, o)
 					exhaust(t, c.Name,
 						func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
 						func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
@@ -89,7 +92,7 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			t.Run("coalesced", func(t *testing.T) {
 				// Concurrent checks of one key share queue statements; the
 				// grants add up to the limit exactly.
-				l := testkit.NewLimiter(t, pool, cfg("coalesced"))
+				l := testkit.NewLimiter(t, pool, cfg("coalesced"), opts)
 				require.True(t, ratelimit.Coalesces(l))
 				var mu sync.Mutex
 				var granted, shadowed int64
@@ -124,7 +127,7 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				require.Positive(t, shadowed)
 			})
 			t.Run("tx", func(t *testing.T) {
-				l := testkit.NewLimiter(t, pool, cfg("tx"))
+				l := testkit.NewLimiter(t, pool, cfg("tx"), opts)
 				tx, err := pool.Begin(ctx)
 				require.NoError(t, err)
 				defer func() { _ = tx.Rollback(ctx) }()
@@ -133,12 +136,14 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 					func(n int64) (ratelimit.Decision, error) { return l.AllowTx(ctx, tx, "k", ratelimit.UpTo(n)) })
 			})
 			t.Run("allow-all", func(t *testing.T) {
+				// One Database: the decision rides one coalescer. The
+				// Observer sees other's decisions too, never shadow denials.
 				obs := &recordingObserver{}
-				c := cfg("all")
-				c.Observer = obs
-				shadow := testkit.NewLimiter(t, pool, c)
-				other := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "all-other-" + string(alg), Algorithm: alg,
-					Limit: 100, Window: time.Hour, Now: testkit.Pinned(base), Timeout: time.Minute})
+				o := opts
+				o.Observer = obs
+				db := testkit.NewDatabase(t, pool, o)
+				shadow := testkit.Limiter(t, db, cfg("all"))
+				other := testkit.Limiter(t, db, ratelimit.Config{Name: "all-other-" + string(alg), Algorithm: alg, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
 				for _, mode := range []ratelimit.MultiMode{ratelimit.AllOrNothing, ratelimit.ConsumeAll} {
 					key := fmt.Sprintf("k%d", mode)
 					exhaust(t, fmt.Sprintf("AllowAll mode %d", mode), func(n int64) (ratelimit.Decision, error) {
@@ -162,16 +167,14 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				c := cfg("pol")
 				c.Policy = c.Name
 				setPolicy(t, pool, c.Policy, alg, 5, time.Hour, 0, false)
-				l := testkit.NewLimiter(t, pool, c)
+				l := testkit.NewLimiter(t, pool, c, opts)
 				exhaust(t, "policy",
 					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
 					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
 			})
 			t.Run("memory", func(t *testing.T) {
 				obs := &recordingObserver{}
-				c := cfg("mem")
-				c.Observer = obs
-				m, err := ratelimit.NewMemory(c, ratelimit.MemoryOptions{})
+				m, err := ratelimit.NewMemory(cfg("mem"), ratelimit.MemoryOptions{Observer: obs, Logger: quiet})
 				require.NoError(t, err)
 				exhaust(t, "memory",
 					func(n int64) (ratelimit.Decision, error) { return m.Allow(ctx, "k", ratelimit.Cost(n)) },
@@ -185,16 +188,16 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			t.Run("failure-policy", func(t *testing.T) {
 				dead := testkit.DeadPool(t)
 				c := cfg("dead-memory")
-				c.Timeout = 200 * time.Millisecond
+				o := opts
+				o.Timeout = 200 * time.Millisecond
 				c.OnFailure = ratelimit.FailToMemory
-				l := testkit.NewLimiter(t, dead, c)
+				l := testkit.NewLimiter(t, dead, c, o)
 				exhaust(t, "fail to memory",
 					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
 					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
 				c = cfg("dead-closed")
-				c.Timeout = 200 * time.Millisecond
 				c.OnFailure = ratelimit.FailClosed
-				l = testkit.NewLimiter(t, dead, c)
+				l = testkit.NewLimiter(t, dead, c, o)
 				for _, upTo := range []bool{false, true} {
 					ask := ratelimit.Cost(2)
 					if upTo {
@@ -247,9 +250,11 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 				t.Parallel()
 				cfg := func(name string) ratelimit.Config {
 					return ratelimit.Config{Name: fmt.Sprintf("%s-%s-%v", name, alg, penalty), Algorithm: alg,
-						Limit: 10, Window: time.Hour, Penalty: penalty, DenyCacheSize: -1, Logger: quiet,
-						Now: testkit.Pinned(base), Timeout: time.Minute}
+						Limit: 10, Window: time.Hour, Penalty: penalty, DenyCacheSize: -1,
+						Now: testkit.Pinned(base)}
 				}
+				// The Database of the limits of cfg.
+				opts := ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute}
 				viaLimiter := func(l *ratelimit.Limiter) func(*testing.T, string, int64, int64) (ratelimit.Decision, error) {
 					return func(t *testing.T, key string, used, n int64) (ratelimit.Decision, error) {
 						if used > 0 {
@@ -259,19 +264,21 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 						return l.Allow(ctx, key, ratelimit.UpTo(n))
 					}
 				}
-				single := cfg("single")
+				single := opts
 				single.DisableCoalescing = true
-				queued := testkit.NewLimiter(t, pool, cfg("queue"))
-				inTx := testkit.NewLimiter(t, pool, cfg("tx"))
+				queued := testkit.NewLimiter(t, pool, cfg("queue"), opts)
+				inTx := testkit.NewLimiter(t, pool, cfg("tx"), opts)
 				pol := cfg("pol")
 				pol.Policy = pol.Name
 				setPolicy(t, pool, pol.Policy, alg, 10, time.Hour, 0, penalty)
-				mem, err := ratelimit.NewMemory(cfg("memory"), ratelimit.MemoryOptions{})
+				mem, err := ratelimit.NewMemory(cfg("memory"), ratelimit.MemoryOptions{Logger: quiet})
 				require.NoError(t, err)
 				fallback := cfg("fallback")
-				fallback.OnFailure, fallback.Timeout = ratelimit.FailToMemory, 200*time.Millisecond
+				fallback.OnFailure = ratelimit.FailToMemory
+				fallbackOpts := opts
+				fallbackOpts.Timeout = 200 * time.Millisecond
 				paths := []path{
-					{"single", viaLimiter(testkit.NewLimiter(t, pool, single))},
+					{"single", viaLimiter(testkit.NewLimiter(t, pool, cfg("single"), single))},
 					{"queue", func(t *testing.T, key string, used, n int64) (ratelimit.Decision, error) {
 						// One queue statement: the setup and the ask.
 						keys, costs, upTo := []string{key}, []int64{n}, []bool{true}
@@ -294,7 +301,7 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 						}
 						return inTx.AllowTx(ctx, tx, key, ratelimit.UpTo(n))
 					}},
-					{"policy", viaLimiter(testkit.NewLimiter(t, pool, pol))},
+					{"policy", viaLimiter(testkit.NewLimiter(t, pool, pol, opts))},
 					{"memory", func(t *testing.T, key string, used, n int64) (ratelimit.Decision, error) {
 						if used > 0 {
 							_, err := mem.Allow(ctx, key, ratelimit.Cost(used))
@@ -302,7 +309,7 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 						}
 						return mem.Allow(ctx, key, ratelimit.UpTo(n))
 					}},
-					{"fallback", viaLimiter(testkit.NewLimiter(t, testkit.DeadPool(t), fallback))},
+					{"fallback", viaLimiter(testkit.NewLimiter(t, testkit.DeadPool(t), fallback, fallbackOpts))},
 				}
 				for _, p := range paths {
 					t.Run(p.name, func(t *testing.T) { ceilingHolds(t, penalty, p.name, p.upTo) })
@@ -346,9 +353,7 @@ func TestPartialGrantAskAboveCapacityElsewhere(t *testing.T) {
 		for _, penalty := range []bool{false, true} {
 			name := fmt.Sprintf("%s-%v", alg, penalty)
 			// Two rows of 10: each partial grant takes one row's share.
-			spread := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread-" + name, Algorithm: alg, Limit: 20,
-				Window: time.Hour, Spread: 2, Penalty: penalty, DenyCacheSize: -1, Now: testkit.Pinned(base),
-				Timeout: time.Minute})
+			spread := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread-" + name, Algorithm: alg, Limit: 20, Window: time.Hour, Spread: 2, Penalty: penalty, DenyCacheSize: -1, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Timeout: time.Minute})
 			for i, want := range []int64{10, 10, 0} {
 				d, err := spread.Allow(ctx, "k", ratelimit.UpTo(math.MaxInt64))
 				require.NoError(t, err, "%s: grant %d", name, i)
@@ -358,8 +363,7 @@ func TestPartialGrantAskAboveCapacityElsewhere(t *testing.T) {
 					require.Equal(t, int64(20), d.Used, "%s: the row counted its share, shown for the whole limit", name)
 				}
 			}
-			open := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "open-" + name, Algorithm: alg,
-				Limit: 10, Window: time.Hour, Penalty: penalty, OnFailure: ratelimit.FailOpen, Timeout: 200 * time.Millisecond, Logger: quiet})
+			open := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "open-" + name, Algorithm: alg, Limit: 10, Window: time.Hour, Penalty: penalty, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{Timeout: 200 * time.Millisecond, Logger: quiet})
 			for _, n := range hugeAsks {
 				d, err := open.Allow(ctx, "k", ratelimit.UpTo(n))
 				require.NoError(t, err)
@@ -437,9 +441,7 @@ func TestFallbackDeniesACostAboveItsLimit(t *testing.T) {
 	for _, alg := range ratelimit.Algorithms {
 		for _, penalty := range []bool{false, true} {
 			what := fmt.Sprintf("%s/penalty=%v", alg, penalty)
-			l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "fb-" + what, Algorithm: alg, Limit: 10, FallbackLimit: 5,
-				Window: time.Hour, Penalty: penalty, Timeout: 200 * time.Millisecond, BreakerCooldown: time.Second,
-				Logger: quiet, Now: testkit.Pinned(base)})
+			l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "fb-" + what, Algorithm: alg, Limit: 10, FallbackLimit: 5, Window: time.Hour, Penalty: penalty, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Timeout: 200 * time.Millisecond, BreakerCooldown: time.Second, Logger: quiet})
 			d, err := l.Allow(ctx, "k", ratelimit.Cost(8))
 			require.NoError(t, err, what)
 			require.False(t, d.Allowed, what)

@@ -49,8 +49,7 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 			if c.burst > 0 {
 				capacity = c.burst
 			}
-			cfg.Timeout = testkit.DecisionTimeout
-			l, err := ratelimit.New(pool, cfg)
+			l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
 			require.NoError(t, err, "%s limit %d burst %d", c.alg, c.limit, c.burst)
 			m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{})
 			require.NoError(t, err)
@@ -126,7 +125,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 		if c.cfg.Name == "" {
 			c.cfg.Name = "refused"
 		}
-		_, err := ratelimit.New(pool, c.cfg)
+		_, err := testkit.New(pool, c.cfg)
 		require.ErrorIs(t, err, c.want, "%+v", c.cfg)
 		require.Contains(t, err.Error(), c.text)
 		_, err = ratelimit.NewMemory(c.cfg, ratelimit.MemoryOptions{})
@@ -137,8 +136,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 	// A bucket that refills in decades (1 a second, burst 1e9) is accepted
 	// and decides exactly.
 	ctx := context.Background()
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "slow", Timeout: testkit.DecisionTimeout, Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second,
-		DenyCacheSize: -1, Now: testkit.Pinned(base)})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "slow", Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second, DenyCacheSize: -1, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
 	require.NoError(t, err)
 	d, err := l.Allow(ctx, "k", ratelimit.Cost(1e9))
 	require.NoError(t, err)

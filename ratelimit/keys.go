@@ -13,7 +13,7 @@ const (
 	// MaxReadableKeyBytes is the longest key a check accepts with
 	// readable keys; a longer one gets ErrKeyTooLong.
 	MaxReadableKeyBytes = 2048
-	// MaxReadableNameBytes is the longest limiter name New accepts with
+	// MaxReadableNameBytes is the longest limiter name Database.Limiter accepts with
 	// readable keys.
 	MaxReadableNameBytes = 256
 )

@@ -35,6 +35,7 @@ type DB = gen.DBTX
 type Limiter struct {
 	shape
 	st           *Database // the database, its coalescer and breaker
+	name         string    // in metrics and shared denials: Name, or a rate's limiter's
 	q            *gen.Queries
 	memory       *MemoryLimiter // answers under FailToMemory
 	deny         *denyCache     // nil when disabled
@@ -48,40 +49,23 @@ type Limiter struct {
 	share             denyShare  // denials shared with other processes (denyshare.go)
 }
 
-// New returns a limiter that keeps its counters in db, which must have
-// pgrl's tables (run `rl-migrate up`, or migration.Up at start-up). New
-// validates cfg and does not touch the database.
-func New(db DB, cfg Config) (*Limiter, error) {
-	if cfg.KeyMode == ReadableKeys && len(cfg.Name) > MaxReadableNameBytes {
-		return nil, invalid(ErrInvalidName, "%d bytes with readable keys; use a name of at most %d bytes, or HashedKeys (the default)", len(cfg.Name), MaxReadableNameBytes)
-	}
-	if isNil(db) {
-		return nil, ErrNilDB
-	}
-	cfg, err := cfg.withDefaults()
-	if err != nil {
-		return nil, err
-	}
-	return newLimiter(databaseOf(db, cfg), cfg)
-}
-
-// newLimiter is a limiter of st: New's, or Database.Limiter's (without the
-// name's length check, which a spread limit's rows, named "name#i", would
-// fail).
+// newLimiter is Database.Limiter without the name's length check, which a
+// spread limit's rows, named "name#i", would fail.
 func newLimiter(st *Database, cfg Config) (*Limiter, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
 	}
-	l := &Limiter{shape: newShape(cfg), st: st, q: gen.New()}
+	l := &Limiter{shape: newShape(cfg), st: st, name: cfg.Name, q: gen.New()}
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
-	fb.Observer = nil // the limiter observes its own decisions, fallbacks included
-	fb.Shadow = false // and applies shadow mode to them
+	fb.Shadow = false // the limiter applies shadow mode to its fallback's decisions
 	fb = l.alg.fallbackConfig(cfg, fb)
-	if l.memory, err = NewMemory(fb, MemoryOptions{}); err != nil {
+	// No Observer: the limiter observes its own decisions, fallbacks included.
+	if l.memory, err = NewMemory(fb, MemoryOptions{Logger: st.opts.Logger}); err != nil {
 		return nil, err
 	}
+	l.memory.cooldown = st.opts.BreakerCooldown
 	if cfg.DenyCacheSize > 0 && cfg.Spread <= 1 {
 		// A spread limit's rows keep their own: a denial by one row says
 		// nothing of the others.
@@ -233,7 +217,7 @@ func (l *Limiter) Peek(ctx context.Context, key string, opts ...Option) (Decisio
 	if err := lr.cfg.checkKey(key); err != nil {
 		return Decision{}, err
 	}
-	cctx, cancel := context.WithTimeout(ctx, lr.cfg.Timeout)
+	cctx, cancel := context.WithTimeout(ctx, lr.st.opts.Timeout)
 	defer cancel()
 	d, err := lr.peek(cctx, lr.st.db, key)
 	return d, lr.explain(ctx, err)
@@ -274,7 +258,7 @@ func (l *Limiter) Reset(ctx context.Context, key string, opts ...Option) error {
 		return err
 	}
 	lr.forgetLocal(ctx, key)
-	cctx, cancel := context.WithTimeout(ctx, lr.cfg.Timeout)
+	cctx, cancel := context.WithTimeout(ctx, lr.st.opts.Timeout)
 	defer cancel()
 	return lr.explain(ctx, lr.reset(cctx, lr.st.db, key))
 }

@@ -54,7 +54,7 @@ func TestBadInputs(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			_, err := ratelimit.New(tc.db, tc.cfg(ok))
+			_, err := testkit.New(tc.db, tc.cfg(ok))
 			require.ErrorIs(t, err, tc.want)
 			if tc.want == ratelimit.ErrNilDB {
 				return
@@ -64,7 +64,7 @@ func TestBadInputs(t *testing.T) {
 	}
 
 	var nilPool *pgx.Conn
-	_, err := ratelimit.New(nilPool, ok)
+	_, err := testkit.New(nilPool, ok)
 	require.ErrorIs(t, err, ratelimit.ErrNilDB)
 
 	ctx := context.Background()
@@ -190,7 +190,7 @@ func TestTxChecksAreObserved(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	obs := &recordingObserver{}
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Observer: obs, Now: testkit.Pinned(base)})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Observer: obs})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = l.AllowTx(ctx, tx, "k")
@@ -267,7 +267,7 @@ func TestOpportunisticCleanup(t *testing.T) {
 	require.NoError(t, err)
 	logs := &testkit.LogBuffer{}
 	oc := &cleanup.Opportunistic{Every: 1, Logger: slog.New(slog.NewTextHandler(logs, nil))}
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "oc", Limit: 10, Window: time.Minute, Cleanup: oc})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "oc", Limit: 10, Window: time.Minute}, ratelimit.DatabaseOptions{Cleanup: oc})
 	for range 3 {
 		d, err := l.Allow(ctx, "k")
 		require.NoError(t, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha512"
 	"hash/maphash"
+	"log/slog"
 	"math"
 	"math/bits"
 	"strings"
@@ -24,6 +25,14 @@ type MemoryOptions struct {
 	// another. Each shard holds at most MaxKeys/Shards keys. Capped at
 	// MaxKeys. Defaults to 64.
 	Shards int
+
+	// Observer receives every decision, for metrics. Defaults to nil
+	// (none).
+	Observer Observer
+
+	// Logger receives shadow denials (Config.Shadow). Defaults to
+	// slog.Default().
+	Logger *slog.Logger
 }
 
 // Defaults for MemoryOptions.
@@ -89,6 +98,11 @@ type MemoryLimiter struct {
 	start    time.Time // wall and monotonic reading at creation
 	startUs  int64     // start in microseconds since the Unix epoch
 	keys     shardedLRU[memState]
+	observer Observer
+	logger   *slog.Logger
+	// cooldown is the RetryAfter of a cost this fallback can never admit:
+	// its limiter's breaker cool-down (fallbackAsk).
+	cooldown time.Duration
 	// shadowLogged is when a shadow denial was last logged (Config.Shadow).
 	shadowLogged atomic.Int64
 }
@@ -106,7 +120,7 @@ type memState struct {
 }
 
 // NewMemory returns a limiter that keeps its counters in process memory. It
-// validates cfg as New does; cfg.KeyMode is ignored (keys never leave the
+// validates cfg as Database.Limiter does; cfg.KeyMode is ignored (keys never leave the
 // process).
 func NewMemory(cfg Config, opts MemoryOptions) (*MemoryLimiter, error) {
 	cfg, err := cfg.withDefaults()
@@ -119,10 +133,16 @@ func NewMemory(cfg Config, opts MemoryOptions) (*MemoryLimiter, error) {
 	if opts.Shards <= 0 {
 		opts.Shards = DefaultMemoryShards
 	}
+	if opts.Logger == nil {
+		opts.Logger = slog.Default()
+	}
 	m := &MemoryLimiter{
 		shape:    newShape(cfg),
 		capacity: float64(cfg.Burst),
 		start:    time.Now(),
+		observer: opts.Observer,
+		logger:   opts.Logger,
+		cooldown: DefaultBreakerCooldown,
 	}
 	m.startUs = m.start.UnixMicro()
 	m.keys.init(opts.MaxKeys, opts.Shards)
@@ -163,12 +183,12 @@ func (m *MemoryLimiter) options(opts []Option, counts bool) (ask, error) {
 
 // observe runs allowAsk and reports it to the Observer.
 func (m *MemoryLimiter) observe(key string, a ask) (Decision, error) {
-	if m.cfg.Observer == nil {
+	if m.observer == nil {
 		return m.allowAsk(key, a)
 	}
 	start := time.Now()
 	d, err := m.allowAsk(key, a)
-	m.cfg.Observer.ObserveDecision(m.cfg.Name, d, time.Since(start), err)
+	m.observer.ObserveDecision(m.cfg.Name, d, time.Since(start), err)
 	return d, err
 }
 
@@ -194,9 +214,9 @@ func (m *MemoryLimiter) allowAsk(key string, a ask) (Decision, error) {
 	node.val = st
 	sh.mu.Unlock()
 	if !a.upTo {
-		return a.settle(shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, a.n))), nil
+		return a.settle(shadowed(&m.cfg, m.logger, &m.shadowLogged, m.decide(allowed, st, now, a.n))), nil
 	}
-	return shadowed(&m.cfg, &m.shadowLogged, m.decide(allowed, st, now, 1).granting(granted)), nil
+	return shadowed(&m.cfg, m.logger, &m.shadowLogged, m.decide(allowed, st, now, 1).granting(granted)), nil
 }
 
 // fallbackAsk is allowAsk for the limiter m answers for under
@@ -211,7 +231,7 @@ func (m *MemoryLimiter) fallbackAsk(key string, a ask) (Decision, error) {
 	}
 	d := m.peek(key)
 	d.Allowed = false
-	d.RetryAfter = m.cfg.BreakerCooldown
+	d.RetryAfter = m.cooldown
 	return d, nil
 }
 

@@ -93,7 +93,7 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 // when they fail or, under AllOrNothing, when a limit denies, so the
 // caller's transaction stays usable either way; that costs two more round
 // trips than a statement alone. As with AllowTx, there is no failure
-// policy, breaker, deny cache or Config.Timeout: errors are returned, and
+// policy, breaker, deny cache or DatabaseOptions.Timeout: errors are returned, and
 // the rows stay locked until the transaction ends. In the partitioned
 // layout, a missing partition is created outside the transaction (with
 // CreatePartitions) and the checks are made again.
@@ -195,8 +195,8 @@ func newMultiRequest(tx pgx.Tx, mode MultiMode, checks []Check) (*request, error
 // bad argument) to the Observer of every limiter it names.
 func observeRefused(checks []Check, err error, took time.Duration) {
 	for _, c := range checks {
-		if c.Limiter != nil && c.Limiter.cfg.Observer != nil {
-			c.Limiter.cfg.Observer.ObserveDecision(c.Limiter.cfg.Name, Decision{}, took, err)
+		if c.Limiter != nil && c.Limiter.st.opts.Observer != nil {
+			c.Limiter.st.opts.Observer.ObserveDecision(c.Limiter.name, Decision{}, took, err)
 		}
 	}
 }

@@ -25,9 +25,10 @@ func TestAllowAllOrNothing(t *testing.T) {
 			t.Parallel()
 			db := v.open(t)
 			ctx := context.Background()
-			perIP := testkit.NewLimiter(t, db, ratelimit.Config{Name: "ip", Limit: 2, Window: time.Minute, DenyCacheSize: -1, Now: testkit.Pinned(base)})
-			perEmail := testkit.NewLimiter(t, db, ratelimit.Config{Name: "email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute, Now: testkit.Pinned(base)})
-			global := testkit.NewLimiter(t, db, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
+			limits := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{}) // the limits of one AllowAll
+			perIP := testkit.Limiter(t, limits, ratelimit.Config{Name: "ip", Limit: 2, Window: time.Minute, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+			perEmail := testkit.Limiter(t, limits, ratelimit.Config{Name: "email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute, Now: testkit.Pinned(base)})
+			global := testkit.Limiter(t, limits, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
 
 			for i := range 2 {
 				m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
@@ -105,8 +106,9 @@ func TestAllowAllSameAlgorithm(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		a := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
-		b := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+		limits := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{}) // the limits of one AllowAll
+		a := testkit.Limiter(t, limits, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+		b := testkit.Limiter(t, limits, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k"}, ratelimit.Check{Limiter: b, Key: "k"})
 		require.NoError(t, err)
 		require.True(t, m.Allowed, alg)
@@ -134,9 +136,9 @@ func TestGroupsRideSharedStatements(t *testing.T) {
 			db := &testkit.CountingDB{Pool: pool}
 			clock := testkit.Pinned(time.Date(2031, 3, 4, 5, 6, 7, 0, time.UTC))
 			var ls []*ratelimit.Limiter
+			shared := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, MaxInFlight: 1})
 			for i, limit := range []int64{40, 25} {
-				ls = append(ls, testkit.NewLimiter(t, db, ratelimit.Config{Name: fmt.Sprintf("ride-%d", i), Algorithm: alg,
-					Limit: limit, Window: time.Hour, DenyCacheSize: -1, Now: clock, Timeout: testkit.DecisionTimeout, MaxInFlight: 1}))
+				ls = append(ls, testkit.Limiter(t, shared, ratelimit.Config{Name: fmt.Sprintf("ride-%d", i), Algorithm: alg, Limit: limit, Window: time.Hour, DenyCacheSize: -1, Now: clock}))
 			}
 			require.True(t, ratelimit.SharesCoalescer(ls[0], ls[1]))
 			type target struct{ lim, key int }

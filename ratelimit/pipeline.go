@@ -18,7 +18,7 @@ import (
 //     shared, answers without a round trip (denied; denycache.go,
 //     denyshare.go);
 //  3. breaker: a database that keeps failing is skipped (resilience.go);
-//  4. engine: the statement, within Config.Timeout whatever the caller's
+//  4. engine: the statement, within DatabaseOptions.Timeout whatever the caller's
 //     context, coalesced with other callers' checks; a missing partition
 //     is created and the statement sent again (engine; coalesce.go,
 //     queue.go, multi.go, the algorithms' files);
@@ -26,7 +26,7 @@ import (
 //     resilience.go); errors that are the caller's to fix are returned;
 //  6. remember: a denial goes into the deny cache, and to other processes;
 //  7. shadow: a denial is reported and allowed (resilience.go);
-//  8. observe: Config.Observer sees each decision (observe).
+//  8. observe: DatabaseOptions.Observer sees each decision (observe).
 //
 // A check inside the caller's transaction skips stages 2, 3, 5 and 6: its
 // errors are the caller's, and its units are refunded with the
@@ -86,9 +86,9 @@ func decide(ctx context.Context, req *request) ([]Decision, error) {
 	for i, r := range req.checks {
 		decs[i] = req.whole[i].asWhole(r.l, decs[i])
 	}
-	if !req.multi && req.tx == nil && first.cfg.Cleanup != nil {
+	if !req.multi && req.tx == nil && first.st.opts.Cleanup != nil {
 		if p, ok := first.st.db.(*pooled); ok {
-			first.cfg.Cleanup.Maybe(ctx, p.pool)
+			first.st.opts.Cleanup.Maybe(ctx, p.pool)
 		}
 	}
 	return req.shadow(decs), nil
@@ -192,8 +192,8 @@ func (req *request) observe(decs []Decision, err error, took time.Duration) []De
 			}
 			decs[i] = d
 		}
-		if o := req.whole[i].cfg.Observer; o != nil {
-			o.ObserveDecision(req.whole[i].cfg.Name, d, took, err)
+		if o := req.whole[i].st.opts.Observer; o != nil {
+			o.ObserveDecision(req.whole[i].name, d, took, err)
 		}
 	}
 	return decs

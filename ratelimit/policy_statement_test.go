@@ -77,10 +77,7 @@ func TestPolicyStatementMatchesGivenRate(t *testing.T) {
 					Name: name, Policy: name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty,
 					Now: c.Now, DenyCacheSize: -1,
 				})
-				given := testkit.NewLimiter(t, pool, ratelimit.Config{
-					Name: "given-" + name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty,
-					Now: c.Now, DenyCacheSize: -1, DisableCoalescing: true,
-				})
+				given := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "given-" + name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty, Now: c.Now, DenyCacheSize: -1}, ratelimit.DatabaseOptions{DisableCoalescing: true})
 				policyRate := ratelimit.Rate{Limit: 5, Window: time.Minute}
 				var vip *ratelimit.Rate // the override of key "vip"
 				for step := range 300 {
@@ -214,7 +211,7 @@ func TestPolicyConfigRefused(t *testing.T) {
 		{ratelimit.Config{Name: "a", Policy: " a", Limit: 4, Window: time.Minute}, ratelimit.ErrInvalidName, "a policy name is"},
 		{ratelimit.Config{Name: "a", Policy: string(make([]byte, 129)), Limit: 4, Window: time.Minute}, ratelimit.ErrInvalidName, "a policy name is"},
 	} {
-		_, err := ratelimit.New(pool, cfg.cfg)
+		_, err := testkit.New(pool, cfg.cfg)
 		require.ErrorIs(t, err, cfg.want)
 		require.ErrorContains(t, err, cfg.text)
 	}

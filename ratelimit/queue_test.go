@@ -39,13 +39,12 @@ func TestBatchesMatchSingleChecks(t *testing.T) {
 				// A long Timeout: on a busy machine a single check must not
 				// be answered by the memory fallback.
 				cfg := ratelimit.Config{Algorithm: alg, Limit: 10, Window: time.Minute, Penalty: penalty,
-					DenyCacheSize: -1, Now: clock, Timeout: time.Minute}
+					DenyCacheSize: -1, Now: clock}
 				bcfg, scfg := cfg, cfg
 				bcfg.Name = fmt.Sprintf("prop-batch-%v", penalty) // the subtests share a schema
 				scfg.Name = fmt.Sprintf("prop-single-%v", penalty)
-				scfg.DisableCoalescing = true
-				batched := testkit.NewLimiter(t, pool, bcfg)
-				single := testkit.NewLimiter(t, pool, scfg)
+				batched := testkit.NewLimiter(t, pool, bcfg, ratelimit.DatabaseOptions{Timeout: time.Minute})
+				single := testkit.NewLimiter(t, pool, scfg, ratelimit.DatabaseOptions{Timeout: time.Minute, DisableCoalescing: true})
 				rng := rand.New(rand.NewPCG(uint64(len(alg)), map[bool]uint64{false: 1, true: 2}[penalty]))
 				queues := 0
 				for round := range 150 {
@@ -219,15 +218,15 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 		{Name: "sw-b", Algorithm: ratelimit.SlidingWindow, Limit: 12, Window: 2 * time.Minute, Penalty: true},
 	}
 	var shared, single []*ratelimit.Limiter
+	sharedDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{})
 	for _, cfg := range cfgs {
 		cfg.DenyCacheSize, cfg.Now = -1, clock
-		shared = append(shared, testkit.NewLimiter(t, pool, cfg))
+		shared = append(shared, testkit.Limiter(t, sharedDB, cfg))
 		cfg.Name += "-single"
-		cfg.DisableCoalescing = true
-		single = append(single, testkit.NewLimiter(t, pool, cfg))
+		single = append(single, testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true}))
 	}
 	for _, l := range shared[1:] {
-		require.True(t, ratelimit.SharesCoalescer(shared[0], l), "limiters on one pool share a coalescer")
+		require.True(t, ratelimit.SharesCoalescer(shared[0], l), "limiters of one Database share a coalescer")
 	}
 	rng := rand.New(rand.NewPCG(3, 4))
 	for round := range 120 {
@@ -273,8 +272,7 @@ func TestQueueFunctionMissingFallsBack(t *testing.T) {
 	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_checks"}.Sanitize())
 	require.NoError(t, err)
 	var logs testkit.LogBuffer
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour,
-		DenyCacheSize: -1, Now: testkit.Pinned(base), Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	ls := []*ratelimit.Limiter{l, l, l, l}
 	got, err := ratelimit.TakeMixed(ctx, ls, []string{"k", "k", "k", "k"}, []int64{1, 1, 1, 1}, make([]bool, 4))
 	require.NoError(t, err)
@@ -308,14 +306,16 @@ func TestGroupsMatchSequentialDecisions(t *testing.T) {
 				{Name: "g-s", Limit: 3, Window: time.Minute, Shadow: true},
 			}
 			var shared, single []*ratelimit.Limiter
+			sharedDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true})
+			singleDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true})
 			for _, cfg := range cfgs {
-				cfg.Algorithm, cfg.DenyCacheSize, cfg.Now, cfg.DisableCoalescing = alg, -1, clock, true
+				cfg.Algorithm, cfg.DenyCacheSize, cfg.Now = alg, -1, clock
 				if alg != ratelimit.TokenBucket {
 					cfg.Burst = 0
 				}
-				shared = append(shared, testkit.NewLimiter(t, pool, cfg))
+				shared = append(shared, testkit.Limiter(t, sharedDB, cfg))
 				cfg.Name += "-seq"
-				single = append(single, testkit.NewLimiter(t, pool, cfg))
+				single = append(single, testkit.Limiter(t, singleDB, cfg))
 			}
 			rng := rand.New(rand.NewPCG(5, uint64(len(alg))))
 			var groupsDenied, groupsAllowed int

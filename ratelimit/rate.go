@@ -91,17 +91,14 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 	if r.Window != l.cfg.Window && l.cfg.Algorithm != TokenBucket && !l.cfg.KeyByWindow {
 		cfg.Name = RateName(l.cfg.Name, r.Window)
 	}
-	if cfg.Observer != nil {
-		// Metrics and dashboards see one limiter, whatever the rate.
-		cfg.Observer = renamedObserver{Observer: cfg.Observer, name: l.cfg.Name}
-	}
 	// The store's: one database, one judgement of its health.
 	d, err := newLimiter(l.st, cfg)
 	if err != nil {
 		return nil, err
 	}
-	// Shared denials go out under the name receivers register.
-	d.share.name = l.share.name
+	// Metrics, dashboards and the receivers of shared denials see one
+	// limiter, whatever the rate.
+	d.name = l.name
 	if l.rates.m == nil || len(l.rates.m) >= maxRates {
 		l.rates.m = make(map[Rate]*Limiter)
 	}
@@ -109,7 +106,7 @@ func (l *Limiter) WithRate(r Rate) (*Limiter, error) {
 	return d, nil
 }
 
-// Validate reports whether New would accept c, with the error New would
+// Validate reports whether Database.Limiter would accept c, with the error it would
 // return (ErrInvalidLimit, ErrInvalidWindow, ...), without a database: for
 // configurations read from elsewhere (a file, package policy's table)
 // before they are stored or used.
@@ -120,16 +117,3 @@ func (c Config) Validate() error {
 	_, err := c.withDefaults()
 	return err
 }
-
-// renamedObserver reports a rate's decisions under the name of the limiter
-// the rate belongs to.
-type renamedObserver struct {
-	Observer
-	name string
-}
-
-func (o renamedObserver) ObserveDecision(_ string, d Decision, took time.Duration, err error) {
-	o.Observer.ObserveDecision(o.name, d, took, err)
-}
-
-func (o renamedObserver) ObserveBreaker(_ string, open bool) { o.Observer.ObserveBreaker(o.name, open) }

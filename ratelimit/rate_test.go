@@ -155,7 +155,7 @@ func TestAllowRateObservedUnderTheLimitersName(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	obs := &namesObserver{}
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-obs", Limit: 1, Window: time.Minute, Observer: obs, Now: testkit.Pinned(base)})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-obs", Limit: 1, Window: time.Minute, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Observer: obs})
 	_, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k", ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Hour}))

@@ -14,7 +14,7 @@ import (
 
 // StatementTimeoutParam is the run-time parameter that bounds a statement
 // on the server. Set it on the pool's connections, a little below
-// Config.Timeout, so that a check stuck behind a lock or a slow server is
+// DatabaseOptions.Timeout, so that a check stuck behind a lock or a slow server is
 // abandoned by PostgreSQL before the client gives up (a client-side
 // cancellation closes the connection; a server-side timeout does not):
 //
@@ -44,7 +44,7 @@ type breaker struct {
 	threshold int64
 	cooldown  time.Duration
 	// probeLimit is how long a probe may run before another check may
-	// probe: a cool-down past the check deadline (Config.Timeout), since a
+	// probe: a cool-down past the check deadline (DatabaseOptions.Timeout), since a
 	// probe still waiting for a stalled database has not been abandoned.
 	probeLimit time.Duration
 	logger     *slog.Logger
@@ -60,7 +60,7 @@ type breaker struct {
 }
 
 // newBreaker returns the breaker of a store with options o (defaults
-// applied); name is the limit's when the store is one limiter's (New).
+// applied); name, when not empty, is logged with the breaker's events.
 func newBreaker(o DatabaseOptions, name string, notify func(open bool)) *breaker {
 	return &breaker{threshold: int64(o.BreakerThreshold), cooldown: o.BreakerCooldown,
 		probeLimit: o.Timeout + o.BreakerCooldown, logger: o.Logger, name: name, notify: notify}
@@ -188,8 +188,8 @@ func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) 
 		return Decision{Allowed: true, Limit: l.cfg.capacity(), Remaining: 0, Now: time.Now(), Store: StorePolicy, Reason: reason}, nil
 	case FailClosed:
 		now := time.Now()
-		return l.shadow(key, Decision{Allowed: false, Limit: l.cfg.capacity(), Now: now, RetryAfter: l.cfg.BreakerCooldown,
-			ResetAt: now.Add(l.cfg.BreakerCooldown), Store: StorePolicy, Reason: reason}), nil
+		return l.shadow(key, Decision{Allowed: false, Limit: l.cfg.capacity(), Now: now, RetryAfter: l.st.opts.BreakerCooldown,
+			ResetAt: now.Add(l.st.opts.BreakerCooldown), Store: StorePolicy, Reason: reason}), nil
 	case FailError:
 		return Decision{}, cause
 	default:
@@ -204,13 +204,13 @@ func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) 
 
 // shadow applies shadow mode: a denial is reported, logged and allowed.
 func (l *Limiter) shadow(key string, d Decision) Decision {
-	return shadowed(&l.cfg, &l.shadowLogged, d)
+	return shadowed(&l.cfg, l.st.opts.Logger, &l.shadowLogged, d)
 }
 
 // shadowed applies cfg's shadow mode to d: a denial is reported, logged (at
 // most once a second, logged holding the last time) and allowed. Granted
 // stays what the limit granted, nothing (see ask.settle).
-func shadowed(cfg *Config, logged *atomic.Int64, d Decision) Decision {
+func shadowed(cfg *Config, logger *slog.Logger, logged *atomic.Int64, d Decision) Decision {
 	if !cfg.Shadow || d.Allowed {
 		return d
 	}
@@ -221,7 +221,7 @@ func shadowed(cfg *Config, logged *atomic.Int64, d Decision) Decision {
 	now := time.Now().UnixNano()
 	last := logged.Load()
 	if now-last >= int64(time.Second) && logged.CompareAndSwap(last, now) {
-		cfg.Logger.Info("pgrl: shadow limit would have denied a check (logged at most once a second)",
+		logger.Info("pgrl: shadow limit would have denied a check (logged at most once a second)",
 			"limiter", cfg.Name, "store", string(d.Store), "limit", d.Limit)
 	}
 	return d

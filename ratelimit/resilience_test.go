@@ -23,8 +23,7 @@ func TestShadowModeNeverDenies(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
 		logs := &testkit.LogBuffer{}
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base),
-			Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base), Shadow: true}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(logs, nil))})
 		for i := range 2 {
 			d, err := l.Allow(ctx, "k")
 			require.NoError(t, err)
@@ -57,13 +56,14 @@ func TestShadowModeInMultiLimit(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	logs := &testkit.LogBuffer{}
-	shadow := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base),
-		Shadow: true, Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	real := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
+	// One Database: the limits of one AllowAll.
+	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(logs, nil))})
+	shadow := testkit.Limiter(t, db, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base), Shadow: true})
+	real := testkit.Limiter(t, db, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
 	// One voting limit of each algorithm: see TestMultiSingleAlgorithmConsumes
 	// in package tests for decisions that lack one.
-	perIP := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
-	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
+	perIP := testkit.Limiter(t, db, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
+	global := testkit.Limiter(t, db, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
 	for i := range 3 {
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: shadow, Key: "k"},
 			ratelimit.Check{Limiter: real, Key: "k"}, ratelimit.Check{Limiter: perIP, Key: "k"}, ratelimit.Check{Limiter: global, Key: "k"})
@@ -84,30 +84,32 @@ func TestResilienceBadConfig(t *testing.T) {
 	ok := ratelimit.Config{Name: "x", Limit: 5, Window: time.Minute}
 	for _, tc := range []struct {
 		name string
-		mod  func(*ratelimit.Config)
+		mod  func(*ratelimit.Config, *ratelimit.DatabaseOptions)
 		want error
 	}{
-		{"unknown policy", func(c *ratelimit.Config) { c.OnFailure = ratelimit.FailurePolicy(42) }, ratelimit.ErrInvalidPolicy},
-		{"negative fallback limit", func(c *ratelimit.Config) { c.FallbackLimit = -1 }, ratelimit.ErrInvalidLimit},
-		{"negative timeout", func(c *ratelimit.Config) { c.Timeout = -time.Second }, ratelimit.ErrInvalidTimeout},
-		{"negative breaker threshold", func(c *ratelimit.Config) { c.BreakerThreshold = -1 }, ratelimit.ErrInvalidOption},
-		{"negative breaker cooldown", func(c *ratelimit.Config) { c.BreakerCooldown = -time.Millisecond }, ratelimit.ErrInvalidTimeout},
-		{"negative max batch", func(c *ratelimit.Config) { c.MaxBatch = -1 }, ratelimit.ErrInvalidOption},
-		{"negative max in flight", func(c *ratelimit.Config) { c.MaxInFlight = -1 }, ratelimit.ErrInvalidOption},
-		{"negative spread", func(c *ratelimit.Config) { c.Spread = -1 }, ratelimit.ErrInvalidOption},
+		{"unknown policy", func(c *ratelimit.Config, _ *ratelimit.DatabaseOptions) { c.OnFailure = ratelimit.FailurePolicy(42) }, ratelimit.ErrInvalidPolicy},
+		{"negative fallback limit", func(c *ratelimit.Config, _ *ratelimit.DatabaseOptions) { c.FallbackLimit = -1 }, ratelimit.ErrInvalidLimit},
+		{"negative timeout", func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.Timeout = -time.Second }, ratelimit.ErrInvalidTimeout},
+		{"negative breaker threshold", func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.BreakerThreshold = -1 }, ratelimit.ErrInvalidOption},
+		{"negative breaker cooldown", func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.BreakerCooldown = -time.Millisecond }, ratelimit.ErrInvalidTimeout},
+		{"negative max batch", func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.MaxBatch = -1 }, ratelimit.ErrInvalidOption},
+		{"negative max in flight", func(_ *ratelimit.Config, o *ratelimit.DatabaseOptions) { o.MaxInFlight = -1 }, ratelimit.ErrInvalidOption},
+		{"negative spread", func(c *ratelimit.Config, _ *ratelimit.DatabaseOptions) { c.Spread = -1 }, ratelimit.ErrInvalidOption},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := ok
-			tc.mod(&c)
-			_, err := ratelimit.New(pool, c)
+			var o ratelimit.DatabaseOptions
+			tc.mod(&c, &o)
+			_, err := testkit.New(pool, c, o)
 			require.ErrorIs(t, err, tc.want)
 		})
 	}
 	l := testkit.NewLimiter(t, pool, ok)
 	c := l.Config()
+	o := ratelimit.OptionsOf(l)
 	require.Equal(t, ratelimit.FailToMemory, c.OnFailure)
 	require.Equal(t, int64(5), c.FallbackLimit)
-	require.Equal(t, 5, c.BreakerThreshold)
-	require.Equal(t, 500*time.Millisecond, c.BreakerCooldown)
+	require.Equal(t, 5, o.BreakerThreshold)
+	require.Equal(t, 500*time.Millisecond, o.BreakerCooldown)
 	require.Equal(t, 10_000, c.DenyCacheSize)
 }

@@ -43,13 +43,11 @@ func sessionScript(t *testing.T, db *pgxpool.Pool) []string {
 			what, d.Allowed, d.Limit, d.Remaining, d.ResetAt.UTC().Format(time.RFC3339Nano), d.RetryAfter, d.Store))
 	}
 	var ls []*ratelimit.Limiter
+	// One Database: the limits of one AllowAll below.
+	limits := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
 	for _, alg := range ratelimit.Algorithms {
 		for _, penalty := range []bool{false, true} {
-			l, err := ratelimit.New(db, ratelimit.Config{
-				Name: fmt.Sprintf("s-%s-%v", alg, penalty), Algorithm: alg, Limit: 3, Burst: 5, Window: 7 * time.Second,
-				Penalty: penalty, DenyCacheSize: -1, Now: clk, Timeout: testkit.DecisionTimeout,
-			})
-			require.NoError(t, err)
+			l := testkit.Limiter(t, limits, ratelimit.Config{Name: fmt.Sprintf("s-%s-%v", alg, penalty), Algorithm: alg, Limit: 3, Burst: 5, Window: 7 * time.Second, Penalty: penalty, DenyCacheSize: -1, Now: clk})
 			ls = append(ls, l)
 			for i, step := range []time.Duration{0, 0, 1100 * time.Millisecond, 0, 2333333 * time.Microsecond, 7 * time.Second, 0} {
 				now = now.Add(step)
@@ -84,7 +82,7 @@ func sessionScript(t *testing.T, db *pgxpool.Pool) []string {
 	}
 	// The database's own clock, in the hostile session's time zone.
 	for _, alg := range ratelimit.Algorithms {
-		l, err := ratelimit.New(db, ratelimit.Config{Name: "live", Algorithm: alg, Limit: 2, Window: time.Minute, Timeout: testkit.DecisionTimeout})
+		l, err := testkit.New(db, ratelimit.Config{Name: "live", Algorithm: alg, Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
 		require.NoError(t, err)
 		d, err := l.Allow(ctx, "k")
 		require.NoError(t, err)

@@ -62,7 +62,7 @@ func TestSpreadAccuracy(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, int64(limit), p.Remaining)
 	}
-	_, err := ratelimit.New(pool, ratelimit.Config{Name: "tiny", Limit: 3, Window: time.Minute, Spread: 4})
+	_, err := testkit.New(pool, ratelimit.Config{Name: "tiny", Limit: 3, Window: time.Minute, Spread: 4})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidLimit)
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "cost", Limit: 100, Window: time.Minute, Spread: 4})
 	_, err = l.Allow(ctx, "k", ratelimit.Cost(26))

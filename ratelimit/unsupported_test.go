@@ -81,8 +81,7 @@ func TestUnsupportedNeverReachesTheFailurePolicy(t *testing.T) {
 				for _, coalesce := range []bool{false, true} {
 					name := fmt.Sprintf("%s-coalesce-%v", strings.ReplaceAll(policy.String(), " ", "-"), coalesce)
 					logs := &testkit.LogBuffer{}
-					l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 100, Window: time.Hour, OnFailure: policy,
-						DisableCoalescing: !coalesce, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+					l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 100, Window: time.Hour, OnFailure: policy}, ratelimit.DatabaseOptions{DisableCoalescing: !coalesce, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 					require.Equal(t, coalesce, ratelimit.Coalesces(l))
 					misfit := func(what string, d ratelimit.Decision, err error) {
 						t.Helper()
@@ -93,7 +92,7 @@ func TestUnsupportedNeverReachesTheFailurePolicy(t *testing.T) {
 						require.Empty(t, d.Store, "%s %s: no store answered", name, what)
 						require.False(t, d.Allowed, "%s %s", name, what)
 					}
-					threshold := l.Config().BreakerThreshold
+					threshold := ratelimit.OptionsOf(l).BreakerThreshold
 					for i := range 3 * threshold {
 						d, err := l.Allow(ctx, fmt.Sprint("k", i%3))
 						misfit("Allow", d, err)

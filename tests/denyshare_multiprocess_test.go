@@ -28,7 +28,10 @@ const denyChildEnv = "PGRL_TEST_DENY_CHILD_URL"
 // spent key is denied for about an hour.
 // Its checks wait for PostgreSQL as long as the tests look: they assert
 // which store answered.
-var denyShared = ratelimit.Config{Name: "signup:email", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, Timeout: testkit.DecisionTimeout}
+var denyShared = ratelimit.Config{Name: "signup:email", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}
+
+// denySharedDB is the DatabaseOptions of denyShared's limiters.
+var denySharedDB = ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout}
 
 // denyReport is process B's answer to one command.
 type denyReport struct {
@@ -54,7 +57,7 @@ func TestDenyShareChildProcess(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	db := &testkit.CountingDB{Pool: pool}
-	lim, err := ratelimit.New(db, denyShared)
+	lim, err := testkit.New(db, denyShared, denySharedDB)
 	require.NoError(t, err)
 	l, err := policy.Watch(ctx, url, policy.NewCache(pool), policy.ListenerOptions{Denials: true})
 	require.NoError(t, err)
@@ -121,7 +124,7 @@ func TestDenyShareTwoProcesses(t *testing.T) {
 
 	cfg := denyShared
 	cfg.ShareDenials = true
-	a, err := ratelimit.New(pool, cfg)
+	a, err := testkit.New(pool, cfg, denySharedDB)
 	require.NoError(t, err)
 	const key = "ada@example.com"
 	d, err := a.Allow(ctx, key)

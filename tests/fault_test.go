@@ -86,8 +86,7 @@ func measureBaseline(t *testing.T, url string) machineBaseline {
 		// It measures how long checks take here, so it waits as long as
 		// they take: the default Timeout would cut a cold check on a
 		// loaded machine short and measure nothing.
-		l, err := ratelimit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour,
-			OnFailure: ratelimit.FailError, DisableCoalescing: true, Timeout: testkit.DecisionTimeout})
+		l, err := testkit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{DisableCoalescing: true, Timeout: testkit.DecisionTimeout})
 		require.NoError(t, err)
 		if round == 0 {
 			// The server may still be starting up after a restart: wait
@@ -122,8 +121,7 @@ func measureBaseline(t *testing.T, url string) machineBaseline {
 	pool := baselinePool(t, url)
 	defer pool.Close()
 	// Measured, not bounded: its checks wait as long as they take here.
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour, OnFailure: ratelimit.FailError,
-		Timeout: testkit.DecisionTimeout})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "baseline", Limit: 1_000_000, Window: time.Hour, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
 	require.NoError(t, err)
 	for _, d := range []time.Duration{200 * time.Millisecond, 500 * time.Millisecond} {
 		// The first round opens the pool's connections; the second is the
@@ -357,10 +355,7 @@ func TestFaultServerStoppedDuringLoad(t *testing.T) {
 			timeout := b.timeout()
 			logs := &testkit.LogBuffer{}
 			pool := faultPool(t, c.url(), "pgrl-fault-stop", pgDuration(timeout*8/10))
-			l, err := ratelimit.New(pool, ratelimit.Config{
-				Name: "stop-" + pc.name, Limit: 1_000_000, Window: time.Hour, OnFailure: pc.policy,
-				Timeout: timeout, Logger: slog.New(slog.NewTextHandler(logs, nil)),
-			})
+			l, err := testkit.New(pool, ratelimit.Config{Name: "stop-" + pc.name, Limit: 1_000_000, Window: time.Hour, OnFailure: pc.policy}, ratelimit.DatabaseOptions{Timeout: timeout, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 			require.NoError(t, err)
 
 			// Baseline goroutines and connections: after a warm-up with
@@ -466,11 +461,11 @@ func TestFaultRowLockHeld(t *testing.T) {
 					})
 					ctx := context.Background()
 					name := "lock-" + pc.name
-					l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, OnFailure: pc.policy, Timeout: timeout})
+					l, err := testkit.New(pool, ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, OnFailure: pc.policy}, ratelimit.DatabaseOptions{Timeout: timeout})
 					require.NoError(t, err)
 					// Create the hot key's row (without a deadline: on a busy
 					// machine the first connection may take a while).
-					setup, err := ratelimit.New(pool, ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, OnFailure: ratelimit.FailError})
+					setup, err := testkit.New(pool, ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 1000, Window: time.Hour, OnFailure: ratelimit.FailError})
 					require.NoError(t, err)
 					_, err = setup.Allow(ctx, "hot")
 					require.NoError(t, err)
@@ -558,8 +553,8 @@ func TestFaultRowLockManyCallers(t *testing.T) {
 	const name = "lock-many"
 	// Coalescing on (the default): checks of other keys must not queue
 	// behind the statements waiting on the locked row.
-	cfg := ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 100000, Window: time.Hour, Timeout: lockTimeout + 2*margin}
-	l, err := ratelimit.New(pool, cfg)
+	cfg := ratelimit.Config{Name: name, Algorithm: ratelimit.TokenBucket, Limit: 100000, Window: time.Hour}
+	l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: lockTimeout + 2*margin})
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "hot")
 	require.NoError(t, err)
@@ -617,7 +612,7 @@ func TestFaultBackendsTerminated(t *testing.T) {
 	timeout := b.timeout()
 	pool := faultPool(t, c.url(), app, pgDuration(timeout*8/10))
 	admin := faultPool(t, c.url(), "pgrl-fault-admin", "")
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "kill", Limit: 1_000_000, Window: time.Hour, Timeout: timeout})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "kill", Limit: 1_000_000, Window: time.Hour}, ratelimit.DatabaseOptions{Timeout: timeout})
 	require.NoError(t, err)
 	warmUntilHealthy(t, l)
 
@@ -673,7 +668,7 @@ func TestFaultCrashTruncatesUnlogged(t *testing.T) {
 
 	var limiters []*ratelimit.Limiter
 	for _, alg := range ratelimit.Algorithms {
-		l, err := ratelimit.New(pool, ratelimit.Config{Name: "crash-" + string(alg), Algorithm: alg, Limit: 3, Window: time.Hour,
+		l, err := testkit.New(pool, ratelimit.Config{Name: "crash-" + string(alg), Algorithm: alg, Limit: 3, Window: time.Hour,
 			OnFailure: ratelimit.FailError, DenyCacheSize: -1})
 		require.NoError(t, err)
 		for range 3 {
@@ -722,9 +717,13 @@ func TestFaultStandbyGuard(t *testing.T) {
 	require.True(t, inRecovery, "the standby is in recovery")
 
 	var checks []ratelimit.Check
+	// One Database: the limits of one AllowAll. A refused write is the
+	// setup's error, not a failure of the database: it opens no breaker.
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	require.NoError(t, err)
 	for _, alg := range ratelimit.Algorithms {
 		for _, pc := range policyCases {
-			l, err := ratelimit.New(pool, ratelimit.Config{Name: "standby-" + string(alg) + pc.name, Algorithm: alg, Limit: 5, Window: time.Minute, OnFailure: pc.policy})
+			l, err := limits.Limiter(ratelimit.Config{Name: "standby-" + string(alg) + pc.name, Algorithm: alg, Limit: 5, Window: time.Minute, OnFailure: pc.policy})
 			require.NoError(t, err)
 			_, err = l.Allow(ctx, "k")
 			require.ErrorIs(t, err, ratelimit.ErrReadOnly, "%s/%s", alg, pc.name)
@@ -735,7 +734,7 @@ func TestFaultStandbyGuard(t *testing.T) {
 			}
 		}
 	}
-	_, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, checks...)
+	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, checks...)
 	require.ErrorIs(t, err, ratelimit.ErrReadOnly)
 	_, err = ratelimit.AllowAll(ctx, ratelimit.ConsumeAll, checks...)
 	require.ErrorIs(t, err, ratelimit.ErrReadOnly)
@@ -769,18 +768,18 @@ type proxyRun struct {
 
 // proxyFault measures a baseline through the proxy, then runs 8
 // goroutines' load through it with a deadline derived from that baseline
-// (cfg.Timeout), waits until PostgreSQL answers every check of a warm-up
+// (opts.Timeout), waits until PostgreSQL answers every check of a warm-up
 // round, breaks the proxy (mode "cut_and_refuse" or "stall") for a second or
 // two deadlines, whichever is longer, so that checks do time out, heals it
 // and runs on until PostgreSQL answers again.
-func proxyFault(t *testing.T, p *tcpProxy, url, mode string, cfg ratelimit.Config) proxyRun {
+func proxyFault(t *testing.T, p *tcpProxy, url, mode string, cfg ratelimit.Config, opts ratelimit.DatabaseOptions) proxyRun {
 	b := measureBaseline(t, url)
-	run := proxyRun{timeout: b.timeout(), slack: b.slack(), bound: b.recoveryBound(cfg.BreakerCooldown)}
+	run := proxyRun{timeout: b.timeout(), slack: b.slack(), bound: b.recoveryBound(opts.BreakerCooldown)}
 	logs := &testkit.LogBuffer{}
 	pool := faultPool(t, url, "pgrl-fault-proxy", "")
-	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
-	cfg.Timeout = run.timeout
-	l, err := ratelimit.New(pool, cfg)
+	opts.Logger = slog.New(slog.NewTextHandler(logs, nil))
+	opts.Timeout = run.timeout
+	l, err := testkit.New(pool, cfg, opts)
 	require.NoError(t, err)
 	warmUntilHealthy(t, l)
 	logs.Reset()
@@ -830,8 +829,8 @@ func TestFaultProxyCutRefuseStall(t *testing.T) {
 	p, url := proxiedSchema(t)
 	for _, mode := range []string{"cut_and_refuse", "stall"} {
 		t.Run(mode, func(t *testing.T) {
-			run := proxyFault(t, p, url, mode, ratelimit.Config{Name: "proxy-" + mode, Limit: 1_000_000, Window: time.Hour,
-				BreakerCooldown: 200 * time.Millisecond})
+			run := proxyFault(t, p, url, mode, ratelimit.Config{Name: "proxy-" + mode, Limit: 1_000_000, Window: time.Hour},
+				ratelimit.DatabaseOptions{BreakerCooldown: 200 * time.Millisecond})
 			require.Empty(t, run.st.errs)
 			require.Empty(t, run.st.wrong)
 			require.LessOrEqual(t, run.st.maxLatency, run.timeout+run.slack, "every check answers within its deadline + slack")
@@ -850,8 +849,8 @@ func TestFaultProxyCutRefuseStall(t *testing.T) {
 // at most a quarter of the deadline, so that is still caught).
 func TestFaultStallCoalescedWithinDeadline(t *testing.T) {
 	p, url := proxiedSchema(t)
-	run := proxyFault(t, p, url, "stall", ratelimit.Config{Name: "proxy-coalesced", Limit: 1_000_000, Window: time.Hour,
-		BreakerCooldown: 200 * time.Millisecond})
+	run := proxyFault(t, p, url, "stall", ratelimit.Config{Name: "proxy-coalesced", Limit: 1_000_000, Window: time.Hour},
+		ratelimit.DatabaseOptions{BreakerCooldown: 200 * time.Millisecond})
 	require.Empty(t, run.st.errs)
 	require.LessOrEqual(t, run.st.maxLatency, run.timeout+run.slack, "every check answers within its deadline + slack")
 }
@@ -867,8 +866,7 @@ func TestFaultBreakerProbeAbandoned(t *testing.T) {
 	pool := faultPool(t, url, "pgrl-fault-probe", "")
 	const cooldown = 100 * time.Millisecond
 	timeout := b.timeout()
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "probe", Limit: 1_000_000, Window: time.Hour, Timeout: timeout,
-		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "probe", Limit: 1_000_000, Window: time.Hour}, ratelimit.DatabaseOptions{Timeout: timeout, BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
 	require.NoError(t, err)
 	ctx := context.Background()
 	// The first check opens a connection through the proxy; wait until
@@ -911,7 +909,7 @@ func TestFaultDenyCacheOneStatement(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	cdb := &countingDB{db: pool}
 	const window = time.Second
-	l, err := ratelimit.New(cdb, ratelimit.Config{Name: "hammer", Limit: 5, Window: window})
+	l, err := testkit.New(cdb, ratelimit.Config{Name: "hammer", Limit: 5, Window: window})
 	require.NoError(t, err)
 
 	// One record per PostgreSQL denial: when the caller started, when the
@@ -1012,8 +1010,7 @@ func TestFaultBreakerOneProbeAtATime(t *testing.T) {
 	timeout := b.timeout()
 	cooldown := timeout / 10
 	cdb := &countingDB{db: faultPool(t, url, "pgrl-fault-probes", "")}
-	l, err := ratelimit.New(cdb, ratelimit.Config{Name: "probes", Limit: 1_000_000, Window: time.Hour, Timeout: timeout,
-		BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
+	l, err := testkit.New(cdb, ratelimit.Config{Name: "probes", Limit: 1_000_000, Window: time.Hour}, ratelimit.DatabaseOptions{Timeout: timeout, BreakerThreshold: 1, BreakerCooldown: cooldown, DisableCoalescing: true, Logger: slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))})
 	require.NoError(t, err)
 	warmUntilHealthy(t, l)
 

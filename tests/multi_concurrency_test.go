@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -38,18 +39,17 @@ type multiTarget struct {
 // the failure policy, which counts in process memory.
 const exactTimeout = time.Minute
 
-// multiLimiters builds the test's limiters on db.
+// multiLimiters builds the test's limiters on db, from one Database: the
+// limits of one AllowAll.
 func multiLimiters(t *testing.T, db ratelimit.DB) []*ratelimit.Limiter {
 	var ls []*ratelimit.Limiter
+	d := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: exactTimeout})
 	for i, limit := range multiLimits {
-		l, err := ratelimit.New(db, ratelimit.Config{
+		ls = append(ls, testkit.Limiter(t, d, ratelimit.Config{
 			Name: fmt.Sprintf("multi-%d", i), Limit: limit, Window: time.Hour,
 			DenyCacheSize: -1, // every decision goes to PostgreSQL and locks its rows
 			Now:           func() time.Time { return multiAt },
-			Timeout:       exactTimeout,
-		})
-		require.NoError(t, err)
-		ls = append(ls, l)
+		}))
 	}
 	return ls
 }
@@ -187,7 +187,7 @@ func TestMultiConcurrentOverlappingNoDeadlock(t *testing.T) {
 // whose checks are all fixed-window limits consumes what it admits.
 func multiSingleAlgorithmConsumes(t *testing.T) bool {
 	pool, _ := dbtest.Pool(t)
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "single", Limit: 2, Window: time.Hour, DenyCacheSize: -1, Timeout: exactTimeout})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "single", Limit: 2, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Timeout: exactTimeout})
 	require.NoError(t, err)
 	ctx := context.Background()
 	m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: l, Key: "k"})
@@ -218,10 +218,9 @@ func TestMultiBadInputsConsumeNothing(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
+	d := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Timeout: exactTimeout}) // the limits of one AllowAll
 	mk := func(name string, limit int64) *ratelimit.Limiter {
-		l, err := ratelimit.New(pool, ratelimit.Config{Name: name, Limit: limit, Window: time.Hour, Timeout: exactTimeout})
-		require.NoError(t, err)
-		return l
+		return testkit.Limiter(t, d, ratelimit.Config{Name: name, Limit: limit, Window: time.Hour})
 	}
 	a, a2, b := mk("same", 3), mk("same", 3), mk("other", 3)
 

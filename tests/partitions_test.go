@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgrl/pgrl/cleanup"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -171,7 +172,7 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	// now.
 	longWindow := windowEndingAfter(t, time.Now().Add(3*time.Hour), 6*time.Hour)
 	cfg := ratelimit.Config{Name: "long", Limit: 3, Window: longWindow} // default policy: memory
-	l, err := ratelimit.New(owner, cfg)
+	l, err := testkit.New(owner, cfg)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrNoPartition)
@@ -187,7 +188,7 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 
 	// The application role's checks fail the same way, never as an outage.
 	app := rs.poolAs(t, rs.app)
-	la, err := ratelimit.New(app, cfg)
+	la, err := testkit.New(app, cfg)
 	require.NoError(t, err)
 	_, err = la.Allow(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrNoPartition)
@@ -209,7 +210,7 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	require.Equal(t, made, ddl(), "checks issued no DDL")
 
 	// A window that spans more than 63 partitions is refused up front.
-	wide, err := ratelimit.New(owner, ratelimit.Config{Name: "wide", Limit: 3, Window: 100 * time.Hour})
+	wide, err := testkit.New(owner, ratelimit.Config{Name: "wide", Limit: 3, Window: 100 * time.Hour})
 	require.NoError(t, err)
 	require.ErrorIs(t, ratelimit.EnsurePartitions(ctx, owner, wide), ratelimit.ErrPartitionWidth)
 
@@ -217,7 +218,7 @@ func TestPartitionCheckIssuesNoDDL(t *testing.T) {
 	// ones EnsurePartitions made for "long", which reach a whole window of
 	// "long" ahead of now, plus a partition).
 	optWindow := windowEndingAfter(t, time.Now().Add(longWindow+3*time.Hour), longWindow)
-	opt, err := ratelimit.New(owner, ratelimit.Config{Name: "opt", Limit: 3, Window: optWindow, CreatePartitions: true})
+	opt, err := testkit.New(owner, ratelimit.Config{Name: "opt", Limit: 3, Window: optWindow}, ratelimit.DatabaseOptions{CreatePartitions: true})
 	require.NoError(t, err)
 	d, err = opt.Allow(ctx, "k")
 	require.NoError(t, err)

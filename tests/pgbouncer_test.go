@@ -24,6 +24,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -194,7 +195,7 @@ func TestBouncerTransactionModeSuite(t *testing.T) {
 
 			t.Run("exact_under_concurrency", func(t *testing.T) {
 				for _, alg := range ratelimit.Algorithms {
-					l, err := ratelimit.New(via, ratelimit.Config{Name: "conc-" + m.name + string(alg), Algorithm: alg, Limit: 20, Window: time.Hour, DenyCacheSize: -1, Timeout: exactTimeout})
+					l, err := testkit.New(via, ratelimit.Config{Name: "conc-" + m.name + string(alg), Algorithm: alg, Limit: 20, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Timeout: exactTimeout})
 					require.NoError(t, err)
 					var admitted atomic.Int64
 					var wg sync.WaitGroup
@@ -225,7 +226,7 @@ func TestBouncerTransactionModeSuite(t *testing.T) {
 
 			t.Run("peek_reset", func(t *testing.T) {
 				for _, alg := range ratelimit.Algorithms {
-					l, err := ratelimit.New(via, ratelimit.Config{Name: "pr-" + m.name + string(alg), Algorithm: alg, Limit: 3, Window: time.Hour, Timeout: exactTimeout})
+					l, err := testkit.New(via, ratelimit.Config{Name: "pr-" + m.name + string(alg), Algorithm: alg, Limit: 3, Window: time.Hour}, ratelimit.DatabaseOptions{Timeout: exactTimeout})
 					require.NoError(t, err)
 					for range 3 {
 						_, err := l.Allow(ctx, "k")
@@ -243,12 +244,10 @@ func TestBouncerTransactionModeSuite(t *testing.T) {
 			})
 
 			t.Run("allow_all", func(t *testing.T) {
-				perIP, err := ratelimit.New(via, ratelimit.Config{Name: "ip-" + m.name, Limit: 2, Window: time.Minute, DenyCacheSize: -1, Timeout: exactTimeout})
-				require.NoError(t, err)
-				perEmail, err := ratelimit.New(via, ratelimit.Config{Name: "email-" + m.name, Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute, Timeout: exactTimeout})
-				require.NoError(t, err)
-				global, err := ratelimit.New(via, ratelimit.Config{Name: "global-" + m.name, Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Timeout: exactTimeout})
-				require.NoError(t, err)
+				limits := testkit.NewDatabase(t, via, ratelimit.DatabaseOptions{Timeout: exactTimeout}) // the limits of one AllowAll
+				perIP := testkit.Limiter(t, limits, ratelimit.Config{Name: "ip-" + m.name, Limit: 2, Window: time.Minute, DenyCacheSize: -1})
+				perEmail := testkit.Limiter(t, limits, ratelimit.Config{Name: "email-" + m.name, Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute})
+				global := testkit.Limiter(t, limits, ratelimit.Config{Name: "global-" + m.name, Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
 				checks := []ratelimit.Check{{Limiter: perIP, Key: "1.2.3.4"}, {Limiter: perEmail, Key: "a@example.com"}, {Limiter: global, Key: "all"}}
 				for i := range 2 {
 					md, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, checks...)
@@ -293,9 +292,9 @@ func bouncerSequence(t *testing.T, via, direct ratelimit.DB, mode string, alg ra
 	if alg == ratelimit.TokenBucket {
 		cfg.Burst = cfg.Limit + int64(rng.IntN(5))
 	}
-	lv, err := ratelimit.New(via, cfg)
+	lv, err := testkit.New(via, cfg)
 	require.NoError(t, err)
-	ld, err := ratelimit.New(direct, cfg)
+	ld, err := testkit.New(direct, cfg)
 	require.NoError(t, err)
 	capacity := cfg.Limit
 	if alg == ratelimit.TokenBucket {

@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -58,7 +59,7 @@ func TestPolicyChildProcess(t *testing.T) {
 		defer cancel()
 		require.NoError(t, l.WaitSynced(wctx))
 	}
-	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{OnFailure: ratelimit.FailError, Timeout: exactTimeout}})
+	lim, err := policy.NewLimiter(ctx, pool, "api", policy.Options{Cache: cache, Config: ratelimit.Config{OnFailure: ratelimit.FailError}, Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Timeout: exactTimeout})})
 	require.NoError(t, err)
 	fmt.Println("ready")
 	in := bufio.NewScanner(os.Stdin)

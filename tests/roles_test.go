@@ -87,10 +87,10 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 			require.NoError(t, err)
 		}
 		var limiters []*ratelimit.Limiter
+		limits := testkit.NewDatabase(t, app, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout}) // the limits of one AllowAll
 		for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.TokenBucket, ratelimit.SlidingWindow} {
 			name := fmt.Sprintf("%s-%s", layout, alg)
-			l, err := ratelimit.New(app, ratelimit.Config{Timeout: testkit.DecisionTimeout, Name: name, Algorithm: alg, Limit: 1000, Window: time.Minute,
-				OnFailure: ratelimit.FailError, DenyCacheSize: -1})
+			l, err := limits.Limiter(ratelimit.Config{Name: name, Algorithm: alg, Limit: 1000, Window: time.Minute, OnFailure: ratelimit.FailError, DenyCacheSize: -1})
 			require.NoError(t, err, name)
 			limiters = append(limiters, l)
 
@@ -199,7 +199,7 @@ func TestRolesCleanupRoleBothModes(t *testing.T) {
 
 	// And the application role still checks through the new partitions.
 	app := rs.poolAs(t, rs.app)
-	l, err := ratelimit.New(app, ratelimit.Config{Name: "after", Limit: 5, Window: 3 * time.Hour, OnFailure: ratelimit.FailError})
+	l, err := testkit.New(app, ratelimit.Config{Name: "after", Limit: 5, Window: 3 * time.Hour, OnFailure: ratelimit.FailError})
 	require.NoError(t, err)
 	d, err := l.Allow(ctx, "k")
 	require.NoError(t, err)

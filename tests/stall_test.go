@@ -43,20 +43,29 @@ func TestStallDefaultConfigBounded(t *testing.T) {
 	share := int32(cfg.MaxConns / ratelimit.PoolShareDivisor)
 
 	quiet := slog.New(slog.NewTextHandler(&testkit.LogBuffer{}, nil))
-	mk := func(c ratelimit.Config) *ratelimit.Limiter {
-		c.Limit, c.Window, c.Logger = 1_000_000, time.Hour, quiet
-		l, err := ratelimit.New(pool, c)
+	// Databases with the default options (no Timeout set) but the Logger.
+	newDatabase := func(opts ratelimit.DatabaseOptions) *ratelimit.Database {
+		opts.Logger = quiet
+		d, err := ratelimit.NewDatabase(pool, opts)
+		require.NoError(t, err)
+		return d
+	}
+	mk := func(d *ratelimit.Database, c ratelimit.Config) *ratelimit.Limiter {
+		c.Limit, c.Window = 1_000_000, time.Hour
+		l, err := d.Limiter(c)
 		require.NoError(t, err)
 		return l
 	}
-	coalesced := mk(ratelimit.Config{Name: "stall-coalesced"})
-	alone := mk(ratelimit.Config{Name: "stall-alone", DisableCoalescing: true})
-	perIP := mk(ratelimit.Config{Name: "stall-ip", Algorithm: ratelimit.TokenBucket})
-	perUser := mk(ratelimit.Config{Name: "stall-user", Algorithm: ratelimit.SlidingWindow})
+	coalesced := mk(newDatabase(ratelimit.DatabaseOptions{}), ratelimit.Config{Name: "stall-coalesced"})
+	alone := mk(newDatabase(ratelimit.DatabaseOptions{DisableCoalescing: true}), ratelimit.Config{Name: "stall-alone"})
+	// One Database: the limits of one AllowAll.
+	pair := newDatabase(ratelimit.DatabaseOptions{})
+	perIP := mk(pair, ratelimit.Config{Name: "stall-ip", Algorithm: ratelimit.TokenBucket})
+	perUser := mk(pair, ratelimit.Config{Name: "stall-user", Algorithm: ratelimit.SlidingWindow})
 	ctx := context.Background()
 	_, err = policy.Set(ctx, pool, policy.Policy{Name: "stall-api", Algorithm: ratelimit.FixedWindow, Limit: 1_000_000, Window: time.Hour})
 	require.NoError(t, err)
-	api, err := policy.NewLimiter(ctx, pool, "stall-api", policy.Options{Config: ratelimit.Config{Logger: quiet}})
+	api, err := policy.NewLimiter(ctx, pool, "stall-api", policy.Options{Database: newDatabase(ratelimit.DatabaseOptions{})})
 	require.NoError(t, err)
 
 	kinds := []struct {

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -34,8 +35,7 @@ func TestPartitionSwitchWait(t *testing.T) {
 	pool := dbtest.PoolOn(t, s, dbtest.WithMaxConns(8))
 	// The checks measure how long the switch holds them: a Timeout longer
 	// than any such wait (by default a check gives up after 500ms).
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "w", Limit: 1 << 40, Window: time.Minute, OnFailure: ratelimit.FailError, DisableCoalescing: true, DenyCacheSize: -1,
-		Timeout: time.Minute})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "w", Limit: 1 << 40, Window: time.Minute, OnFailure: ratelimit.FailError, DenyCacheSize: -1}, ratelimit.DatabaseOptions{DisableCoalescing: true, Timeout: time.Minute})
 	require.NoError(t, err)
 	// Warm up until the checks answer (a busy machine may be slow to start).
 	for i := 0; ; i++ {

@@ -42,6 +42,7 @@ type workload struct {
 	keys      []string // the library's keys
 	hashed    [][]byte // the same keys as the raw statement sends them
 	cfg       ratelimit.Config
+	dbOpts    ratelimit.DatabaseOptions
 }
 
 func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
@@ -55,11 +56,13 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 			Limit:     benchLimit,
 			Window:    benchWindow,
 			Burst:     benchLimit,
+			Spread:    o.spread,
+		},
+		dbOpts: ratelimit.DatabaseOptions{
 			// Coalesced checks travel in a multi-key statement: the
 			// raw path cannot send the same one. See --coalescing.
 			DisableCoalescing: !o.coalescing,
 			MaxInFlight:       o.maxInFlight,
-			Spread:            o.spread,
 		},
 	}
 	if o.policy {
@@ -105,7 +108,11 @@ func (w workload) raw(db gen.DBTX) loadtest.Check {
 
 // library returns the library path: Limiter.Allow on db.
 func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
-	l, err := ratelimit.New(db, w.cfg)
+	rdb, err := ratelimit.NewDatabase(db, w.dbOpts)
+	if err != nil {
+		return nil, err
+	}
+	l, err := rdb.Limiter(w.cfg)
 	if err != nil {
 		return nil, err
 	}

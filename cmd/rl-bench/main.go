@@ -20,7 +20,7 @@
 //
 // The library runs with its default configuration, so that the figures are
 // what an application gets. By default a Limiter coalesces checks that
-// arrive while Config.MaxInFlight round trips are running into one
+// arrive while DatabaseOptions.MaxInFlight round trips are running into one
 // multi-key statement; the raw path sends every check alone. --coalescing=false
 // and --max-in-flight change the library's configuration to show what the
 // coalescing costs or saves on your workload.

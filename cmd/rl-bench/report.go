@@ -30,7 +30,7 @@ type Report struct {
 	// Policy reports whether the library path read its limit from a stored
 	// policy in each check's statement (--policy).
 	Policy bool `json:"policy,omitempty"`
-	// MaxInFlight is the library's Config.MaxInFlight; 0 is its default.
+	// MaxInFlight is the library's DatabaseOptions.MaxInFlight; 0 is its default.
 	MaxInFlight int `json:"max_in_flight"`
 	// Cases holds one entry per algorithm, number of callers and key spread.
 	Cases []Case `json:"cases"`

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -64,7 +65,7 @@ func TestREADMEProductionSnippet(t *testing.T) {
 	pool, err := pgxpool.New(ctx, fmt.Sprintf("postgres://app:...@%s/app?sslmode=disable&search_path=ratelimit", addr))
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	l, err := ratelimit.New(pool, ratelimit.Config{Name: "readme", Limit: 2, Window: time.Minute, OnFailure: ratelimit.FailError})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "readme", Limit: 2, Window: time.Minute, OnFailure: ratelimit.FailError})
 	require.NoError(t, err)
 	for i, want := range []bool{true, true, false} {
 		d, err := l.Allow(ctx, "k")

@@ -48,7 +48,7 @@ func (f *shapeFlags) register(fs *flag.FlagSet) {
 }
 
 // config reads the shape flags given into a configuration for name. It
-// checks each value on its own; ratelimit.New checks them together.
+// checks each value on its own; Database.Limiter checks them together.
 func (f *shapeFlags) config(name string, set map[string]bool) (ratelimit.Config, error) {
 	cfg := ratelimit.Config{Name: name, Algorithm: ratelimit.DefaultAlgorithm, KeyByWindow: f.keyByWindow}
 	var err error
@@ -247,8 +247,13 @@ func checkKeyLen(mode ratelimit.KeyMode, key string) error {
 // from memory.
 func (t keyTarget) limiter(tx pgx.Tx) (*ratelimit.Limiter, ratelimit.Config, error) {
 	cfg := t.cfg
-	cfg.DisableCoalescing, cfg.OnFailure, cfg.DenyCacheSize = true, ratelimit.FailError, -1
-	lim, err := ratelimit.New(tx, cfg)
+	cfg.OnFailure, cfg.DenyCacheSize = ratelimit.FailError, -1
+	// One transaction serves one statement at a time: no coalescing.
+	rdb, err := ratelimit.NewDatabase(tx, ratelimit.DatabaseOptions{DisableCoalescing: true})
+	if err != nil {
+		return nil, cfg, err
+	}
+	lim, err := rdb.Limiter(cfg)
 	if err != nil {
 		if t.source == "policy" {
 			return nil, cfg, fmt.Errorf("%w: policy %q as stored: %w", policy.ErrInvalid, cfg.Name, err)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/policy"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -82,7 +83,7 @@ func TestKeyCodeLimiter(t *testing.T) {
 	for _, alg := range ratelimit.Algorithms {
 		t.Run(string(alg), func(t *testing.T) {
 			name, key := "login:"+string(alg), "ada@example.com"
-			lim, err := ratelimit.New(ks.pool, ratelimit.Config{Name: name, Algorithm: alg, Limit: 5, Window: keyWindow, OnFailure: ratelimit.FailError})
+			lim, err := testkit.New(ks.pool, ratelimit.Config{Name: name, Algorithm: alg, Limit: 5, Window: keyWindow, OnFailure: ratelimit.FailError})
 			require.NoError(t, err)
 			for range 3 {
 				d, err := lim.Allow(ctx, key)
@@ -212,7 +213,7 @@ func TestKeyAnyBytesAndRows(t *testing.T) {
 	ctx := context.Background()
 
 	key := "\x00\xffbin"
-	lim, err := ratelimit.New(ks.pool, ratelimit.Config{Name: "raw", Limit: 5, Window: keyWindow, KeyMode: ratelimit.ReadableKeys})
+	lim, err := testkit.New(ks.pool, ratelimit.Config{Name: "raw", Limit: 5, Window: keyWindow, KeyMode: ratelimit.ReadableKeys})
 	require.NoError(t, err)
 	_, err = lim.Allow(ctx, key, ratelimit.Cost(2))
 	require.NoError(t, err)
@@ -250,7 +251,7 @@ func TestKeyAnyBytesAndRows(t *testing.T) {
 	require.Equal(t, strconv.FormatInt(math.MaxInt64, 10), exact.Counter.Remaining.String())
 
 	// Spread over 3 rows and keyed by window: every row is read and deleted.
-	spread, err := ratelimit.New(ks.pool, ratelimit.Config{Name: "global", Limit: 9, Window: keyWindow, Spread: 3, KeyByWindow: true, OnFailure: ratelimit.FailError})
+	spread, err := testkit.New(ks.pool, ratelimit.Config{Name: "global", Limit: 9, Window: keyWindow, Spread: 3, KeyByWindow: true, OnFailure: ratelimit.FailError})
 	require.NoError(t, err)
 	for range 6 {
 		d, err := spread.Allow(ctx, "all")
@@ -277,7 +278,7 @@ func TestKeyBadInput(t *testing.T) {
 	t.Parallel()
 	ks := newKeySetup(t)
 	ctx := context.Background()
-	lim, err := ratelimit.New(ks.pool, ratelimit.Config{Name: "n", Limit: 5, Window: keyWindow})
+	lim, err := testkit.New(ks.pool, ratelimit.Config{Name: "n", Limit: 5, Window: keyWindow})
 	require.NoError(t, err)
 	_, err = lim.Allow(ctx, "k")
 	require.NoError(t, err)

@@ -217,13 +217,6 @@ func limiterConfig(o options) ratelimit.Config {
 		Limit:     o.limit,
 		Window:    time.Minute,
 		Penalty:   o.penalty,
-		// The demo measures the shared count, so it lets a check wait
-		// for PostgreSQL longer than the default (DefaultTimeout): on a
-		// busy machine 200 simultaneous checks of one key can queue past
-		// it, and a check that waits longer is answered by the failure
-		// policy (each process's memory tier), which counts per process.
-		// Such answers are reported as postgres_fallback.
-		Timeout: demoTimeout,
 	}
 	if o.algorithm == ratelimit.TokenBucket {
 		// Capacity = limit, refilled by Limit tokens a day: during the demo
@@ -443,7 +436,17 @@ func runChild(ctx context.Context, o options, stdin io.Reader, stdout io.Writer)
 			return err
 		}
 		defer pool.Close()
-		l, err := ratelimit.New(pool, cfg)
+		// The demo measures the shared count, so it lets a check wait
+		// for PostgreSQL longer than the default (DefaultTimeout): on a
+		// busy machine 200 simultaneous checks of one key can queue past
+		// it, and a check that waits longer is answered by the failure
+		// policy (each process's memory tier), which counts per process.
+		// Such answers are reported as postgres_fallback.
+		limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Timeout: demoTimeout})
+		if err != nil {
+			return err
+		}
+		l, err := limits.Limiter(cfg)
 		if err != nil {
 			return err
 		}

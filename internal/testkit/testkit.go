@@ -81,21 +81,58 @@ func DeadPool(t testing.TB) *pgxpool.Pool {
 // under load (the race detector, another suite beside it) a check can take
 // longer than ratelimit.DefaultTimeout, and the failure policy's answer
 // would be taken for a wrong decision. Tests of timeouts and of the
-// defaults set Timeout themselves or call ratelimit.New.
+// defaults set Timeout themselves or call New.
 const DecisionTimeout = time.Minute
 
-// NewLimiter is ratelimit.New, failing the test on error, with Timeout
-// DecisionTimeout unless cfg sets one.
-func NewLimiter(t testing.TB, db ratelimit.DB, cfg ratelimit.Config) *ratelimit.Limiter {
-	t.Helper()
-	if cfg.Timeout == 0 {
-		cfg.Timeout = DecisionTimeout
+// New is a limit of cfg on a Database of its own on db, made with opts
+// (the first, when given): what ratelimit.New was before the Database,
+// for tests of one limit. Limits that must share a coalescer or a breaker
+// come from one Database (NewDatabase).
+func New(db ratelimit.DB, cfg ratelimit.Config, opts ...ratelimit.DatabaseOptions) (*ratelimit.Limiter, error) {
+	var o ratelimit.DatabaseOptions
+	if len(opts) > 0 {
+		o = opts[0]
 	}
-	l, err := ratelimit.New(db, cfg)
+	d, err := ratelimit.NewDatabase(db, o)
+	if err != nil {
+		return nil, err
+	}
+	return d.Limiter(cfg)
+}
+
+// NewDatabase is ratelimit.NewDatabase, failing the test on error, with
+// Timeout DecisionTimeout unless opts sets one.
+func NewDatabase(t testing.TB, db ratelimit.DB, opts ratelimit.DatabaseOptions) *ratelimit.Database {
+	t.Helper()
+	if opts.Timeout == 0 {
+		opts.Timeout = DecisionTimeout
+	}
+	d, err := ratelimit.NewDatabase(db, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// Limiter is d.Limiter, failing the test on error.
+func Limiter(t testing.TB, d *ratelimit.Database, cfg ratelimit.Config) *ratelimit.Limiter {
+	t.Helper()
+	l, err := d.Limiter(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	return l
+}
+
+// NewLimiter is New failing the test on error, with Timeout
+// DecisionTimeout unless opts sets one.
+func NewLimiter(t testing.TB, db ratelimit.DB, cfg ratelimit.Config, opts ...ratelimit.DatabaseOptions) *ratelimit.Limiter {
+	t.Helper()
+	var o ratelimit.DatabaseOptions
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	return Limiter(t, NewDatabase(t, db, o), cfg)
 }
 
 // Reset empties the buffer.

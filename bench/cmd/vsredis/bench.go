@@ -181,18 +181,35 @@ func keyName(k int) string { return "key-" + strconv.Itoa(k) }
 
 // pgrlConfig is the limit pgrl enforces: a token bucket like redis_rate's
 // GCRA, refilling benchRate a second up to benchBurst.
-func pgrlConfig(o options, disableCoalescing bool) ratelimit.Config {
+func pgrlConfig() ratelimit.Config {
 	return ratelimit.Config{
-		Name:              benchName,
-		Algorithm:         ratelimit.TokenBucket,
-		Limit:             benchRate,
-		Window:            time.Second,
-		Burst:             benchBurst,
-		OnFailure:         ratelimit.FailError, // an error must stop the run, not be answered from memory
+		Name:      benchName,
+		Algorithm: ratelimit.TokenBucket,
+		Limit:     benchRate,
+		Window:    time.Second,
+		Burst:     benchBurst,
+		OnFailure: ratelimit.FailError, // an error must stop the run, not be answered from memory
+	}
+}
+
+// pgrlOptions are the options of the Database pgrl's limits are kept in:
+// the coalescer's settings of the run.
+func pgrlOptions(o options, disableCoalescing bool) ratelimit.DatabaseOptions {
+	return ratelimit.DatabaseOptions{
 		DisableCoalescing: disableCoalescing,
 		MaxBatch:          o.maxBatch,
 		MaxInFlight:       o.maxInFlight,
 	}
+}
+
+// pgrlLimiter is the limit pgrl enforces, on a Database of its own on db
+// (a pool, or a wrapper of one) with pgrlOptions.
+func pgrlLimiter(db ratelimit.DB, o options, disableCoalescing bool) (*ratelimit.Limiter, error) {
+	d, err := ratelimit.NewDatabase(db, pgrlOptions(o, disableCoalescing))
+	if err != nil {
+		return nil, err
+	}
+	return d.Limiter(pgrlConfig())
 }
 
 func pgrlCheck(l *ratelimit.Limiter, keys []string) loadtest.Check {
@@ -286,7 +303,7 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 	defer rdb.Close()
 
 	db := &countingDB{pool: pool}
-	lib, err := ratelimit.New(db, pgrlConfig(o, false))
+	lib, err := pgrlLimiter(db, o, false)
 	if err != nil {
 		return Case{}, err
 	}
@@ -296,7 +313,7 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 	}
 	if o.compareCoalescing {
 		udb := &countingDB{pool: pool}
-		ulib, err := ratelimit.New(udb, pgrlConfig(o, true))
+		ulib, err := pgrlLimiter(udb, o, true)
 		if err != nil {
 			return Case{}, err
 		}
@@ -320,7 +337,7 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 			defer vpool.Close()
 		}
 		vdb := &countingDB{pool: vpool}
-		vlib, err := ratelimit.New(vdb, pgrlConfig(vo, v.off))
+		vlib, err := pgrlLimiter(vdb, vo, v.off)
 		if err != nil {
 			return Case{}, err
 		}
@@ -493,7 +510,7 @@ func populate(ctx context.Context, o options, keys []string) error {
 		return err
 	}
 	defer rdb.Close()
-	lib, err := ratelimit.New(pool, pgrlConfig(o, false))
+	lib, err := pgrlLimiter(pool, o, false)
 	if err != nil {
 		return err
 	}

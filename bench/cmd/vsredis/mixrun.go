@@ -15,7 +15,9 @@ import (
 )
 
 // mixLimiters are pgrl's side of the application mix: one limiter per limit
-// of the policy table, all on one pool but the beacon's, in memory.
+// of the policy table, all from one Database on one pool (so that their
+// checks, AllowAll's included, share one coalescer and one breaker) but the
+// beacon's, in memory.
 type mixLimiters struct {
 	db     [numMixLimits]*ratelimit.Limiter // nil for the memory limit
 	beacon *ratelimit.MemoryLimiter
@@ -23,29 +25,37 @@ type mixLimiters struct {
 
 // mixConfig is pgrl's version of limit l: a token bucket, as redis_rate's
 // GCRA, with the limit's rate, period and burst.
-func mixConfig(o options, l mixLimit) ratelimit.Config {
+func mixConfig(l mixLimit) ratelimit.Config {
 	return ratelimit.Config{
-		Name:        l.name,
-		Algorithm:   ratelimit.TokenBucket,
-		Limit:       l.rate,
-		Window:      l.period,
-		Burst:       l.burst,
-		OnFailure:   ratelimit.FailError, // an error must stop the run, not be answered from memory
-		MaxBatch:    o.maxBatch,
-		MaxInFlight: o.maxInFlight,
+		Name:      l.name,
+		Algorithm: ratelimit.TokenBucket,
+		Limit:     l.rate,
+		Window:    l.period,
+		Burst:     l.burst,
+		OnFailure: ratelimit.FailError, // an error must stop the run, not be answered from memory
 	}
+}
+
+// mixOptions are the options of the Database the mix's limits are kept in:
+// the coalescer's settings of the run.
+func mixOptions(o options) ratelimit.DatabaseOptions {
+	return ratelimit.DatabaseOptions{MaxBatch: o.maxBatch, MaxInFlight: o.maxInFlight}
 }
 
 func newMixLimiters(db ratelimit.DB, o options) (*mixLimiters, error) {
 	m := &mixLimiters{}
+	limits, err := ratelimit.NewDatabase(db, mixOptions(o))
+	if err != nil {
+		return nil, err
+	}
 	for i, l := range appLimits {
 		var err error
 		if l.memory {
-			cfg := mixConfig(o, l)
+			cfg := mixConfig(l)
 			cfg.OnFailure = ratelimit.FailToMemory // the default: a memory limiter has no database to fail
 			m.beacon, err = ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{MaxKeys: 100_000})
 		} else {
-			m.db[i], err = ratelimit.New(db, mixConfig(o, l))
+			m.db[i], err = limits.Limiter(mixConfig(l))
 		}
 		if err != nil {
 			return nil, fmt.Errorf("limit %s: %w", l.name, err)

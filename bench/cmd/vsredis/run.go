@@ -52,8 +52,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per path per case")
 	fs.DurationVar(&o.warmup, "warmup", time.Second, "unmeasured time per case before measuring, split between the paths")
 	fs.IntVar(&o.pgConns, "pg-conns", 0, "pgx pool size (MaxConns); 0 means min(callers, 16)")
-	fs.IntVar(&o.maxBatch, "max-batch", 0, "ratelimit.Config.MaxBatch; 0 keeps the library's default")
-	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "ratelimit.Config.MaxInFlight; 0 keeps the library's default")
+	fs.IntVar(&o.maxBatch, "max-batch", 0, "ratelimit.DatabaseOptions.MaxBatch; 0 keeps the library's default")
+	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "ratelimit.DatabaseOptions.MaxInFlight; 0 keeps the library's default")
 	fs.BoolVar(&o.compareCoalescing, "compare-coalescing", false, "also measure pgrl with DisableCoalescing in every case")
 	fs.Func("variant", "also measure pgrl with other settings, as in-flight=N,batch=N,conns=N,coalescing=off (repeatable): each variant adds a path to every case; conns gives it a pool of its own", func(s string) error {
 		v, err := parseVariant(s)
