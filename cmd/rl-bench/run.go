@@ -42,7 +42,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.DurationVar(&o.duration, "duration", 5*time.Second, "measured time per path (raw and library) per case")
 	fs.DurationVar(&o.warmup, "warmup", time.Second, "unmeasured time per case before measuring, split between the paths")
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
-	fs.BoolVar(&o.coalescing, "coalescing", true, "leave the library's coalescing of concurrent checks on, as it is by default; false sets Config.DisableCoalescing")
+	fs.BoolVar(&o.coalescing, "coalescing", true, "leave the library's coalescing of concurrent checks on, as it is by default; false sets DatabaseOptions.DisableCoalescing")
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "the library's DatabaseOptions.MaxInFlight (round trips before checks are coalesced); 0 keeps its default")
 	fs.IntVar(&o.spread, "spread", 0, "the library's Config.Spread: split each key over this many rows (for a hot key); the raw path still updates one row, so the comparison shows what spreading buys")
 	fs.BoolVar(&o.policy, "policy", false, "the library path reads its limit from a stored policy in each check's statement (Config.Policy, as package policy does); the raw path still sends the plain statement, so the ratio is the policy's cost")
