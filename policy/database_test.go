@@ -2,9 +2,9 @@ package policy_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"reflect"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,7 +26,7 @@ func TestLimiterFromDatabase(t *testing.T) {
 	ctx := context.Background()
 	_, err := policy.Set(ctx, pool, policy.Policy{Name: "from-db", Limit: 2, Window: time.Hour})
 	require.NoError(t, err)
-	obs := &decisions{}
+	obs := &testkit.Observer{}
 	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Observer: obs})
 	require.NoError(t, err)
 	lim, err := newLimiter(ctx, pool, "from-db", policy.Options{Database: limits})
@@ -37,14 +37,14 @@ func TestLimiterFromDatabase(t *testing.T) {
 		require.Equal(t, want, d.Allowed)
 		require.Equal(t, ratelimit.StorePostgres, d.Store)
 	}
-	require.Equal(t, []string{"from-db true", "from-db true", "from-db false"}, obs.list(), "the Database's Observer")
+	require.Equal(t, []string{"from-db true", "from-db true", "from-db false"}, nameAndAllowed(obs), "the Database's Observer")
 	l, err := lim.For("k")
 	require.NoError(t, err)
 	require.Equal(t, testkit.DecisionTimeout, limits.Options().Timeout, "the Database's Timeout")
 	d, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.False(t, d.Allowed)
-	require.Equal(t, []string{"from-db true", "from-db true", "from-db false", "from-db false"}, obs.list(),
+	require.Equal(t, []string{"from-db true", "from-db true", "from-db false", "from-db false"}, nameAndAllowed(obs),
 		"the policy's limit is the Database's")
 
 	// A per-database field cannot be set in Config as well: Config has
@@ -79,30 +79,6 @@ func TestLimiterFromDatabase(t *testing.T) {
 	require.True(t, l.BreakerOpen(), "the rebuilt limiter keeps the Database's open breaker")
 }
 
-// decisions records an Observer's decisions as "name allowed".
-type decisions struct {
-	mu  sync.Mutex
-	got []string
-}
-
-func (o *decisions) ObserveDecision(name string, d ratelimit.Decision, _ time.Duration, _ error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	state := "false"
-	if d.Allowed {
-		state = "true"
-	}
-	o.got = append(o.got, name+" "+state)
-}
-
-func (o *decisions) ObserveBreaker(string, bool) {}
-
-func (o *decisions) list() []string {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return append([]string(nil), o.got...)
-}
-
 // TestLimiterRefusesAtRate: a policy holds its rate, so a rate given with a
 // call is refused on every verb, counting nothing; Cost and UpTo apply.
 func TestLimiterRefusesAtRate(t *testing.T) {
@@ -123,4 +99,13 @@ func TestLimiterRefusesAtRate(t *testing.T) {
 	d, err := lim.Allow(ctx, "k", ratelimit.UpTo(9))
 	require.NoError(t, err)
 	require.Equal(t, int64(5), d.Granted, "UpTo applies to a policy's limit")
+}
+
+// nameAndAllowed is each decision obs saw as "name allowed".
+func nameAndAllowed(obs *testkit.Observer) []string {
+	var out []string
+	for i, d := range obs.Decisions() {
+		out = append(out, fmt.Sprintf("%s %v", obs.Names()[i], d.Allowed))
+	}
+	return out
 }

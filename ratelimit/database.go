@@ -139,7 +139,7 @@ func NewDatabase(db DB, opts DatabaseOptions) (*Database, error) {
 	if !opts.DisableCoalescing && !singleConn(db) {
 		s.coalescer = newCoalescer(opts.MaxBatch, opts.MaxInFlight)
 	}
-	s.breaker = newBreaker(opts, "", s.observeBreaker)
+	s.breaker = newBreaker(opts, s.observeBreaker)
 	return s, nil
 }
 

@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"reflect"
-	"sync"
 	"testing"
 	"time"
 
@@ -98,7 +97,7 @@ func TestDatabaseSharesCoalescerAndBreaker(t *testing.T) {
 
 	// A database that refuses connections: a real failure on every check.
 	dead := &testkit.CountingDB{Pool: testkit.DeadPool(t)}
-	events := &breakerEvents{}
+	events := &testkit.Observer{}
 	down, err := ratelimit.NewDatabase(dead, ratelimit.DatabaseOptions{BreakerThreshold: 2, BreakerCooldown: time.Hour,
 		Observer: events, Logger: slog.New(slog.DiscardHandler)})
 	require.NoError(t, err)
@@ -121,29 +120,5 @@ func TestDatabaseSharesCoalescerAndBreaker(t *testing.T) {
 	require.False(t, d.Allowed, "y's own failure policy (FailClosed) answers")
 	require.Equal(t, ratelimit.StorePolicy, d.Store)
 	require.Equal(t, sent, dead.Statements(), "no round trip while the breaker is open")
-	require.ElementsMatch(t, []string{"open down-x", "open down-y"}, events.list(), "the Observer hears once per limit")
-}
-
-// breakerEvents records an Observer's breaker events.
-type breakerEvents struct {
-	mu     sync.Mutex
-	events []string
-}
-
-func (e *breakerEvents) ObserveDecision(string, ratelimit.Decision, time.Duration, error) {}
-
-func (e *breakerEvents) ObserveBreaker(limiter string, open bool) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	state := "open"
-	if !open {
-		state = "closed"
-	}
-	e.events = append(e.events, state+" "+limiter)
-}
-
-func (e *breakerEvents) list() []string {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return append([]string(nil), e.events...)
+	require.ElementsMatch(t, []string{"open down-x", "open down-y"}, events.BreakerEvents(), "the Observer hears once per limit")
 }

@@ -75,14 +75,14 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				for _, deny := range []int{-1, 0} {
 					c := cfg(fmt.Sprintf("single%d", deny))
 					c.DenyCacheSize = deny
-					obs := &recordingObserver{}
+					obs := &testkit.Observer{}
 					o := opts
 					o.DisableCoalescing, o.Observer = true, obs
 					l := testkit.NewLimiter(t, pool, c, o)
 					exhaust(t, c.Name,
 						func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.Cost(n)) },
 						func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
-					seen := obs.seen()
+					seen := obs.Decisions()
 					require.Len(t, seen, 6)
 					for _, d := range seen[1:] {
 						requireShadowDenied(t, d, c.Name+": observed")
@@ -138,7 +138,7 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			t.Run("allow-all", func(t *testing.T) {
 				// One Database: the decision rides one coalescer. The
 				// Observer sees other's decisions too, never shadow denials.
-				obs := &recordingObserver{}
+				obs := &testkit.Observer{}
 				o := opts
 				o.Observer = obs
 				db := testkit.NewDatabase(t, pool, o)
@@ -157,7 +157,7 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 						return m.Decisions[0], nil
 					}, nil)
 				}
-				for _, d := range obs.seen() {
+				for _, d := range obs.Decisions() {
 					if d.ShadowDenied {
 						require.Zero(t, d.Granted, "observed")
 					}
@@ -173,13 +173,13 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 					func(n int64) (ratelimit.Decision, error) { return l.Allow(ctx, "k", ratelimit.UpTo(n)) })
 			})
 			t.Run("memory", func(t *testing.T) {
-				obs := &recordingObserver{}
+				obs := &testkit.Observer{}
 				m, err := ratelimit.NewMemory(cfg("mem"), ratelimit.MemoryOptions{Observer: obs, Logger: quiet})
 				require.NoError(t, err)
 				exhaust(t, "memory",
 					func(n int64) (ratelimit.Decision, error) { return m.Allow(ctx, "k", ratelimit.Cost(n)) },
 					func(n int64) (ratelimit.Decision, error) { return m.Allow(ctx, "k", ratelimit.UpTo(n)) })
-				seen := obs.seen()
+				seen := obs.Decisions()
 				require.Len(t, seen, 6)
 				for _, d := range seen[1:] {
 					requireShadowDenied(t, d, "memory: observed")

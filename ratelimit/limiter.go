@@ -210,11 +210,8 @@ func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string, opts ...Op
 // Peek reports the key's state, as a check of one unit would see it
 // (at AtRate's rate, when given), without counting anything.
 func (l *Limiter) Peek(ctx context.Context, key string, opts ...Option) (Decision, error) {
-	lr, _, err := l.resolve(opts, false)
+	lr, err := l.reading(key, opts)
 	if err != nil {
-		return Decision{}, err
-	}
-	if err := lr.cfg.checkKey(key); err != nil {
 		return Decision{}, err
 	}
 	cctx, cancel := context.WithTimeout(ctx, lr.st.opts.Timeout)
@@ -228,11 +225,8 @@ func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string, opts ...Opt
 	if tx == nil {
 		return Decision{}, ErrNilDB
 	}
-	lr, _, err := l.resolve(opts, false)
+	lr, err := l.reading(key, opts)
 	if err != nil {
-		return Decision{}, err
-	}
-	if err := lr.cfg.checkKey(key); err != nil {
 		return Decision{}, err
 	}
 	d, err := lr.peek(ctx, tx, key)
@@ -250,11 +244,8 @@ func (l *Limiter) PeekTx(ctx context.Context, tx pgx.Tx, key string, opts ...Opt
 // by Reset would lack what only a check knows (ResetAt on the database's
 // clock). Peek reports it in full if you need it.
 func (l *Limiter) Reset(ctx context.Context, key string, opts ...Option) error {
-	lr, _, err := l.resolve(opts, false)
+	lr, err := l.reading(key, opts)
 	if err != nil {
-		return err
-	}
-	if err := lr.cfg.checkKey(key); err != nil {
 		return err
 	}
 	lr.forgetLocal(ctx, key)
@@ -268,15 +259,22 @@ func (l *Limiter) ResetTx(ctx context.Context, tx pgx.Tx, key string, opts ...Op
 	if tx == nil {
 		return ErrNilDB
 	}
-	lr, _, err := l.resolve(opts, false)
+	lr, err := l.reading(key, opts)
 	if err != nil {
-		return err
-	}
-	if err := lr.cfg.checkKey(key); err != nil {
 		return err
 	}
 	lr.forgetLocal(ctx, key)
 	return lr.explain(ctx, lr.reset(ctx, tx, key))
+}
+
+// reading resolves the options of Peek and Reset (AtRate only) and checks
+// key: it returns the limiter that reads or forgets key's rows.
+func (l *Limiter) reading(key string, opts []Option) (*Limiter, error) {
+	lr, _, err := l.resolve(opts, false)
+	if err != nil {
+		return nil, err
+	}
+	return lr, lr.cfg.checkKey(key)
 }
 
 func (l *Limiter) forgetLocal(ctx context.Context, key string) {

@@ -7,9 +7,7 @@ import (
 	"log/slog"
 	"math"
 	"math/rand/v2"
-	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -162,26 +160,6 @@ func TestTxRollbackRefunds(t *testing.T) {
 	}
 }
 
-// recordingObserver keeps the decisions it is shown.
-type recordingObserver struct {
-	mu        sync.Mutex
-	decisions []ratelimit.Decision
-}
-
-func (o *recordingObserver) ObserveDecision(_ string, d ratelimit.Decision, _ time.Duration, _ error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.decisions = append(o.decisions, d)
-}
-
-func (o *recordingObserver) ObserveBreaker(string, bool) {}
-
-func (o *recordingObserver) seen() []ratelimit.Decision {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return slices.Clone(o.decisions)
-}
-
 // TestTxChecksAreObserved checks that a check inside the caller's
 // transaction reaches the Observer like any other, and that Peek, which
 // counts nothing, does not.
@@ -189,7 +167,7 @@ func TestTxChecksAreObserved(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	obs := &recordingObserver{}
+	obs := &testkit.Observer{}
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Observer: obs})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
@@ -201,7 +179,7 @@ func TestTxChecksAreObserved(t *testing.T) {
 	_, err = l.Peek(ctx, "k")
 	require.NoError(t, err)
 
-	seen := obs.seen()
+	seen := obs.Decisions()
 	require.Len(t, seen, 2, "two checks in a transaction, one Peek")
 	require.True(t, seen[0].Allowed)
 	require.False(t, seen[1].Allowed)

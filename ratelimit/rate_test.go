@@ -2,7 +2,6 @@ package ratelimit_test
 
 import (
 	"context"
-	"sync"
 	"testing"
 	"time"
 
@@ -134,27 +133,13 @@ func TestWithRate(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
 }
 
-// namesObserver keeps the limiter names it is shown.
-type namesObserver struct {
-	mu    sync.Mutex
-	names []string
-}
-
-func (o *namesObserver) ObserveDecision(name string, _ ratelimit.Decision, _ time.Duration, _ error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.names = append(o.names, name)
-}
-
-func (o *namesObserver) ObserveBreaker(string, bool) {}
-
 // The Observer sees the limiter's own name at every rate, also where the
 // counters use RateName.
 func TestAllowRateObservedUnderTheLimitersName(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	obs := &namesObserver{}
+	obs := &testkit.Observer{}
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-obs", Limit: 1, Window: time.Minute, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Observer: obs})
 	_, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
@@ -162,9 +147,7 @@ func TestAllowRateObservedUnderTheLimitersName(t *testing.T) {
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k", ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Minute}))
 	require.NoError(t, err)
-	obs.mu.Lock()
-	defer obs.mu.Unlock()
-	require.Equal(t, []string{"rate-obs", "rate-obs", "rate-obs"}, obs.names)
+	require.Equal(t, []string{"rate-obs", "rate-obs", "rate-obs"}, obs.Names())
 }
 
 // Two limiters of one name at two windows that end at the same instant

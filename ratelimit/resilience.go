@@ -48,7 +48,6 @@ type breaker struct {
 	// probe still waiting for a stalled database has not been abandoned.
 	probeLimit time.Duration
 	logger     *slog.Logger
-	name       string     // the limit's, in logs; empty for a Store's
 	notify     func(bool) // tells the Observer the breaker opened (true) or closed
 
 	failures  atomic.Int64
@@ -59,19 +58,11 @@ type breaker struct {
 	since     time.Time
 }
 
-// newBreaker returns the breaker of a store with options o (defaults
-// applied); name, when not empty, is logged with the breaker's events.
-func newBreaker(o DatabaseOptions, name string, notify func(open bool)) *breaker {
+// newBreaker returns the breaker of a Database with options o (defaults
+// applied).
+func newBreaker(o DatabaseOptions, notify func(open bool)) *breaker {
 	return &breaker{threshold: int64(o.BreakerThreshold), cooldown: o.BreakerCooldown,
-		probeLimit: o.Timeout + o.BreakerCooldown, logger: o.Logger, name: name, notify: notify}
-}
-
-// log logs an event of the breaker, naming its limit when it has one.
-func (b *breaker) log(level slog.Level, msg string, args ...any) {
-	if b.name != "" {
-		args = append([]any{"limiter", b.name}, args...)
-	}
-	b.logger.Log(context.Background(), level, msg, args...)
+		probeLimit: o.Timeout + o.BreakerCooldown, logger: o.Logger, notify: notify}
 }
 
 // allow reports whether a check may go to the database now. While the
@@ -115,7 +106,7 @@ func (b *breaker) success(probe int64) {
 		if b.open.Load() {
 			b.open.Store(false)
 			b.notify(false)
-			b.log(slog.LevelInfo, "pgrl: database answering again; checks go to PostgreSQL",
+			b.logger.Info("pgrl: database answering again; checks go to PostgreSQL",
 				"outage", time.Since(b.since).Round(time.Millisecond).String())
 		}
 		b.mu.Unlock()
@@ -153,7 +144,7 @@ func (b *breaker) failure(now time.Time, err error, policy FailurePolicy, probe 
 	b.openUntil.Store(now.Add(b.cooldown).UnixNano())
 	b.open.Store(true)
 	b.notify(true)
-	b.log(slog.LevelWarn, "pgrl: database unavailable; answering checks by failure policy until it recovers",
+	b.logger.Warn("pgrl: database unavailable; answering checks by failure policy until it recovers",
 		"policy", policy.String(), "error", err.Error())
 }
 
