@@ -41,7 +41,9 @@ type Options struct {
 	// the Database's coalescer, breaker (kept across reloads), Timeout,
 	// Observer and Logger with every other limit there. It must be db's
 	// database. When nil, NewLimiter makes a Database of its own on db
-	// with the default options.
+	// with the default options, which shares nothing with the
+	// application's other limits: pass the application's Database so that
+	// all its limits share one coalescer and one breaker.
 	Database *ratelimit.Database
 }
 
