@@ -71,12 +71,16 @@ type clockSample struct {
 	db, local time.Time
 }
 
-// denials is a Listener's state for shared denials.
+// denials is the Listener's topic of shared denials
+// (ratelimit.DenyChannel): the connection offers each payload to a queue,
+// which a goroutine of its own hands out to the registered limiters.
 type denials struct {
+	cache   *Cache      // its schema is the one whose marks count
 	queue   chan string // payloads waiting for the dispatcher
 	mu      sync.Mutex  // serialises Register
 	targets atomic.Pointer[map[string][]DenialReceiver]
 	clock   atomic.Pointer[clockSample]
+	cancel  context.CancelFunc
 	done    chan struct{}
 
 	received, applied, refused, unknown, otherSchema, invalid, dropped atomic.Uint64
@@ -111,9 +115,43 @@ func (l *Listener) Register(lims ...DenialReceiver) error {
 	return nil
 }
 
-// offer hands a payload to the dispatcher, dropping it when the queue is
-// full: the session that reads the connection never waits.
-func (d *denials) offer(payload string) {
+// newDenials returns the topic, its dispatcher not started.
+func newDenials(cache *Cache, queue int) *denials {
+	return &denials{cache: cache, queue: make(chan string, queue), cancel: func() {}, done: make(chan struct{})}
+}
+
+// start starts the dispatcher; ctx gives it its values only.
+func (d *denials) start(ctx context.Context) {
+	ctx, d.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	go d.dispatch(ctx)
+}
+
+// close stops the dispatcher.
+func (d *denials) close() {
+	d.cancel()
+	<-d.done
+}
+
+// Channel is ratelimit.DenyChannel.
+func (d *denials) Channel() string { return ratelimit.DenyChannel }
+
+// Connected compares the clocks, to convert the deadlines of the marks
+// that follow.
+func (d *denials) Connected(ctx context.Context, conn *pgx.Conn) error {
+	return d.compareClocks(ctx, conn)
+}
+
+// Ping compares the clocks again: the query checks the connection too.
+func (d *denials) Ping(ctx context.Context, conn *pgx.Conn) error {
+	return d.compareClocks(ctx, conn)
+}
+
+// Receive is never called: Offer takes every payload.
+func (d *denials) Receive(context.Context, []string) error { return nil }
+
+// Offer hands a payload to the dispatcher, dropping it when the queue is
+// full: the connection's reader never waits.
+func (d *denials) Offer(payload string) {
 	select {
 	case d.queue <- payload:
 	default:
@@ -134,28 +172,27 @@ func (d *denials) stats() DenialStats {
 }
 
 // dispatch hands out the queued payloads until ctx ends.
-func (l *Listener) dispatch(ctx context.Context) {
-	defer close(l.den.done)
+func (d *denials) dispatch(ctx context.Context) {
+	defer close(d.done)
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case p := <-l.den.queue:
-			l.applyDenials(p, time.Now())
+		case p := <-d.queue:
+			d.apply(p, time.Now())
 		}
 	}
 }
 
-// applyDenials hands one payload's marks to the limiters registered under
+// apply hands one payload's marks to the limiters registered under
 // its limiter's name, at the local instant now.
-func (l *Listener) applyDenials(payload string, now time.Time) {
-	d := l.den
+func (d *denials) apply(payload string, now time.Time) {
 	p, marks, err := denywire.Decode(payload)
 	if err != nil {
 		d.invalid.Add(1)
 		return
 	}
-	if p.Schema != l.cache.Schema() {
+	if p.Schema != d.cache.Schema() {
 		d.otherSchema.Add(1)
 		return
 	}
@@ -196,7 +233,7 @@ func (l *Listener) applyDenials(payload string, now time.Time) {
 // compareClocks reads the database's clock on conn and records it with the
 // local instant the query was sent at: what converts the deadlines of
 // received marks (denywire.LocalDeadline).
-func (l *Listener) compareClocks(ctx context.Context, conn *pgx.Conn) error {
+func (d *denials) compareClocks(ctx context.Context, conn *pgx.Conn) error {
 	var us int64
 	sent := time.Now()
 	// As microseconds: a timestamptz in text (the exec and simple-protocol
@@ -204,6 +241,6 @@ func (l *Listener) compareClocks(ctx context.Context, conn *pgx.Conn) error {
 	if err := conn.QueryRow(ctx, "SELECT "+instantUS("pg_catalog.clock_timestamp()")).Scan(&us); err != nil {
 		return err
 	}
-	l.den.clock.Store(&clockSample{db: time.UnixMicro(us), local: sent})
+	d.clock.Store(&clockSample{db: time.UnixMicro(us), local: sent})
 	return nil
 }

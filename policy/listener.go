@@ -7,15 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/pgrl/pgrl/ratelimit"
+	"github.com/pgrl/pgrl/internal/notifier"
 )
 
 // Channel is the NOTIFY channel of migration 000007's triggers. Its payload
@@ -128,21 +126,15 @@ type Stats struct {
 // The connection must be a direct one (or through PgBouncer in session
 // mode): LISTEN needs a session that stays on one server connection, which
 // PgBouncer's transaction and statement modes do not give. It holds one
-// connection of the server's max_connections for as long as it runs.
+// connection of the server's max_connections for as long as it runs, for
+// the policy changes and, with ListenerOptions.Denials, the shared
+// denials: each is a topic of one notifier (package internal/notifier).
 type Listener struct {
-	cache  *Cache
-	config *pgx.ConnConfig
-	opts   ListenerOptions
-	cancel context.CancelFunc
-	done   chan struct{}
-	synced chan struct{}
-	once   sync.Once
-
-	received, applied, ignored, dropped, reconnects, resyncs, merged, policyReloads atomic.Uint64
-	connected                                                                       atomic.Bool
-	pid                                                                             atomic.Uint32
-	lastErr                                                                         atomic.Pointer[error]
-	den                                                                             *denials // nil without ListenerOptions.Denials
+	cache *Cache
+	n     *notifier.Notifier
+	ch    *changesTopic
+	den   *denials // nil without ListenerOptions.Denials
+	once  sync.Once
 }
 
 // Watch starts a Listener on connString (a URL or keyword/value string
@@ -189,14 +181,23 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 	if opts.DenialQueue == 0 {
 		opts.DenialQueue = DefaultDenialQueue
 	}
-	ctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	l := &Listener{cache: cache, config: cfg, opts: opts, cancel: cancel, done: make(chan struct{}), synced: make(chan struct{})}
+	l := &Listener{cache: cache}
+	l.ch = &changesTopic{l: l, cache: cache, opts: opts, synced: make(chan struct{})}
+	topics := []notifier.Topic{l.ch}
 	if opts.Denials {
-		l.den = &denials{queue: make(chan string, opts.DenialQueue), done: make(chan struct{})}
-		go l.dispatch(ctx)
+		l.den = newDenials(cache, opts.DenialQueue)
+		topics = append(topics, l.den)
 	}
-	cache.listeners.Add(1) // until run returns
-	go l.run(ctx)
+	cache.listeners.Add(1) // until Close
+	l.n = notifier.New(cfg, notifier.Options{
+		MinBackoff: opts.MinBackoff, MaxBackoff: opts.MaxBackoff,
+		PingInterval: opts.PingInterval, PingTimeout: opts.PingTimeout,
+		Name: "pgrl policy listener", Logger: opts.Logger,
+	}, topics...)
+	if l.den != nil {
+		l.den.start(ctx)
+	}
+	l.n.Start(ctx)
 	return l, nil
 }
 
@@ -206,11 +207,11 @@ func Watch(ctx context.Context, connString string, cache *Cache, opts ListenerOp
 // grant, named in the message) or ErrNotMigrated.
 func (l *Listener) WaitSynced(ctx context.Context) error {
 	select {
-	case <-l.synced:
+	case <-l.ch.synced:
 		return nil
 	case <-ctx.Done():
-		if e := l.lastErr.Load(); e != nil {
-			return fmt.Errorf("policy: listener not synchronised (%w): %w", *e, ctx.Err())
+		if e := l.n.LastError(); e != nil {
+			return fmt.Errorf("policy: listener not synchronised (%w): %w", e, ctx.Err())
 		}
 		return fmt.Errorf("policy: listener not synchronised: %w", ctx.Err())
 	}
@@ -218,18 +219,19 @@ func (l *Listener) WaitSynced(ctx context.Context) error {
 
 // PID is the server process of the listener's connection, 0 when not
 // connected.
-func (l *Listener) PID() uint32 { return l.pid.Load() }
+func (l *Listener) PID() uint32 { return l.n.PID() }
 
 // Stats returns the listener's counters.
 func (l *Listener) Stats() Stats {
+	c := l.ch
 	s := Stats{
-		Received: l.received.Load(), Applied: l.applied.Load(), Ignored: l.ignored.Load(),
-		Dropped: l.dropped.Load(), Reconnects: l.reconnects.Load(), Resyncs: l.resyncs.Load(), ResyncsMerged: l.merged.Load(),
-		PolicyReloads: l.policyReloads.Load(),
-		Connected:     l.connected.Load(), Denials: l.den.stats(),
+		Received: c.received.Load(), Applied: c.applied.Load(), Ignored: c.ignored.Load(),
+		Dropped: c.dropped.Load(), Reconnects: l.n.Reconnects(), Resyncs: c.resyncs.Load(), ResyncsMerged: c.merged.Load(),
+		PolicyReloads: c.policyReloads.Load(),
+		Connected:     l.n.Connected(), Denials: l.den.stats(),
 	}
-	if e := l.lastErr.Load(); e != nil {
-		s.LastError = (*e).Error()
+	if e := l.n.LastError(); e != nil {
+		s.LastError = e.Error()
 	}
 	return s
 }
@@ -237,182 +239,101 @@ func (l *Listener) Stats() Stats {
 // Close stops the listener and closes its connection. The cache keeps its
 // contents, which nothing refreshes any more.
 func (l *Listener) Close() error {
-	l.cancel()
-	<-l.done
+	l.n.Close()
 	if l.den != nil {
-		<-l.den.done
+		l.den.close()
+	}
+	l.once.Do(func() { l.cache.listeners.Add(-1) })
+	return nil
+}
+
+// changesTopic is the Listener's topic of policy changes (Channel): it reloads
+// the cache when a connection starts and what each notification names
+// after that.
+type changesTopic struct {
+	l      *Listener
+	cache  *Cache
+	opts   ListenerOptions
+	synced chan struct{} // closed by the first reload
+	once   sync.Once
+
+	// The state of the full reloads: used by the notifier's goroutine
+	// only.
+	r          resyncs
+	nextResync time.Time
+
+	received, applied, ignored, dropped, resyncs, merged, policyReloads atomic.Uint64
+}
+
+// errEnd ends a connection after a failure the topic has already recorded
+// and logged.
+var errEnd = errors.New("policy: the listener's connection ends after a failed reload")
+
+// Channel is Channel.
+func (ct *changesTopic) Channel() string { return Channel }
+
+// Connected reloads the whole cache: a change committed after the LISTEN
+// is notified, one committed before is in the reload.
+func (ct *changesTopic) Connected(ctx context.Context, _ *pgx.Conn) error {
+	if err := ct.cache.Reload(ctx); err != nil {
+		if ctx.Err() == nil {
+			ct.opts.Logger.Warn("pgrl policy listener: cannot load the policies; retrying with backoff", "error", err)
+		}
+		return err
+	}
+	ct.resyncs.Add(1)
+	ct.once.Do(func() { close(ct.synced) })
+	if n := ct.l.n.Reconnects(); n > 0 {
+		ct.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", n)
+	}
+	// Full reloads asked for by notifications wait for MinResyncInterval
+	// after the last one: requests meanwhile are merged into one.
+	ct.r = resyncs{last: time.Now(), whole: map[string]time.Time{}}
+	ct.nextResync = time.Now().Add(ct.opts.ResyncInterval)
+	return nil
+}
+
+// Disconnected drops the notifications still waiting for a full reload:
+// the next connection's reload covers them.
+func (ct *changesTopic) Disconnected() {
+	ct.dropped.Add(ct.r.notes)
+	ct.r.notes = 0
+}
+
+// Due is when the next full reload is due: the periodic one of
+// ResyncInterval, or one that notifications asked for.
+func (ct *changesTopic) Due() (time.Time, bool) {
+	var at time.Time
+	if ct.opts.ResyncInterval > 0 {
+		at = ct.nextResync
+	}
+	if ct.r.wanted && (at.IsZero() || ct.r.due.Before(at)) {
+		return ct.r.due, true
+	}
+	return at, !at.IsZero()
+}
+
+// Tick does the full reload that is due.
+func (ct *changesTopic) Tick(ctx context.Context) error {
+	if ct.opts.ResyncInterval > 0 && !time.Now().Before(ct.nextResync) {
+		ct.r.wanted = true
+		ct.r.due = time.Time{} // the periodic reload is not delayed
+	}
+	if ct.r.wanted && !time.Now().Before(ct.r.due) {
+		if !ct.resync(ctx, &ct.r) {
+			return errEnd
+		}
+		ct.nextResync = time.Now().Add(ct.opts.ResyncInterval)
 	}
 	return nil
 }
 
-func (l *Listener) fail(err error) {
-	l.lastErr.Store(&err)
-}
-
-func (l *Listener) run(ctx context.Context) {
-	defer close(l.done)
-	defer l.cache.listeners.Add(-1)
-	backoff := l.opts.MinBackoff
-	for first := true; ; first = false {
-		if !first {
-			l.reconnects.Add(1)
-		}
-		healthy := l.session(ctx)
-		if ctx.Err() != nil {
-			return
-		}
-		if healthy {
-			backoff = l.opts.MinBackoff
-		}
-		// Full jitter between half and all of the backoff.
-		wait := backoff/2 + rand.N(backoff/2+1)
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(wait):
-		}
-		backoff = min(backoff*2, l.opts.MaxBackoff)
+// Receive applies a batch of notifications.
+func (ct *changesTopic) Receive(ctx context.Context, payloads []string) error {
+	if !ct.apply(ctx, payloads, &ct.r) {
+		return errEnd
 	}
-}
-
-// session connects, listens, resynchronises and applies notifications until
-// something fails. It reports whether it got as far as listening.
-func (l *Listener) session(ctx context.Context) bool {
-	conn, err := pgx.ConnectConfig(ctx, l.config)
-	if err != nil {
-		l.fail(err)
-		if ctx.Err() == nil {
-			l.opts.Logger.Warn("pgrl policy listener: cannot connect; retrying with backoff", "error", err)
-		}
-		return false
-	}
-	defer func() {
-		l.connected.Store(false)
-		l.pid.Store(0)
-		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		_ = conn.Close(cctx)
-	}()
-	if _, err := conn.Exec(ctx, "LISTEN "+Channel); err != nil {
-		l.fail(err)
-		return false
-	}
-	if l.den != nil {
-		if _, err := conn.Exec(ctx, "LISTEN "+ratelimit.DenyChannel); err != nil {
-			l.fail(err)
-			return false
-		}
-		if err := l.compareClocks(ctx, conn); err != nil {
-			l.fail(err)
-			return false
-		}
-	}
-	l.pid.Store(conn.PgConn().PID())
-	// Listening first, then reloading: a change committed after the LISTEN
-	// is notified, one committed before is in the reload.
-	if err := l.cache.Reload(ctx); err != nil {
-		l.fail(err)
-		if ctx.Err() == nil {
-			l.opts.Logger.Warn("pgrl policy listener: cannot load the policies; retrying with backoff", "error", err)
-		}
-		return false
-	}
-	l.resyncs.Add(1)
-	l.connected.Store(true)
-	l.once.Do(func() { close(l.synced) })
-	if l.reconnects.Load() > 0 {
-		l.opts.Logger.Info("pgrl policy listener: reconnected and reloaded the policies", "reconnects", l.reconnects.Load())
-	}
-	// Full reloads asked for by notifications wait for MinResyncInterval
-	// after the last one: requests meanwhile are merged into one.
-	r := resyncs{last: time.Now(), whole: map[string]time.Time{}}
-	// Notifications still waiting for a full reload when the session ends
-	// are dropped: the next session's reload covers them.
-	defer func() { l.dropped.Add(r.notes) }()
-	nextResync := time.Now().Add(l.opts.ResyncInterval)
-	for {
-		if l.opts.ResyncInterval > 0 && !time.Now().Before(nextResync) {
-			r.wanted = true
-			r.due = time.Time{} // the periodic reload is not delayed
-		}
-		if r.wanted && !time.Now().Before(r.due) {
-			if !l.resync(ctx, &r) {
-				return true
-			}
-			nextResync = time.Now().Add(l.opts.ResyncInterval)
-			continue
-		}
-		// Wait for a notification until the next resync or ping is due.
-		var due time.Time
-		if l.opts.ResyncInterval > 0 {
-			due = nextResync
-		}
-		if r.wanted && (due.IsZero() || r.due.Before(due)) {
-			due = r.due
-		}
-		if l.opts.PingInterval > 0 {
-			if p := time.Now().Add(l.opts.PingInterval); due.IsZero() || p.Before(due) {
-				due = p
-			}
-		}
-		wctx, cancel := ctx, context.CancelFunc(func() {})
-		if !due.IsZero() {
-			wctx, cancel = context.WithDeadline(ctx, due)
-		}
-		n, err := conn.WaitForNotification(wctx)
-		cancel()
-		if err != nil && ctx.Err() == nil && wctx.Err() != nil && !conn.IsClosed() {
-			// A timer, not a failure: pgx leaves the connection usable
-			// when only the wait was cancelled.
-			now := time.Now()
-			if (l.opts.ResyncInterval > 0 && !now.Before(nextResync)) || (r.wanted && !now.Before(r.due)) {
-				continue // a reload is due: done at the top
-			}
-			pctx, cancel := context.WithTimeout(ctx, l.opts.PingTimeout)
-			var err error
-			if l.den != nil {
-				err = l.compareClocks(pctx, conn) // a ping too
-			} else {
-				err = conn.Ping(pctx)
-			}
-			cancel()
-			if err != nil {
-				l.lost(ctx, fmt.Errorf("the listening connection did not answer within %v: %w", l.opts.PingTimeout, err))
-				return true
-			}
-			continue
-		}
-		if err != nil {
-			l.lost(ctx, err)
-			return true
-		}
-		if l.routed(n) {
-			continue
-		}
-		// Take what else has already arrived, so that a burst (a script
-		// changing many overrides) costs one reload per policy.
-		batch := []string{n.Payload}
-		// Counting what was taken, shared denials included, so that a
-		// stream of them cannot hold the policies' batch back.
-		for taken := 1; taken < maxBatch; taken++ {
-			dctx, cancel := context.WithTimeout(ctx, drainWait)
-			n, err := conn.WaitForNotification(dctx)
-			cancel()
-			if err != nil {
-				if ctx.Err() != nil || dctx.Err() == nil || conn.IsClosed() {
-					l.lost(ctx, err)
-					return true
-				}
-				break // nothing more for now
-			}
-			if !l.routed(n) {
-				batch = append(batch, n.Payload)
-			}
-		}
-		if !l.apply(ctx, batch, &r) {
-			return true
-		}
-	}
+	return nil
 }
 
 // resyncs is a session's state of the full reloads that notifications ask
@@ -432,12 +353,12 @@ type resyncs struct {
 // want records asked requests for a full reload, notes of them readable
 // notifications: due at once when the last reload is MinResyncInterval
 // old, else at the end of that interval.
-func (l *Listener) want(r *resyncs, asked, notes uint64) {
+func (ct *changesTopic) want(r *resyncs, asked, notes uint64) {
 	if !r.wanted {
 		r.wanted = true
 		r.due = time.Time{}
-		if l.opts.MinResyncInterval > 0 {
-			r.due = r.last.Add(l.opts.MinResyncInterval)
+		if ct.opts.MinResyncInterval > 0 {
+			r.due = r.last.Add(ct.opts.MinResyncInterval)
 		}
 	}
 	r.asked += asked
@@ -446,48 +367,22 @@ func (l *Listener) want(r *resyncs, asked, notes uint64) {
 
 // resync reloads everything, answering every request recorded in r. It
 // returns false when the session must end.
-func (l *Listener) resync(ctx context.Context, r *resyncs) bool {
-	if err := l.cache.Reload(ctx); err != nil {
-		return l.reloadFailed(ctx, err) // r.notes are dropped as the session ends
+func (ct *changesTopic) resync(ctx context.Context, r *resyncs) bool {
+	if err := ct.cache.Reload(ctx); err != nil {
+		return ct.reloadFailed(ctx, err) // r.notes are dropped as the session ends
 	}
-	l.resyncs.Add(1)
-	l.applied.Add(r.notes)
+	ct.resyncs.Add(1)
+	ct.applied.Add(r.notes)
 	if r.asked > 1 {
-		l.merged.Add(r.asked - 1)
+		ct.merged.Add(r.asked - 1)
 	}
 	*r = resyncs{last: time.Now(), whole: r.whole}
 	return true
 }
 
-// Batching of notifications.
-const (
-	// drainWait is how long the listener waits for a further notification
-	// before it applies those it has.
-	drainWait = 2 * time.Millisecond
-	// maxBatch caps the notifications applied at once.
-	maxBatch = 10_000
-	// maxKeys is the most changed overrides of one policy reloaded row by
-	// row; beyond it the policy is reloaded whole.
-	maxKeys = 1000
-)
-
-// routed hands a shared denial to the dispatcher and reports whether n
-// was one.
-func (l *Listener) routed(n *pgconn.Notification) bool {
-	if l.den == nil || n.Channel != ratelimit.DenyChannel {
-		return false
-	}
-	l.den.offer(n.Payload)
-	return true
-}
-
-// lost records a lost connection.
-func (l *Listener) lost(ctx context.Context, err error) {
-	if ctx.Err() == nil {
-		l.fail(err)
-		l.opts.Logger.Warn("pgrl policy listener: connection lost; reconnecting", "error", err)
-	}
-}
+// maxKeys is the most changed overrides of one policy reloaded row by row;
+// beyond it the policy is reloaded whole.
+const maxKeys = 1000
 
 // notice is a notification's payload.
 type notice struct {
@@ -511,8 +406,8 @@ type change struct {
 // MinResyncInterval allows, and so does the whole reload of a large policy
 // done less than MinResyncInterval after its last. It returns false when the session must end (a
 // reload failed): the next one resynchronises.
-func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) bool {
-	schema := l.cache.Schema()
+func (ct *changesTopic) apply(ctx context.Context, payloads []string, r *resyncs) bool {
+	schema := ct.cache.Schema()
 	all, unreadable := uint64(0), uint64(0)
 	changes := map[string]*change{}
 	var order []string
@@ -521,19 +416,19 @@ func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) boo
 		if err := json.Unmarshal([]byte(p), &n); err != nil {
 			// Any role that can connect may send one: a full reload
 			// catches up with whatever it stood for, at a bounded rate.
-			l.dropped.Add(1)
+			ct.dropped.Add(1)
 			unreadable++
 			if len(p) > 200 {
 				p = p[:200] + "..."
 			}
-			l.fail(fmt.Errorf("unreadable notification %q: %w", p, err))
+			ct.l.n.Record(fmt.Errorf("unreadable notification %q: %w", p, err))
 			continue
 		}
 		if n.Schema != schema {
-			l.ignored.Add(1)
+			ct.ignored.Add(1)
 			continue
 		}
-		l.received.Add(1)
+		ct.received.Add(1)
 		if n.Policy == nil {
 			all++
 			continue
@@ -553,55 +448,55 @@ func (l *Listener) apply(ctx context.Context, payloads []string, r *resyncs) boo
 		}
 	}
 	if unreadable > 0 {
-		l.want(r, unreadable, 0)
+		ct.want(r, unreadable, 0)
 	}
 	if all > 0 {
-		l.want(r, all, all)
+		ct.want(r, all, all)
 	}
 	for i, name := range order {
 		c := changes[name]
 		var err error
 		if c.whole {
-			if l.large(name) && l.opts.MinResyncInterval > 0 && time.Since(r.whole[name]) < l.opts.MinResyncInterval {
+			if ct.large(name) && ct.opts.MinResyncInterval > 0 && time.Since(r.whole[name]) < ct.opts.MinResyncInterval {
 				// Reloaded whole less than MinResyncInterval ago: a full
 				// reload answers this one, at the bounded rate.
-				l.want(r, 1, c.n)
+				ct.want(r, 1, c.n)
 				continue
 			}
-			err = l.cache.ReloadPolicy(ctx, name)
+			err = ct.cache.ReloadPolicy(ctx, name)
 			if err == nil {
-				l.policyReloads.Add(1)
-				if l.large(name) {
+				ct.policyReloads.Add(1)
+				if ct.large(name) {
 					r.whole[name] = time.Now()
 				} else {
 					delete(r.whole, name)
 				}
 			}
 		} else {
-			err = l.cache.ReloadOverrides(ctx, name, c.keys)
+			err = ct.cache.ReloadOverrides(ctx, name, c.keys)
 		}
 		if err != nil {
 			for _, rest := range order[i:] {
-				l.dropped.Add(changes[rest].n)
+				ct.dropped.Add(changes[rest].n)
 			}
-			return l.reloadFailed(ctx, err)
+			return ct.reloadFailed(ctx, err)
 		}
-		l.applied.Add(c.n)
+		ct.applied.Add(c.n)
 	}
 	return true
 }
 
 // large reports whether the cached policy named name has more than
 // maxKeys overrides: its whole reload costs about as much as a full one.
-func (l *Listener) large(name string) bool {
-	e := l.cache.lookup(name)
+func (ct *changesTopic) large(name string) bool {
+	e := ct.cache.lookup(name)
 	return e != nil && len(e.overrides) > maxKeys
 }
 
-func (l *Listener) reloadFailed(ctx context.Context, err error) bool {
-	l.fail(err)
+func (ct *changesTopic) reloadFailed(ctx context.Context, err error) bool {
+	ct.l.n.Record(err)
 	if ctx.Err() == nil {
-		l.opts.Logger.Warn("pgrl policy listener: cannot reload after a change; will reconnect and reload everything", "error", err)
+		ct.opts.Logger.Warn("pgrl policy listener: cannot reload after a change; will reconnect and reload everything", "error", err)
 	}
 	return false
 }
