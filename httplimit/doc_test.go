@@ -31,7 +31,7 @@ func TestHTTPDocResponse(t *testing.T) {
 
 	// A long Timeout: the test needs PostgreSQL's answer, also on a loaded
 	// machine (the documented response does not depend on it).
-	lim, err := testkit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock}, ratelimit.DatabaseOptions{Timeout: time.Minute})
+	lim, err := testkit.New(pool, ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Timeout: time.Minute, Now: exampleClock})
 	require.NoError(t, err)
 	mw, err := httplimit.New(httplimit.Config{Limiter: lim, Key: httplimit.Constant("doc-response")})
 	require.NoError(t, err)

@@ -21,7 +21,7 @@ import (
 // schema of the test database, with pgrl's migrations applied.
 var pool *pgxpool.Pool
 
-// exampleClock pins the example's clock (Config.Now), so that its output
+// exampleClock pins the example's clock (DatabaseOptions.Now), so that its output
 // does not depend on when it runs. Applications leave Now unset.
 func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
 
@@ -38,11 +38,11 @@ func TestMain(m *testing.M) {
 }
 
 func Example() {
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}
-	lim, err := limits.Limiter(ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute, Now: exampleClock})
+	lim, err := limits.Limiter(ratelimit.Config{Name: "public-api", Limit: 2, Window: time.Minute})
 	if err != nil {
 		log.Fatal(err)
 	}

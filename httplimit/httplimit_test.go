@@ -124,7 +124,7 @@ func TestFixedWindowHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "api", Limit: 3, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "api", Limit: 3, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil)})
 
 	const policy = `"api";q=3;w=60`
@@ -168,7 +168,7 @@ func TestLegacyHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "legacy", Limit: 2, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "legacy", Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil), Headers: httplimit.HeadersDraftAndLegacy})
 	reset := strconv.FormatInt(time.Date(2031, 3, 4, 5, 7, 0, 0, time.UTC).Unix(), 10)
 
@@ -201,7 +201,7 @@ func TestRetryAfterIsDecisionRoundedUp(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
 	// 2 tokens per 3 s: one token every 1.5 s.
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 2, Window: 3 * time.Second, Now: c.Now, DenyCacheSize: -1})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 2, Window: 3 * time.Second, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: c.Now})
 	var seen ratelimit.MultiDecision
 	srv, _ := server(t, httplimit.Config{
 		Limiter: l, Key: httplimit.Constant("k"),
@@ -246,7 +246,7 @@ func TestBurstPolicyWindow(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
 	// 10 per minute, bursts of 30: an empty bucket refills 30 in 3 minutes.
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "burst", Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 30, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "burst", Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 30, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	r := get(t, srv)
 	requireHeaders(t, r, okHeaders(map[string]string{"RateLimit-Policy": `"burst";q=30;w=180`, "RateLimit": `"burst";r=29;t=6`}))
@@ -256,7 +256,7 @@ func TestSlidingWindowHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	get(t, srv)
 	r := get(t, srv)
@@ -274,7 +274,7 @@ func TestSlidingWindowHeaders(t *testing.T) {
 func TestMemoryLimiterAsChecker(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base)
-	l, err := ratelimit.NewMemory(ratelimit.Config{Name: "beacon", Limit: 1, Window: time.Minute, Now: c.Now}, ratelimit.MemoryOptions{})
+	l, err := ratelimit.NewMemory(ratelimit.Config{Name: "beacon", Limit: 1, Window: time.Minute}, ratelimit.MemoryOptions{Now: c.Now})
 	require.NoError(t, err)
 	srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil)})
 	r := get(t, srv)
@@ -292,8 +292,8 @@ func TestRulesReportTheMostRestrictive(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	perClient := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 2, Window: time.Minute, Now: c.Now})
-	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 4, Window: 10 * time.Minute, Now: c.Now})
+	perClient := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
+	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 4, Window: 10 * time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, reached := server(t, httplimit.Config{
 		Rules: []httplimit.Rule{
 			{Limiter: perClient, Key: httplimit.ByHeader("X-Client")},
@@ -331,8 +331,8 @@ func TestRulesDeniedByTwo(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	short := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "short", Limit: 1, Window: time.Minute, Now: c.Now})
-	long := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "long", Limit: 1, Window: time.Hour, Now: c.Now})
+	short := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "short", Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
+	long := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "long", Limit: 1, Window: time.Hour}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{
 		Key:   httplimit.ByIP(nil),
 		Mode:  ratelimit.ConsumeAll,
@@ -352,8 +352,8 @@ func TestRulesDeniedByPerClient(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	perClient := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 1, Window: time.Minute, Now: c.Now})
-	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 100, Window: time.Hour, Now: c.Now})
+	perClient := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "per-client", Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
+	global := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global", Limit: 100, Window: time.Hour}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{
 		Key: httplimit.ByHeader("X-Client"),
 		Rules: []httplimit.Rule{
@@ -401,7 +401,7 @@ func TestHeaderModes(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
 	for _, mode := range []httplimit.HeaderMode{httplimit.HeadersDeniedOnly, httplimit.HeadersNone} {
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: fmt.Sprintf("mode%d", mode), Limit: 1, Window: time.Minute, Now: c.Now})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: fmt.Sprintf("mode%d", mode), Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 		srv, _ := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k"), Headers: mode})
 		r := get(t, srv)
 		require.Equal(t, http.StatusOK, r.status)
@@ -421,7 +421,7 @@ func TestCustomDenyHandler(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "html", Limit: 1, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "html", Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{
 		Limiter: l, Key: httplimit.Constant("k"),
 		DenyHandler: func(w http.ResponseWriter, _ *http.Request, d ratelimit.MultiDecision) {
@@ -444,7 +444,7 @@ func TestShadowModeAllowsWithHeaders(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow", Limit: 1, Window: time.Minute, Now: c.Now, Shadow: true}, ratelimit.DatabaseOptions{Logger: quietLogger()})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow", Limit: 1, Window: time.Minute, Shadow: true}, ratelimit.DatabaseOptions{Logger: quietLogger(), Now: c.Now})
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.Constant("k")})
 	for range 3 {
 		r := get(t, srv)
@@ -537,7 +537,7 @@ func TestKeyedLimiterReportsTheRateApplied(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "keyed", Limit: 1, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "keyed", Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	for _, cfg := range []httplimit.Config{
 		{Limiter: keyedChecker{perKey{l}}, Key: httplimit.ByHeader("X-Key")},
 		{Rules: []httplimit.Rule{{Keyed: perKey{l}, Key: httplimit.ByHeader("X-Key")}}},
@@ -628,7 +628,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 	}
 	// A policy name is escaped as a structured-field string.
 	c := testkit.NewClock(base)
-	q := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "q", Limit: 1, Window: time.Minute, Now: c.Now})
+	q := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "q", Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	srv, _ := server(t, httplimit.Config{Limiter: q, Key: key, Policy: `say "hi" \o/`})
 	require.Equal(t, `"say \"hi\" \\o/";q=1;w=60`, get(t, srv).header.Get("RateLimit-Policy"))
 }
@@ -682,7 +682,7 @@ func TestKeyFuncs(t *testing.T) {
 func TestConcurrentRequestsAdmitExactlyTheLimit(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "conc", Limit: 7, Window: time.Hour, Now: testkit.Pinned(time.Now())}) // pinned: no window ends mid-test
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "conc", Limit: 7, Window: time.Hour}, ratelimit.DatabaseOptions{Now: testkit.Pinned(time.Now())}) // pinned: no window ends mid-test
 	srv, reached := server(t, httplimit.Config{Limiter: l, Key: httplimit.ByIP(nil)})
 	var wg sync.WaitGroup
 	statuses := make([]int, 40)

@@ -97,8 +97,8 @@ func TestScrapeFindsEveryDocumentedSeries(t *testing.T) {
 	}
 	// The limiters on the live pool wait as long as PostgreSQL needs: on a
 	// busy machine the default Timeout would let the memory tier answer.
-	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2, Now: now}, ratelimit.DatabaseOptions{Timeout: time.Minute})
-	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1, Now: now}, ratelimit.DatabaseOptions{Timeout: time.Minute})
+	api := lim(pool, ratelimit.Config{Name: "api", Limit: 2}, ratelimit.DatabaseOptions{Timeout: time.Minute, Now: now})
+	shadow := lim(pool, ratelimit.Config{Name: "shadow", Limit: 1, Shadow: true, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Timeout: time.Minute, Now: now})
 	broken := lim(dead, ratelimit.Config{Name: "broken", Limit: 5, OnFailure: ratelimit.FailError}, ratelimit.DatabaseOptions{BreakerThreshold: 1, BreakerCooldown: time.Hour})
 	fallback := lim(dead, ratelimit.Config{Name: "fallback", Limit: 5}, ratelimit.DatabaseOptions{})
 	open := lim(dead, ratelimit.Config{Name: "open", Limit: 5, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{})
@@ -232,9 +232,9 @@ func TestRefusedGroupNotCountedAsAllowed(t *testing.T) {
 	require.NoError(t, err)
 	at := func() time.Time { return base }
 	// One Database: the limits of one AllowAll.
-	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Observer: col, Timeout: time.Minute})
-	strict := testkit.Limiter(t, db, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at})
-	loose := testkit.Limiter(t, db, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour, Now: at})
+	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Observer: col, Timeout: time.Minute, Now: at})
+	strict := testkit.Limiter(t, db, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour})
+	loose := testkit.Limiter(t, db, ratelimit.Config{Name: "loose", Limit: 100, Window: time.Hour})
 	ctx := context.Background()
 	// An allowed decision (Check.Cost left at its default) is allowed.
 	m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
@@ -276,11 +276,11 @@ func TestShadowDenialsCountedAsShadowDenied(t *testing.T) {
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
 	ctx := context.Background()
 	// One Database: the limits of one AllowAll.
-	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: quiet, Observer: col, Timeout: time.Minute})
-	shadow := testkit.Limiter(t, db, ratelimit.Config{Name: "shadow", Limit: 5, Window: time.Hour, Now: at, Shadow: true})
-	strict := testkit.Limiter(t, db, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour, Now: at})
-	mem, err := ratelimit.NewMemory(ratelimit.Config{Name: "shadow-memory", Limit: 5, Window: time.Hour, Now: at,
-		Shadow: true}, ratelimit.MemoryOptions{Logger: quiet, Observer: col})
+	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: quiet, Observer: col, Timeout: time.Minute, Now: at})
+	shadow := testkit.Limiter(t, db, ratelimit.Config{Name: "shadow", Limit: 5, Window: time.Hour, Shadow: true})
+	strict := testkit.Limiter(t, db, ratelimit.Config{Name: "strict", Limit: 1, Window: time.Hour})
+	mem, err := ratelimit.NewMemory(ratelimit.Config{Name: "shadow-memory", Limit: 5, Window: time.Hour,
+		Shadow: true}, ratelimit.MemoryOptions{Logger: quiet, Observer: col, Now: at})
 	require.NoError(t, err)
 
 	d, err := shadow.Allow(ctx, "k", ratelimit.Cost(5))

@@ -35,8 +35,9 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// exampleClock pins the examples' checks to one instant, so that their
-// output does not depend on when they run. Applications leave Now unset.
+// exampleClock pins the examples' checks to one instant
+// (DatabaseOptions.Now), so that their output does not depend on when they
+// run. Applications leave Now unset.
 func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
 
 func ExampleNewLimiter() {
@@ -64,9 +65,15 @@ func ExampleNewLimiter() {
 	if err := listener.WaitSynced(ctx); err != nil {
 		log.Fatal(err)
 	}
+	// Once per database, at start-up: what every limit there shares.
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
 	api, err := policy.NewLimiter(ctx, pool, "api", policy.Options{
-		Cache:  cache,
-		Config: ratelimit.Config{Now: exampleClock}, // everything a policy does not hold
+		Cache:    cache,
+		Config:   ratelimit.Config{}, // everything a policy does not hold
+		Database: limits,
 	})
 	if err != nil {
 		log.Fatal(err)

@@ -32,8 +32,9 @@ func TestPolicyLimiterGrants(t *testing.T) {
 			_, err := policy.Set(ctx, pool, policy.Policy{Name: name, Algorithm: alg, Limit: 5, Window: time.Hour})
 			require.NoError(t, err)
 			lim, err := newLimiter(ctx, pool, name, policy.Options{FromCache: fromCache,
-				Config:   ratelimit.Config{Shadow: true, Now: testkit.Pinned(time.Date(2031, 1, 1, 0, 10, 0, 0, time.UTC))},
-				Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute})})
+				Config: ratelimit.Config{Shadow: true},
+				Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute,
+					Now: testkit.Pinned(time.Date(2031, 1, 1, 0, 10, 0, 0, time.UTC))})})
 			require.NoError(t, err)
 			d, err := lim.Allow(ctx, "k", ratelimit.Cost(5))
 			require.NoError(t, err)

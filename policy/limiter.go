@@ -17,7 +17,7 @@ type Options struct {
 	// OnFailure, FallbackLimit, Shadow, Spread, DenyCacheSize and the
 	// sharing of denials. Its Name, Algorithm, Limit, Window, Burst,
 	// Penalty and KeyMode are replaced by the policy's. What is per
-	// database (Timeout, Observer, Logger, ...) is Database's.
+	// database (Timeout, Observer, Logger, Now, ...) is Database's.
 	Config ratelimit.Config
 	// Cache is where the limiter reads its policy. Share one Cache among
 	// all limiters of a schema, kept current by one Listener (Watch).
@@ -240,8 +240,8 @@ func (l *Limiter) forKey(b *built, e *entry, key string) (*ratelimit.Limiter, *O
 }
 
 func (l *Limiter) now() time.Time {
-	if l.base.Now != nil {
-		return l.base.Now()
+	if now := l.rdb.Options().Now; now != nil {
+		return now()
 	}
 	return time.Now()
 }

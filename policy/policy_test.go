@@ -405,7 +405,8 @@ func TestPolicyNewWindowStartsAfresh(t *testing.T) {
 		require.NoError(t, err)
 		cache := policy.NewCache(pool)
 		require.NoError(t, cache.Reload(ctx))
-		lim, err := newLimiter(ctx, pool, name, policy.Options{Cache: cache, FromCache: fromCache, Config: ratelimit.Config{Now: now}})
+		lim, err := newLimiter(ctx, pool, name, policy.Options{Cache: cache, FromCache: fromCache,
+			Database: testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Now: now})})
 		require.NoError(t, err)
 		d, err := lim.Allow(ctx, "k", ratelimit.Cost(3))
 		require.NoError(t, err)

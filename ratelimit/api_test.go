@@ -27,7 +27,7 @@ func TestUsedCountsPastTheLimit(t *testing.T) {
 	for _, alg := range ratelimit.Algorithms {
 		for _, penalty := range []bool{false, true} {
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "used", Algorithm: alg, Limit: 3, Window: time.Minute,
-				Penalty: penalty, Now: testkit.Pinned(base)})
+				Penalty: penalty}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 			m, err := ratelimit.NewMemory(l.Config(), ratelimit.MemoryOptions{})
 			require.NoError(t, err)
 			key := string(alg) + map[bool]string{false: "", true: "-penalty"}[penalty]
@@ -60,8 +60,8 @@ func TestUsedAfterPartialRefillAndSlide(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base)
-	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 4, Window: time.Minute, Now: c.Now})
-	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 4, Window: time.Minute, Now: c.Now})
+	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 4, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
+	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 4, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	_, err := tb.Allow(ctx, "k", ratelimit.Cost(4))
 	require.NoError(t, err)
 	_, err = sw.Allow(ctx, "k", ratelimit.Cost(4))
@@ -85,7 +85,7 @@ func TestAllowTx(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	d, err := l.AllowTx(ctx, tx, "k")
@@ -107,8 +107,8 @@ func TestAllowAllTx(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	perIP := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "ip", Limit: 5, Window: time.Minute, Now: testkit.Pinned(base)})
-	perUser := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "user", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Minute, Now: testkit.Pinned(base)})
+	perIP := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "ip", Limit: 5, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
+	perUser := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "user", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 	checks := []ratelimit.Check{{Limiter: perIP, Key: "ip"}, {Limiter: perUser, Key: "u"}}
 	used := func(l *ratelimit.Limiter, key string) int64 {
 		t.Helper()
@@ -154,7 +154,7 @@ func TestAllowAllTx(t *testing.T) {
 
 	// A failed decision (bad input) leaves the transaction usable too.
 	far := time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)
-	bad := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad", Limit: 5, Window: time.Minute, Now: testkit.Pinned(far)})
+	bad := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad", Limit: 5, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(far)})
 	tx, err = pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = ratelimit.AllowAllTx(ctx, tx, ratelimit.ConsumeAll, ratelimit.Check{Limiter: bad, Key: "k"})
@@ -297,7 +297,7 @@ func TestPartitionMissingInTxKeepsThePgError(t *testing.T) {
 
 	// Far ahead of the partitions made for now.
 	far := time.Date(2031, 5, 6, 7, 8, 0, 0, time.UTC)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "p", Limit: 3, Window: time.Minute, Now: testkit.Pinned(far)}, ratelimit.DatabaseOptions{CreatePartitions: true})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "p", Limit: 3, Window: time.Minute}, ratelimit.DatabaseOptions{CreatePartitions: true, Now: testkit.Pinned(far)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer func() { _ = tx.Rollback(ctx) }() // a failed assertion must not leave the connection busy

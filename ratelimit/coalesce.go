@@ -453,9 +453,9 @@ func units(checks []*pendingCheck) [][]*pendingCheck {
 // statements splits a batch into the statements that decide it: one per
 // algorithm (its table), in the order the algorithms first appear, each
 // check keeping its place among its algorithm's. A statement has one clock:
-// limiters with a pinned clock (Config.Now, for tests) share a statement
-// only when their clocks read the same instant. A statement counts each key
-// against one limiter's figures: a check of a key that the statement holds
+// checks under a pinned clock (DatabaseOptions.Now, for tests) share a
+// statement only when they read the same instant. A statement counts each
+// key against one limiter's figures: a check of a key that the statement holds
 // with other figures (two limiters of one name that differ) starts the
 // algorithm's next statement, which the round trip sends after it, so that
 // a key's checks are still decided in their order.

@@ -42,8 +42,9 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 			// A long Timeout: on a busy machine no check may be answered by
 			// the memory fallback, which the replay would not match.
 			cfg := ratelimit.Config{Name: "coalesce", Algorithm: alg, Limit: 40, Window: time.Hour,
-				DenyCacheSize: -1, Now: func() time.Time { return at }}
-			l := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{Timeout: time.Minute})
+				DenyCacheSize: -1}
+			clock := func() time.Time { return at }
+			l := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{Timeout: time.Minute, Now: clock})
 
 			var mu sync.Mutex
 			var got []observed
@@ -88,7 +89,7 @@ func TestCoalescedMatchesSequentialReplay(t *testing.T) {
 				return boolRank(a.allowed) - boolRank(b.allowed)
 			})
 			replayPool, _ := dbtest.Pool(t)
-			r := testkit.NewLimiter(t, replayPool, cfg, ratelimit.DatabaseOptions{Timeout: time.Minute, DisableCoalescing: true})
+			r := testkit.NewLimiter(t, replayPool, cfg, ratelimit.DatabaseOptions{Timeout: time.Minute, DisableCoalescing: true, Now: clock})
 			admitted := map[string]int64{}
 			for i, o := range got {
 				d, err := r.Allow(ctx, o.key, ratelimit.Cost(o.cost))

@@ -107,7 +107,8 @@ const (
 	DefaultMaxBatch = 256
 	// DefaultMaxInFlight is DatabaseOptions.MaxInFlight when it is 0.
 	DefaultMaxInFlight = 2
-	// DefaultShareMinRetryAfter is Config.ShareMinRetryAfter when it is 0.
+	// DefaultShareMinRetryAfter is DatabaseOptions.ShareMinRetryAfter when it
+	// is 0.
 	DefaultShareMinRetryAfter = time.Second
 	// DefaultTimeout is DatabaseOptions.Timeout when it is 0: how long a check waits
 	// for PostgreSQL before the failure policy answers. It is more than five
@@ -228,7 +229,8 @@ type Config struct {
 	// that their checks of a denied key stop reaching the database. A
 	// denial is sent at most once per key and deadline, only when
 	// PostgreSQL made it (never one answered from a cache) and its
-	// RetryAfter is at least ShareMinRetryAfter, as a NOTIFY on
+	// RetryAfter is at least the Database's
+	// DatabaseOptions.ShareMinRetryAfter, as a NOTIFY on
 	// DenyChannel carrying the stored key (a digest, never the caller's
 	// key), the cost, the deadline and the rate; see SharedDenial for what
 	// a receiver does with it. Sending never slows a check: it happens on
@@ -243,16 +245,10 @@ type Config struct {
 	// one row per key (Spread 1), and a pool (a *pgx.Conn or pgx.Tx
 	// cannot run a statement beside the caller's); Database.Limiter refuses anything
 	// else with ErrInvalidOption. With Penalty, whose deny cache is off by
-	// default, nothing is sent. With Config.Now set nothing is sent either
-	// (the deadline would not be on the database's clock). Defaults to
-	// false.
+	// default, nothing is sent. With DatabaseOptions.Now set nothing is
+	// sent either (the deadline would not be on the database's clock).
+	// Defaults to false.
 	ShareDenials bool
-
-	// ShareMinRetryAfter is the shortest RetryAfter that ShareDenials
-	// sends: shorter denials end before sharing them pays off, and would
-	// fill the notification queue. Defaults to DefaultShareMinRetryAfter
-	// (1s). Negative values are refused with ErrInvalidTimeout.
-	ShareMinRetryAfter time.Duration
 
 	// Shadow makes the limiter decide, report and log, but never deny: a
 	// check the limit would deny is allowed, with Decision.ShadowDenied
@@ -277,12 +273,6 @@ type Config struct {
 	// Defaults to DefaultSpread (1, one row). Negative values are refused
 	// with ErrInvalidOption.
 	Spread int
-
-	// Now pins the instant each check is decided at, for tests that replay
-	// a sequence of instants. Leave it nil in production: the database's
-	// clock decides, so that every instance of an application agrees.
-	// Defaults to nil.
-	Now func() time.Time
 }
 
 // PolicyNamePattern is the one pattern a stored policy's name matches: 1

@@ -117,6 +117,21 @@ type DatabaseOptions struct {
 	// Logger receives outage and recovery events (once per outage, not per
 	// check) and shadow denials. Defaults to slog.Default().
 	Logger *slog.Logger
+
+	// ShareMinRetryAfter is the shortest RetryAfter that a limit with
+	// Config.ShareDenials sends: shorter denials end before sharing them
+	// pays off, and would fill the notification queue. Defaults to
+	// DefaultShareMinRetryAfter (1s). Negative values are refused with
+	// ErrInvalidTimeout.
+	ShareMinRetryAfter time.Duration
+
+	// Now pins the instant each check of every limit of the Database is
+	// decided at (their memory fallbacks included), for tests that replay
+	// a sequence of instants. Leave it nil in production: the database's
+	// clock decides, so that every instance of an application agrees.
+	// With Now set, no denial is shared (Config.ShareDenials) nor taken
+	// from another process (Limiter.AddDenial). Defaults to nil.
+	Now func() time.Time
 }
 
 // NewDatabase returns the Database of the database db: a *pgxpool.Pool (or a
@@ -145,7 +160,8 @@ func NewDatabase(db DB, opts DatabaseOptions) (*Database, error) {
 
 // Limiter returns a limit kept in the Database's database, described by
 // cfg (validated as Config.Validate does). The limits of one Database share
-// its coalescer, breaker, pool share, Timeout, Observer and Logger.
+// its coalescer, breaker, pool share, Timeout, Observer, Logger and clock
+// (Now).
 func (s *Database) Limiter(cfg Config) (*Limiter, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
@@ -198,6 +214,12 @@ func (o DatabaseOptions) withDefaults() (DatabaseOptions, error) {
 	}
 	if o.BreakerCooldown == 0 {
 		o.BreakerCooldown = DefaultBreakerCooldown
+	}
+	if o.ShareMinRetryAfter < 0 {
+		return o, invalid(ErrInvalidTimeout, "DatabaseOptions.ShareMinRetryAfter %v; use a positive duration, or 0 for %v", o.ShareMinRetryAfter, DefaultShareMinRetryAfter)
+	}
+	if o.ShareMinRetryAfter == 0 {
+		o.ShareMinRetryAfter = DefaultShareMinRetryAfter
 	}
 	if o.MaxBatch < 0 {
 		return o, invalid(ErrInvalidOption, "DatabaseOptions.MaxBatch %d; use a positive count of checks, or 0 for %d", o.MaxBatch, DefaultMaxBatch)

@@ -29,12 +29,14 @@ func TestNewDatabaseRefusesBadOptions(t *testing.T) {
 		{ratelimit.DatabaseOptions{Timeout: -time.Nanosecond}, ratelimit.ErrInvalidTimeout, "Timeout"},
 		{ratelimit.DatabaseOptions{BreakerThreshold: -1}, ratelimit.ErrInvalidOption, "BreakerThreshold"},
 		{ratelimit.DatabaseOptions{BreakerCooldown: -time.Second}, ratelimit.ErrInvalidTimeout, "BreakerCooldown"},
+		{ratelimit.DatabaseOptions{ShareMinRetryAfter: -time.Second}, ratelimit.ErrInvalidTimeout, "ShareMinRetryAfter"},
 		{ratelimit.DatabaseOptions{MaxBatch: -1}, ratelimit.ErrInvalidOption, "MaxBatch"},
 		{ratelimit.DatabaseOptions{MaxInFlight: -9223372036854775807}, ratelimit.ErrInvalidOption, "MaxInFlight"},
 	} {
 		_, err := ratelimit.NewDatabase(pool, tc.opts)
 		require.ErrorIs(t, err, tc.want, "%+v", tc.opts)
 		require.ErrorContains(t, err, "DatabaseOptions."+tc.field)
+		require.ErrorContains(t, err, "use a positive")
 		require.True(t, ratelimit.IsConfigError(err))
 	}
 	db, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
@@ -46,6 +48,8 @@ func TestNewDatabaseRefusesBadOptions(t *testing.T) {
 	require.Equal(t, ratelimit.DefaultTimeout, c.Timeout, "a check's wait is bounded by default")
 	require.Equal(t, ratelimit.DefaultBreakerThreshold, c.BreakerThreshold)
 	require.Equal(t, ratelimit.DefaultMaxBatch, c.MaxBatch)
+	require.Equal(t, ratelimit.DefaultShareMinRetryAfter, c.ShareMinRetryAfter)
+	require.Nil(t, c.Now, "the database's clock decides by default")
 	require.NotNil(t, c.Logger)
 }
 
@@ -60,7 +64,7 @@ func TestPerDatabaseFieldsOnlyInDatabaseOptions(t *testing.T) {
 	require.NoError(t, err)
 	ok := ratelimit.Config{Name: "per-db", Limit: 5, Window: time.Minute}
 	for _, field := range []string{"Timeout", "BreakerThreshold", "BreakerCooldown", "DisableCoalescing", "MaxBatch",
-		"MaxInFlight", "CreatePartitions", "Cleanup", "Observer", "Logger"} {
+		"MaxInFlight", "CreatePartitions", "Cleanup", "Observer", "Logger", "ShareMinRetryAfter", "Now"} {
 		_, inConfig := reflect.TypeFor[ratelimit.Config]().FieldByName(field)
 		require.False(t, inConfig, "Config.%s cannot be set on a limit", field)
 		_, inOptions := reflect.TypeFor[ratelimit.DatabaseOptions]().FieldByName(field)
@@ -121,4 +125,35 @@ func TestDatabaseSharesCoalescerAndBreaker(t *testing.T) {
 	require.Equal(t, ratelimit.StorePolicy, d.Store)
 	require.Equal(t, sent, dead.Statements(), "no round trip while the breaker is open")
 	require.ElementsMatch(t, []string{"open down-x", "open down-y"}, events.BreakerEvents(), "the Observer hears once per limit")
+}
+
+// TestDatabaseClockDecidesEveryTier: a Database's pinned clock
+// (DatabaseOptions.Now) is the instant of every decision of its limits: in
+// PostgreSQL, and in the memory fallback when the database is down.
+func TestDatabaseClockDecidesEveryTier(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	c := testkit.NewClock(base.Add(17 * time.Second))
+	live := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Now: c.Now})
+	dead := testkit.NewDatabase(t, testkit.DeadPool(t), ratelimit.DatabaseOptions{Now: c.Now, Timeout: 200 * time.Millisecond,
+		Logger: slog.New(slog.DiscardHandler)})
+	for _, alg := range ratelimit.Algorithms {
+		cfg := ratelimit.Config{Name: "clock-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Minute}
+		for _, db := range []*ratelimit.Database{live, dead} {
+			l := testkit.Limiter(t, db, cfg)
+			want := ratelimit.StorePostgres
+			if db == dead {
+				want = ratelimit.StoreMemory
+			}
+			for i := range 3 {
+				c.Add(time.Second)
+				d, err := l.Allow(ctx, "k")
+				require.NoError(t, err)
+				require.Equal(t, want, d.Store, "%s check %d", alg, i)
+				require.True(t, d.Now.Equal(c.Now()), "%s %s check %d: decided at %v, not the Database's %v", alg, want, i, d.Now, c.Now())
+				require.Equal(t, i < 2, d.Allowed, "%s %s check %d", alg, want, i)
+			}
+		}
+	}
 }

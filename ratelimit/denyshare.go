@@ -92,9 +92,6 @@ type denySender struct {
 // checkShare refuses a ShareDenials configuration that cannot work. It
 // runs before defaults are filled in.
 func (c Config) checkShare() error {
-	if c.ShareMinRetryAfter < 0 {
-		return invalid(ErrInvalidTimeout, "ShareMinRetryAfter %v for %q; use a positive duration, or 0 for %v", c.ShareMinRetryAfter, c.Name, DefaultShareMinRetryAfter)
-	}
 	if !c.ShareDenials {
 		return nil
 	}
@@ -111,9 +108,6 @@ func (c Config) checkShare() error {
 
 // initShare sets up sharing for a new limiter.
 func (l *Limiter) initShare() error {
-	if l.cfg.ShareMinRetryAfter == 0 {
-		l.cfg.ShareMinRetryAfter = DefaultShareMinRetryAfter
-	}
 	if !l.cfg.ShareDenials || l.deny == nil {
 		return nil // Penalty turned the cache off: nothing to share
 	}
@@ -145,8 +139,8 @@ func (l *Limiter) ShareStats() ShareStats {
 // Config.ShareDenials asks for it. It never blocks.
 func (l *Limiter) shareDenial(key string, cost int64, d Decision, sent time.Time) {
 	s := l.share.send
-	if s == nil || d.Allowed || d.Store != StorePostgres || d.RetryAfter < l.cfg.ShareMinRetryAfter ||
-		l.cfg.Now != nil || d.Now.IsZero() || cost <= 0 {
+	if s == nil || d.Allowed || d.Store != StorePostgres || d.RetryAfter < l.st.opts.ShareMinRetryAfter ||
+		l.st.opts.Now != nil || d.Now.IsZero() || cost <= 0 {
 		return
 	}
 	sk := string(l.key(key))
@@ -280,8 +274,9 @@ func (l *Limiter) notifyShared(marks []denywire.Mark) {
 // neither the limiter's nor one of its per-call rates already in use
 // (WithRate), a deadline already past or longer than the rate's longest
 // denial, a cost beyond the limit, a key that is not a hashed stored key,
-// the deny cache off, Spread above 1, or Config.Now set. It never blocks
-// on anything but the cache's own short locks, and the cache's size
+// the deny cache off, Spread above 1, or a Database with
+// DatabaseOptions.Now set. It never blocks on anything but the cache's
+// own short locks, and the cache's size
 // (Config.DenyCacheSize) bounds what marks can hold. Once a limiter holds
 // a received mark, each of its checks also computes the key's stored form
 // (a SHA-256) to look it up.
@@ -309,7 +304,7 @@ func (l *Limiter) AddDenial(d SharedDenial) bool {
 
 // addDenial checks d against this limiter and keeps it.
 func (l *Limiter) addDenial(d SharedDenial, now time.Time) bool {
-	if l.deny == nil || l.shards != nil || l.cfg.Now != nil || l.cfg.KeyMode != HashedKeys ||
+	if l.deny == nil || l.shards != nil || l.st.opts.Now != nil || l.cfg.KeyMode != HashedKeys ||
 		d.Algorithm != l.cfg.Algorithm || len(d.Key) != digestSize ||
 		d.Cost <= 0 || d.Cost > l.cfg.capacity() || d.Used < 0 ||
 		!now.Before(d.Until) || d.Until.Sub(now) > l.longestDenial() {

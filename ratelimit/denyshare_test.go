@@ -80,7 +80,6 @@ func TestShareDenialsConfigErrors(t *testing.T) {
 		{func(c *ratelimit.Config) { c.Spread = 2; c.Limit = 2 }, ratelimit.ErrInvalidOption, "use Spread 1"},
 		{func(c *ratelimit.Config) { c.KeyMode = ratelimit.ReadableKeys }, ratelimit.ErrInvalidOption, "use HashedKeys"},
 		{func(c *ratelimit.Config) { c.DenyCacheSize = -1 }, ratelimit.ErrInvalidOption, "set DenyCacheSize"},
-		{func(c *ratelimit.Config) { c.ShareMinRetryAfter = -time.Second }, ratelimit.ErrInvalidTimeout, "positive duration"},
 	} {
 		cfg := hourlyShared
 		c.edit(&cfg)
@@ -108,10 +107,50 @@ func TestShareDenialsConfigErrors(t *testing.T) {
 	require.Zero(t, pen.ShareStats().Sent)
 }
 
+// The Database's options govern sharing: with a pinned clock
+// (DatabaseOptions.Now) a limit sends no denial and takes no mark (the
+// deadlines would not be on the database's clock), and a denial shorter
+// than the Database's ShareMinRetryAfter is not sent.
+func TestShareDenialsFollowTheDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, s := dbtest.Pool(t)
+	listen := listenDenials(t, s)
+	pinnedDB := hourlySharedDB
+	pinnedDB.Now = testkit.Pinned(time.Now())
+	pinnedCfg := hourlyShared
+	pinnedCfg.Name = "signup-pinned"
+	pinned, err := testkit.New(pool, pinnedCfg, pinnedDB)
+	require.NoError(t, err)
+	longDB := hourlySharedDB
+	longDB.ShareMinRetryAfter = 2 * time.Hour // above the hourly bucket's longest denial
+	longCfg := hourlyShared
+	longCfg.Name = "signup-long"
+	long, err := testkit.New(pool, longCfg, longDB)
+	require.NoError(t, err)
+	for _, l := range []*ratelimit.Limiter{pinned, long} {
+		for i := range 2 {
+			d, err := l.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, i == 0, d.Allowed)
+			require.Equal(t, ratelimit.StorePostgres, d.Store)
+		}
+	}
+	require.Empty(t, notifications(t, listen, s, 200*time.Millisecond))
+	require.Zero(t, pinned.ShareStats().Sent)
+	require.Zero(t, long.ShareStats().Sent)
+	mark := ratelimit.SharedDenial{Algorithm: ratelimit.TokenBucket, Rate: ratelimit.Rate{Limit: 1, Window: time.Hour},
+		Cost: 1, Used: 1, Until: time.Now().Add(time.Minute)}
+	mark.Key = ratelimit.StoredKey(ratelimit.HashedKeys, pinnedCfg.Name, "other")
+	require.False(t, pinned.AddDenial(mark), "a limit on a pinned clock takes no mark")
+	mark.Key = ratelimit.StoredKey(ratelimit.HashedKeys, longCfg.Name, "other")
+	require.True(t, long.AddDenial(mark), "on the database's clock it does")
+}
+
 // A key's denial is sent once per deadline, however often PostgreSQL
 // denies it again; the payload names the schema, carries the stored key
 // (never the caller's), and PostgreSQL's deadline on its own clock. A
-// denial shorter than ShareMinRetryAfter is not sent.
+// denial shorter than DatabaseOptions.ShareMinRetryAfter is not sent.
 func TestShareDenialsOncePerDeadline(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

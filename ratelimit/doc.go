@@ -62,8 +62,9 @@
 // the transaction's timestamp (now(): for a check sent on its own, the
 // statement's; for a check in the caller's transaction, the transaction's start),
 // never from the
-// application servers' clocks, which disagree. Config.Now exists only so that
-// tests can pin the instant; production leaves it nil.
+// application servers' clocks, which disagree. DatabaseOptions.Now (and
+// MemoryOptions.Now for a MemoryLimiter) exists only so that tests can pin
+// the instant; production leaves it nil.
 //
 // A statement that waited on a row lock can find the row updated by a
 // statement whose timestamp is later than its own. Elapsed time is clamped at

@@ -102,9 +102,9 @@ func TestIsConfigErrorFromChecks(t *testing.T) {
 	require.True(t, ratelimit.IsConfigError(err), "%v", err)
 
 	pool, _ := dbtest.Pool(t)
-	far := cfg
+	far := opts
 	far.Now = func() time.Time { return time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC) }
-	l, err = testkit.New(pool, far, opts)
+	l, err = testkit.New(pool, cfg, far)
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrInvalidInput)

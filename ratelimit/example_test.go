@@ -18,8 +18,9 @@ import (
 // schema of the test database, with pgrl's migrations applied.
 var pool *pgxpool.Pool
 
-// exampleClock pins the examples' clock (Config.Now), so that their output
-// does not depend on when they run. Applications leave Now unset.
+// exampleClock pins the examples' clock (DatabaseOptions.Now and
+// MemoryOptions.Now), so that their output does not depend on when they
+// run. Applications leave Now unset.
 func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
 
 func TestMain(m *testing.M) {
@@ -37,7 +38,7 @@ func TestMain(m *testing.M) {
 func ExampleLimiter_Allow() {
 	ctx := context.Background()
 	// Once per database, at start-up: what every limit there shares.
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -45,7 +46,6 @@ func ExampleLimiter_Allow() {
 		Name:   "login:ip",  // scopes the keys: two limiters never share a counter
 		Limit:  3,           // 3 attempts…
 		Window: time.Minute, // …per minute, in windows aligned on the database clock
-		Now:    exampleClock,
 	})
 	if err != nil {
 		log.Fatal(err) // bad limits are typed errors: ratelimit.ErrInvalidLimit, ...
@@ -67,16 +67,16 @@ func ExampleLimiter_Allow() {
 
 func ExampleAllowAll() {
 	ctx := context.Background()
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}
-	perIP, err := limits.Limiter(ratelimit.Config{Name: "signup:ip", Limit: 2, Window: time.Minute, Now: exampleClock})
+	perIP, err := limits.Limiter(ratelimit.Config{Name: "signup:ip", Limit: 2, Window: time.Minute})
 	if err != nil {
 		log.Fatal(err)
 	}
 	perEmail, err := limits.Limiter(ratelimit.Config{
-		Name: "signup:email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Hour, Now: exampleClock,
+		Name: "signup:email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Hour,
 	})
 	if err != nil {
 		log.Fatal(err)
@@ -106,11 +106,11 @@ func ExampleAllowAll() {
 
 func ExampleLimiter_AllowTx() {
 	ctx := context.Background()
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}
-	uploads, err := limits.Limiter(ratelimit.Config{Name: "upload:bytes", Limit: 10 << 20, Window: time.Hour, Now: exampleClock})
+	uploads, err := limits.Limiter(ratelimit.Config{Name: "upload:bytes", Limit: 10 << 20, Window: time.Hour})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -145,8 +145,7 @@ func ExampleNewMemory() {
 		Limit:     60, // 60 per minute, one a second…
 		Burst:     2,  // …and at most 2 at once
 		Window:    time.Minute,
-		Now:       exampleClock,
-	}, ratelimit.MemoryOptions{MaxKeys: 10_000})
+	}, ratelimit.MemoryOptions{MaxKeys: 10_000, Now: exampleClock})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -17,7 +17,7 @@ func TestFixedWindowSequence(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base.Add(10 * time.Second))
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "fw", Limit: 3, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "fw", Limit: 3, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 
 	for i := 1; i <= 3; i++ {
 		d, err := l.Allow(ctx, "k")
@@ -45,7 +45,7 @@ func TestFixedWindowSequence(t *testing.T) {
 	d, err = l.Allow(ctx, "other")
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
-	l2 := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "fw2", Limit: 3, Window: time.Minute, Now: c.Now})
+	l2 := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "fw2", Limit: 3, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	d, err = l2.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
@@ -72,7 +72,7 @@ func TestFixedWindowPenalty(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "fwp", Limit: 2, Window: time.Minute, Penalty: true, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "fwp", Limit: 2, Window: time.Minute, Penalty: true}, ratelimit.DatabaseOptions{Now: c.Now})
 	var allowed int
 	for range 5 {
 		d, err := l.Allow(ctx, "k")

@@ -44,10 +44,10 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			t.Parallel()
 			cfg := func(name string) ratelimit.Config {
 				return ratelimit.Config{Name: name + "-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Hour,
-					Shadow: true, Now: testkit.Pinned(base)}
+					Shadow: true}
 			}
 			// The Database of the limits of cfg.
-			opts := ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute}
+			opts := ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute, Now: testkit.Pinned(base)}
 			// exhaust runs the sequence through allowN and allowUpTo.
 			exhaust := func(t *testing.T, what string, allowN, allowUpTo func(int64) (ratelimit.Decision, error)) {
 				t.Helper()
@@ -143,7 +143,7 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 				o.Observer = obs
 				db := testkit.NewDatabase(t, pool, o)
 				shadow := testkit.Limiter(t, db, cfg("all"))
-				other := testkit.Limiter(t, db, ratelimit.Config{Name: "all-other-" + string(alg), Algorithm: alg, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
+				other := testkit.Limiter(t, db, ratelimit.Config{Name: "all-other-" + string(alg), Algorithm: alg, Limit: 100, Window: time.Hour})
 				for _, mode := range []ratelimit.MultiMode{ratelimit.AllOrNothing, ratelimit.ConsumeAll} {
 					key := fmt.Sprintf("k%d", mode)
 					exhaust(t, fmt.Sprintf("AllowAll mode %d", mode), func(n int64) (ratelimit.Decision, error) {
@@ -174,7 +174,7 @@ func TestShadowReportsTheGrantItWouldMake(t *testing.T) {
 			})
 			t.Run("memory", func(t *testing.T) {
 				obs := &testkit.Observer{}
-				m, err := ratelimit.NewMemory(cfg("mem"), ratelimit.MemoryOptions{Observer: obs, Logger: quiet})
+				m, err := ratelimit.NewMemory(cfg("mem"), ratelimit.MemoryOptions{Observer: obs, Logger: quiet, Now: opts.Now})
 				require.NoError(t, err)
 				exhaust(t, "memory",
 					func(n int64) (ratelimit.Decision, error) { return m.Allow(ctx, "k", ratelimit.Cost(n)) },
@@ -250,11 +250,10 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 				t.Parallel()
 				cfg := func(name string) ratelimit.Config {
 					return ratelimit.Config{Name: fmt.Sprintf("%s-%s-%v", name, alg, penalty), Algorithm: alg,
-						Limit: 10, Window: time.Hour, Penalty: penalty, DenyCacheSize: -1,
-						Now: testkit.Pinned(base)}
+						Limit: 10, Window: time.Hour, Penalty: penalty, DenyCacheSize: -1}
 				}
 				// The Database of the limits of cfg.
-				opts := ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute}
+				opts := ratelimit.DatabaseOptions{Logger: quiet, Timeout: time.Minute, Now: testkit.Pinned(base)}
 				viaLimiter := func(l *ratelimit.Limiter) func(*testing.T, string, int64, int64) (ratelimit.Decision, error) {
 					return func(t *testing.T, key string, used, n int64) (ratelimit.Decision, error) {
 						if used > 0 {
@@ -271,7 +270,7 @@ func TestPartialGrantAskIsACeiling(t *testing.T) {
 				pol := cfg("pol")
 				pol.Policy = pol.Name
 				setPolicy(t, pool, pol.Policy, alg, 10, time.Hour, 0, penalty)
-				mem, err := ratelimit.NewMemory(cfg("memory"), ratelimit.MemoryOptions{Logger: quiet})
+				mem, err := ratelimit.NewMemory(cfg("memory"), ratelimit.MemoryOptions{Logger: quiet, Now: opts.Now})
 				require.NoError(t, err)
 				fallback := cfg("fallback")
 				fallback.OnFailure = ratelimit.FailToMemory
@@ -353,7 +352,7 @@ func TestPartialGrantAskAboveCapacityElsewhere(t *testing.T) {
 		for _, penalty := range []bool{false, true} {
 			name := fmt.Sprintf("%s-%v", alg, penalty)
 			// Two rows of 10: each partial grant takes one row's share.
-			spread := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread-" + name, Algorithm: alg, Limit: 20, Window: time.Hour, Spread: 2, Penalty: penalty, DenyCacheSize: -1, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Timeout: time.Minute})
+			spread := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread-" + name, Algorithm: alg, Limit: 20, Window: time.Hour, Spread: 2, Penalty: penalty, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Timeout: time.Minute, Now: testkit.Pinned(base)})
 			for i, want := range []int64{10, 10, 0} {
 				d, err := spread.Allow(ctx, "k", ratelimit.UpTo(math.MaxInt64))
 				require.NoError(t, err, "%s: grant %d", name, i)
@@ -441,7 +440,7 @@ func TestFallbackDeniesACostAboveItsLimit(t *testing.T) {
 	for _, alg := range ratelimit.Algorithms {
 		for _, penalty := range []bool{false, true} {
 			what := fmt.Sprintf("%s/penalty=%v", alg, penalty)
-			l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "fb-" + what, Algorithm: alg, Limit: 10, FallbackLimit: 5, Window: time.Hour, Penalty: penalty, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Timeout: 200 * time.Millisecond, BreakerCooldown: time.Second, Logger: quiet})
+			l := testkit.NewLimiter(t, dead, ratelimit.Config{Name: "fb-" + what, Algorithm: alg, Limit: 10, FallbackLimit: 5, Window: time.Hour, Penalty: penalty}, ratelimit.DatabaseOptions{Timeout: 200 * time.Millisecond, BreakerCooldown: time.Second, Logger: quiet, Now: testkit.Pinned(base)})
 			d, err := l.Allow(ctx, "k", ratelimit.Cost(8))
 			require.NoError(t, err, what)
 			require.False(t, d.Allowed, what)

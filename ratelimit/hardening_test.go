@@ -20,8 +20,6 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-// pinned returns a Config.Now that always answers t.
-
 // TestExtremeLimitsDecideExactly: the largest limits the config accepts give
 // exact decisions in PostgreSQL (single and coalesced statements) and in
 // memory, with and without penalty, and never a negative Remaining.
@@ -43,15 +41,16 @@ func TestExtremeLimitsDecideExactly(t *testing.T) {
 		for _, penalty := range []bool{false, true} {
 			cfg := ratelimit.Config{
 				Name: "extreme", Algorithm: c.alg, Limit: c.limit, Burst: c.burst, Window: time.Hour,
-				Penalty: penalty, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute)),
+				Penalty: penalty, DenyCacheSize: -1,
 			}
 			capacity := c.limit
 			if c.burst > 0 {
 				capacity = c.burst
 			}
-			l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+			now := testkit.Pinned(base.Add(time.Minute))
+			l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: now})
 			require.NoError(t, err, "%s limit %d burst %d", c.alg, c.limit, c.burst)
-			m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{})
+			m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{Now: now})
 			require.NoError(t, err)
 			key := fmt.Sprintf("%s-%d-penalty=%v", c.alg, ci, penalty)
 			check := func(what string, allow func(key string, n int64) (ratelimit.Decision, error), peek func(key string) (ratelimit.Decision, error)) {
@@ -136,7 +135,7 @@ func TestUncomputableConfigsRefusedAtNew(t *testing.T) {
 	// A bucket that refills in decades (1 a second, burst 1e9) is accepted
 	// and decides exactly.
 	ctx := context.Background()
-	l, err := testkit.New(pool, ratelimit.Config{Name: "slow", Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second, DenyCacheSize: -1, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "slow", Algorithm: ratelimit.TokenBucket, Limit: 1, Burst: 1e9, Window: time.Second, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: testkit.Pinned(base)})
 	require.NoError(t, err)
 	d, err := l.Allow(ctx, "k", ratelimit.Cost(1e9))
 	require.NoError(t, err)
@@ -159,7 +158,7 @@ func TestInputErrorsNeverReachTheFailurePolicy(t *testing.T) {
 	ctx := context.Background()
 	far := time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)
 	for _, alg := range ratelimit.Algorithms {
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute, Now: testkit.Pinned(far)})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "bad-" + string(alg), Algorithm: alg, Limit: 5, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(far)})
 		isInput := func(what string, err error) {
 			t.Helper()
 			require.ErrorIs(t, err, ratelimit.ErrInvalidInput, "%s %s", alg, what)
@@ -274,7 +273,7 @@ func TestSpreadWithDenyCacheAdmitsTheLimit(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread", Algorithm: alg, Limit: 100, Spread: 7, Window: time.Minute, Now: testkit.Pinned(base.Add(time.Second))})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "spread", Algorithm: alg, Limit: 100, Spread: 7, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base.Add(time.Second))})
 		admitted, cached := 0, 0
 		for range 300 {
 			d, err := l.Allow(ctx, "k")
@@ -310,9 +309,9 @@ func TestWindowsBefore1970(t *testing.T) {
 		ratelimit.SlidingWindow: time.Date(1970, 1, 1, 0, 0, 0, 0, time.UTC), // start 23:58 + 2 windows
 	}
 	for alg, want := range wantReset {
-		cfg := ratelimit.Config{Name: "pre1970", Algorithm: alg, Limit: 2, Window: time.Minute, Now: testkit.Pinned(at)}
-		l := testkit.NewLimiter(t, pool, cfg)
-		m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{})
+		cfg := ratelimit.Config{Name: "pre1970", Algorithm: alg, Limit: 2, Window: time.Minute}
+		l := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{Now: testkit.Pinned(at)})
+		m, err := ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{Now: testkit.Pinned(at)})
 		require.NoError(t, err)
 		d, err := l.Allow(ctx, "k")
 		require.NoError(t, err)

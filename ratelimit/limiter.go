@@ -62,7 +62,7 @@ func newLimiter(st *Database, cfg Config) (*Limiter, error) {
 	fb.Shadow = false // the limiter applies shadow mode to its fallback's decisions
 	fb = l.alg.fallbackConfig(cfg, fb)
 	// No Observer: the limiter observes its own decisions, fallbacks included.
-	if l.memory, err = NewMemory(fb, MemoryOptions{Logger: st.opts.Logger}); err != nil {
+	if l.memory, err = NewMemory(fb, MemoryOptions{Logger: st.opts.Logger, Now: st.opts.Now}); err != nil {
 		return nil, err
 	}
 	l.memory.cooldown = st.opts.BreakerCooldown
@@ -291,17 +291,17 @@ func (l *Limiter) forgetLocal(ctx context.Context, key string) {
 // localNow is the process's clock (with its monotonic reading), or the
 // pinned clock in tests.
 func (l *Limiter) localNow() time.Time {
-	if l.cfg.Now != nil {
-		return l.cfg.Now()
+	if now := l.st.opts.Now; now != nil {
+		return now()
 	}
 	return time.Now()
 }
 
 func (l *Limiter) at() *time.Time {
-	if l.cfg.Now == nil {
+	if l.st.opts.Now == nil {
 		return nil
 	}
-	t := l.cfg.Now()
+	t := l.st.opts.Now()
 	return &t
 }
 
@@ -309,10 +309,10 @@ func (l *Limiter) at() *time.Time {
 // clock: for the internal statements, which take instants as integers (a
 // timestamptz in text would be read by the session's DateStyle).
 func (l *Limiter) atUs() pgtype.Int8 {
-	if l.cfg.Now == nil {
+	if l.st.opts.Now == nil {
 		return pgtype.Int8{}
 	}
-	return pgtype.Int8{Int64: l.cfg.Now().UnixMicro(), Valid: true}
+	return pgtype.Int8{Int64: l.st.opts.Now().UnixMicro(), Valid: true}
 }
 
 func (l *Limiter) key(key string) []byte { return StoredKey(l.cfg.KeyMode, l.counterName(), key) }

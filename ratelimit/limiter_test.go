@@ -102,7 +102,7 @@ func TestAnyBytesAreAKeyAndNoRawKeyIsStored(t *testing.T) {
 	big := strings.Repeat("x", 1<<20) + "needle-1mb"
 	keys := []string{"", "\x00", "a\x00b", "\xff\xfe\xfd", "user@example.com", "203.0.113.7", big}
 	for _, alg := range ratelimit.Algorithms {
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "keys", Algorithm: alg, Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "keys", Algorithm: alg, Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 		for _, k := range keys {
 			for i := range 3 {
 				d, err := l.Allow(ctx, k)
@@ -137,7 +137,7 @@ func TestTxRollbackRefunds(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base)})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx", Algorithm: alg, Limit: 2, Window: time.Hour}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		d, err := l.AllowTx(ctx, tx, "k", ratelimit.Cost(2))
@@ -168,7 +168,7 @@ func TestTxChecksAreObserved(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	obs := &testkit.Observer{}
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Observer: obs})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tx-observed", Limit: 1, Window: time.Hour}, ratelimit.DatabaseOptions{Observer: obs, Now: testkit.Pinned(base)})
 	tx, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	_, err = l.AllowTx(ctx, tx, "k")
@@ -193,7 +193,7 @@ func TestElapsedClampedAtZero(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base.Add(10 * time.Second))
-	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 3, Now: c.Now})
+	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 3}, ratelimit.DatabaseOptions{Now: c.Now})
 	_, err := tb.Allow(ctx, "k", ratelimit.Cost(3))
 	require.NoError(t, err)
 	c.Set(base.Add(8 * time.Second)) // older than the row
@@ -207,7 +207,7 @@ func TestElapsedClampedAtZero(t *testing.T) {
 	require.True(t, d.Allowed, "one second after the newer instant, one token")
 	require.Equal(t, int64(0), d.Remaining)
 
-	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute, Now: c.Now})
+	sw := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "clamp", Algorithm: ratelimit.SlidingWindow, Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	c.Set(base.Add(time.Minute))
 	_, err = sw.Allow(ctx, "k", ratelimit.Cost(2))
 	require.NoError(t, err)

@@ -33,6 +33,11 @@ type MemoryOptions struct {
 	// Logger receives shadow denials (Config.Shadow). Defaults to
 	// slog.Default().
 	Logger *slog.Logger
+
+	// Now pins the instant each check is decided at, for tests that replay
+	// a sequence of instants. Defaults to nil: the limiter's monotonic
+	// clock.
+	Now func() time.Time
 }
 
 // Defaults for MemoryOptions.
@@ -89,7 +94,7 @@ func ownedKey(key, k string) string {
 // is created, advanced by the monotonic clock since, so a step of the
 // system clock neither refills buckets nor rewinds windows. Windows are
 // aligned on multiples of Window since the Unix epoch, as in PostgreSQL.
-// Config.Now replaces that clock for tests.
+// MemoryOptions.Now replaces that clock for tests.
 //
 // A MemoryLimiter is safe for concurrent use.
 type MemoryLimiter struct {
@@ -100,6 +105,7 @@ type MemoryLimiter struct {
 	keys     shardedLRU[memState]
 	observer Observer
 	logger   *slog.Logger
+	now      func() time.Time // MemoryOptions.Now: nil for the monotonic clock
 	// cooldown is the RetryAfter of a cost this fallback can never admit:
 	// its limiter's breaker cool-down (fallbackAsk).
 	cooldown time.Duration
@@ -142,6 +148,7 @@ func NewMemory(cfg Config, opts MemoryOptions) (*MemoryLimiter, error) {
 		start:    time.Now(),
 		observer: opts.Observer,
 		logger:   opts.Logger,
+		now:      opts.Now,
 		cooldown: DefaultBreakerCooldown,
 	}
 	m.startUs = m.start.UnixMicro()
@@ -277,8 +284,8 @@ func (m *MemoryLimiter) Reset(_ context.Context, key string, opts ...Option) err
 
 // nowUs is the current instant in microseconds since the Unix epoch.
 func (m *MemoryLimiter) nowUs() int64 {
-	if m.cfg.Now != nil {
-		return m.cfg.Now().UnixMicro()
+	if m.now != nil {
+		return m.now().UnixMicro()
 	}
 	return m.startUs + time.Since(m.start).Microseconds()
 }

@@ -40,8 +40,7 @@ func runSteps(t *testing.T, cfg ratelimit.Config, steps []memStep) {
 	t.Helper()
 	ctx := context.Background()
 	c := testkit.NewClock(time.Time{})
-	cfg.Now = c.Now
-	m := newMemory(t, cfg, ratelimit.MemoryOptions{})
+	m := newMemory(t, cfg, ratelimit.MemoryOptions{Now: c.Now})
 	for i, s := range steps {
 		c.Set(base.Add(s.at))
 		var d ratelimit.Decision
@@ -172,11 +171,11 @@ func TestMemoryMatchesModel(t *testing.T) {
 				t.Parallel()
 				rng := rand.New(rand.NewPCG(7, uint64(len(alg))))
 				c := testkit.NewClock(base.Add(123456 * time.Microsecond))
-				cfg := ratelimit.Config{Name: "model", Algorithm: alg, Limit: 7, Window: 2 * time.Second, Burst: 9, Penalty: penalty, Now: c.Now}
+				cfg := ratelimit.Config{Name: "model", Algorithm: alg, Limit: 7, Window: 2 * time.Second, Burst: 9, Penalty: penalty}
 				if alg != ratelimit.TokenBucket {
 					cfg.Burst = 0
 				}
-				m := newMemory(t, cfg, ratelimit.MemoryOptions{})
+				m := newMemory(t, cfg, ratelimit.MemoryOptions{Now: c.Now})
 				ref := newModel(cfg)
 				capacity := cfg.Limit
 				if alg == ratelimit.TokenBucket {
@@ -229,7 +228,7 @@ func TestMemoryResetPeekAndKeys(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	c := testkit.NewClock(base)
-	m := newMemory(t, ratelimit.Config{Name: "r", Limit: 2, Window: time.Minute, Now: c.Now}, ratelimit.MemoryOptions{})
+	m := newMemory(t, ratelimit.Config{Name: "r", Limit: 2, Window: time.Minute}, ratelimit.MemoryOptions{Now: c.Now})
 
 	// Any bytes are a key; long keys that differ only at the end stay
 	// apart, and a short key never meets a long key's stored form.
@@ -300,8 +299,7 @@ func TestMemoryConcurrentOneKey(t *testing.T) {
 			const limit, workers, tries = 500, 64, 20
 			m := newMemory(t, ratelimit.Config{
 				Name: "hot", Algorithm: alg, Limit: limit, Window: time.Hour,
-				Now: func() time.Time { return base },
-			}, ratelimit.MemoryOptions{})
+			}, ratelimit.MemoryOptions{Now: func() time.Time { return base }})
 			var admitted atomic.Int64
 			var wg sync.WaitGroup
 			for range workers {
@@ -329,8 +327,8 @@ func TestMemoryLRUBound(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	const maxKeys = 1000
-	m := newMemory(t, ratelimit.Config{Name: "lru", Limit: 1, Window: time.Hour, Now: func() time.Time { return base }},
-		ratelimit.MemoryOptions{MaxKeys: maxKeys, Shards: 8})
+	m := newMemory(t, ratelimit.Config{Name: "lru", Limit: 1, Window: time.Hour},
+		ratelimit.MemoryOptions{MaxKeys: maxKeys, Shards: 8, Now: func() time.Time { return base }})
 	for i := range 10 * maxKeys {
 		d, err := m.Allow(ctx, strconv.Itoa(i))
 		require.NoError(t, err)
@@ -346,7 +344,7 @@ func TestMemoryLRUBound(t *testing.T) {
 	require.True(t, d.Allowed, "the least recent key was evicted and starts afresh")
 
 	// Fewer keys than shards: the cap still holds.
-	small := newMemory(t, ratelimit.Config{Name: "small", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base)}, ratelimit.MemoryOptions{MaxKeys: 3})
+	small := newMemory(t, ratelimit.Config{Name: "small", Limit: 1, Window: time.Hour}, ratelimit.MemoryOptions{MaxKeys: 3, Now: testkit.Pinned(base)})
 	for i := range 100 {
 		_, err := small.Allow(ctx, strconv.Itoa(i))
 		require.NoError(t, err)
@@ -377,8 +375,8 @@ func TestMemoryLazySweep(t *testing.T) {
 			if tc.alg == ratelimit.TokenBucket {
 				window = time.Second
 			}
-			m := newMemory(t, ratelimit.Config{Name: "sweep", Algorithm: tc.alg, Limit: 10, Window: window, Burst: 3, Now: c.Now},
-				ratelimit.MemoryOptions{Shards: 1})
+			m := newMemory(t, ratelimit.Config{Name: "sweep", Algorithm: tc.alg, Limit: 10, Window: window, Burst: 3},
+				ratelimit.MemoryOptions{Shards: 1, Now: c.Now})
 			for i := range 100 {
 				_, err := m.Allow(ctx, strconv.Itoa(i), ratelimit.Cost(3))
 				require.NoError(t, err)
@@ -421,8 +419,8 @@ func TestMemoryHeapPerKey(t *testing.T) {
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
 		// A pinned clock: no key dies and is swept while the test runs.
-		m := newMemory(t, ratelimit.Config{Name: "heap", Algorithm: alg, Limit: 60, Window: time.Minute, Now: func() time.Time { return base }},
-			ratelimit.MemoryOptions{MaxKeys: keys})
+		m := newMemory(t, ratelimit.Config{Name: "heap", Algorithm: alg, Limit: 60, Window: time.Minute},
+			ratelimit.MemoryOptions{MaxKeys: keys, Now: func() time.Time { return base }})
 		var buf []byte
 		for i := range keys {
 			buf = strconv.AppendInt(append(buf[:0], "k:"...), int64(i), 10)

@@ -191,8 +191,7 @@ func replay(t *testing.T, db ratelimit.DB, alg ratelimit.Algorithm, penalty bool
 		cfg.Burst = cfg.Limit + int64(rng.IntN(5))
 	}
 	now := base.Add(time.Duration(rng.IntN(1e6)) * time.Microsecond)
-	cfg.Now = func() time.Time { return now }
-	l, err := testkit.New(db, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+	l, err := testkit.New(db, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: func() time.Time { return now }})
 	require.NoError(t, err)
 	m := newModel(cfg)
 	capacity := cfg.Limit
@@ -242,8 +241,7 @@ func TestBatchMatchesModel(t *testing.T) {
 					cfg.Burst = 9
 				}
 				now := base.Add(time.Duration(rng.IntN(1e6)) * time.Microsecond)
-				cfg.Now = func() time.Time { return now }
-				l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+				l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: func() time.Time { return now }})
 				require.NoError(t, err)
 				m := newModel(cfg)
 				keys := []string{"a", "b", "c", "d", "e"}
@@ -300,8 +298,8 @@ func TestRetryAfterIsHonest(t *testing.T) {
 		rng := rand.New(rand.NewPCG(uint64(len(alg)), 11))
 		for trial := range 20 {
 			now := base.Add(time.Duration(rng.IntN(60e6)) * time.Microsecond)
-			cfg := ratelimit.Config{Name: fmt.Sprintf("retry-%s-%d", alg, trial), Algorithm: alg, Limit: 5, Window: 10 * time.Second, Now: func() time.Time { return now }}
-			l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+			cfg := ratelimit.Config{Name: fmt.Sprintf("retry-%s-%d", alg, trial), Algorithm: alg, Limit: 5, Window: 10 * time.Second}
+			l, err := testkit.New(pool, cfg, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: func() time.Time { return now }})
 			require.NoError(t, err)
 			var denied ratelimit.Decision
 			cost := int64(1 + rng.IntN(3))
@@ -341,7 +339,7 @@ func TestSlidingWindowBound(t *testing.T) {
 	now := base
 	const limit = 10
 	w := 10 * time.Second
-	l, err := testkit.New(pool, ratelimit.Config{Name: "bound", Algorithm: ratelimit.SlidingWindow, Limit: limit, Window: w, Now: func() time.Time { return now }}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+	l, err := testkit.New(pool, ratelimit.Config{Name: "bound", Algorithm: ratelimit.SlidingWindow, Limit: limit, Window: w}, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: func() time.Time { return now }})
 	require.NoError(t, err)
 	var admitted []time.Time
 	for range 600 {

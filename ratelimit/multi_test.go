@@ -25,10 +25,10 @@ func TestAllowAllOrNothing(t *testing.T) {
 			t.Parallel()
 			db := v.open(t)
 			ctx := context.Background()
-			limits := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{}) // the limits of one AllowAll
-			perIP := testkit.Limiter(t, limits, ratelimit.Config{Name: "ip", Limit: 2, Window: time.Minute, DenyCacheSize: -1, Now: testkit.Pinned(base)})
-			perEmail := testkit.Limiter(t, limits, ratelimit.Config{Name: "email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute, Now: testkit.Pinned(base)})
-			global := testkit.Limiter(t, limits, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
+			limits := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)}) // the limits of one AllowAll
+			perIP := testkit.Limiter(t, limits, ratelimit.Config{Name: "ip", Limit: 2, Window: time.Minute, DenyCacheSize: -1})
+			perEmail := testkit.Limiter(t, limits, ratelimit.Config{Name: "email", Algorithm: ratelimit.SlidingWindow, Limit: 5, Window: time.Minute})
+			global := testkit.Limiter(t, limits, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
 
 			for i := range 2 {
 				m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing,
@@ -77,8 +77,8 @@ func TestAllowAllBadInputs(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	other, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	a := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "a", Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
-	b := testkit.NewLimiter(t, other, ratelimit.Config{Name: "b", Limit: 2, Window: time.Minute, Now: testkit.Pinned(base)})
+	a := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "a", Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
+	b := testkit.NewLimiter(t, other, ratelimit.Config{Name: "b", Limit: 2, Window: time.Minute}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 
 	_, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing)
 	require.ErrorIs(t, err, ratelimit.ErrEmptyMulti)
@@ -106,9 +106,9 @@ func TestAllowAllSameAlgorithm(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
-		limits := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{}) // the limits of one AllowAll
-		a := testkit.Limiter(t, limits, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
-		b := testkit.Limiter(t, limits, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+		limits := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)}) // the limits of one AllowAll
+		a := testkit.Limiter(t, limits, ratelimit.Config{Name: "same-a-" + string(alg), Algorithm: alg, Limit: 1, Window: time.Hour, DenyCacheSize: -1})
+		b := testkit.Limiter(t, limits, ratelimit.Config{Name: "same-b-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, DenyCacheSize: -1})
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: a, Key: "k"}, ratelimit.Check{Limiter: b, Key: "k"})
 		require.NoError(t, err)
 		require.True(t, m.Allowed, alg)
@@ -136,9 +136,9 @@ func TestGroupsRideSharedStatements(t *testing.T) {
 			db := &testkit.CountingDB{Pool: pool}
 			clock := testkit.Pinned(time.Date(2031, 3, 4, 5, 6, 7, 0, time.UTC))
 			var ls []*ratelimit.Limiter
-			shared := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, MaxInFlight: 1})
+			shared := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, MaxInFlight: 1, Now: clock})
 			for i, limit := range []int64{40, 25} {
-				ls = append(ls, testkit.Limiter(t, shared, ratelimit.Config{Name: fmt.Sprintf("ride-%d", i), Algorithm: alg, Limit: limit, Window: time.Hour, DenyCacheSize: -1, Now: clock}))
+				ls = append(ls, testkit.Limiter(t, shared, ratelimit.Config{Name: fmt.Sprintf("ride-%d", i), Algorithm: alg, Limit: limit, Window: time.Hour, DenyCacheSize: -1}))
 			}
 			require.True(t, ratelimit.SharesCoalescer(ls[0], ls[1]))
 			type target struct{ lim, key int }

@@ -79,7 +79,7 @@ func TestOptionsCompose(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "compose", Limit: 3, Window: time.Hour, Now: testkit.Pinned(base)})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "compose", Limit: 3, Window: time.Hour}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 	big := ratelimit.Rate{Limit: 10, Window: time.Hour}
 
 	d, err := l.Allow(ctx, "k", ratelimit.UpTo(math.MaxInt64), ratelimit.AtRate(big))

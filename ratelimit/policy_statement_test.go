@@ -74,10 +74,9 @@ func TestPolicyStatementMatchesGivenRate(t *testing.T) {
 				name := fmt.Sprintf("stmt-%s-%v", alg, penalty)
 				setPolicy(t, pool, name, alg, 5, time.Minute, 0, penalty)
 				stored := testkit.NewLimiter(t, pool, ratelimit.Config{
-					Name: name, Policy: name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty,
-					Now: c.Now, DenyCacheSize: -1,
-				})
-				given := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "given-" + name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty, Now: c.Now, DenyCacheSize: -1}, ratelimit.DatabaseOptions{DisableCoalescing: true})
+					Name: name, Policy: name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty, DenyCacheSize: -1,
+				}, ratelimit.DatabaseOptions{Now: c.Now})
+				given := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "given-" + name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty, DenyCacheSize: -1}, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
 				policyRate := ratelimit.Rate{Limit: 5, Window: time.Minute}
 				var vip *ratelimit.Rate // the override of key "vip"
 				for step := range 300 {
@@ -136,7 +135,7 @@ func TestPolicyStatementChanges(t *testing.T) {
 	ctx := context.Background()
 	c := testkit.NewClock(base)
 	setPolicy(t, pool, "moved", ratelimit.FixedWindow, 3, time.Minute, 0, false)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "moved", Policy: "moved", Limit: 3, Window: time.Minute, Now: c.Now, OnFailure: ratelimit.FailOpen})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "moved", Policy: "moved", Limit: 3, Window: time.Minute, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{Now: c.Now})
 	d, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
@@ -188,7 +187,7 @@ func TestPolicyStatementChanges(t *testing.T) {
 	// override is ignored and the policy applies.
 	setPolicy(t, pool, "tb", ratelimit.TokenBucket, 1, time.Hour, 0, false)
 	setOverride(t, pool, "tb", "big", 0, ratelimit.MaxTokens, 0, nil)
-	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Policy: "tb", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour, Now: c.Now})
+	tb := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Policy: "tb", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Hour}, ratelimit.DatabaseOptions{Now: c.Now})
 	d, err = tb.Allow(ctx, "big")
 	require.NoError(t, err)
 	require.True(t, d.Allowed)

@@ -154,8 +154,9 @@ func (q *checkQueue) ask(j int) ask { return ask{n: q.costs[j], upTo: q.upTo[j]}
 func (q *checkQueue) limiterOf(j int) *Limiter { return q.limiters[q.rows[j]-1] }
 
 // clock is the instant the statement runs at: the pinned clock of the
-// queue's limiters (they share a statement only when theirs read the same
-// instant, see statements), else nil, the database's.
+// queue's limiters' Database (DatabaseOptions.Now; checks share a
+// statement only when they read the same instant, see statements), else
+// nil, the database's.
 func (q *checkQueue) clock() *time.Time { return q.limiters[0].at() }
 
 // perRow returns f of each row's limiter.

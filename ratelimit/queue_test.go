@@ -39,12 +39,12 @@ func TestBatchesMatchSingleChecks(t *testing.T) {
 				// A long Timeout: on a busy machine a single check must not
 				// be answered by the memory fallback.
 				cfg := ratelimit.Config{Algorithm: alg, Limit: 10, Window: time.Minute, Penalty: penalty,
-					DenyCacheSize: -1, Now: clock}
+					DenyCacheSize: -1}
 				bcfg, scfg := cfg, cfg
 				bcfg.Name = fmt.Sprintf("prop-batch-%v", penalty) // the subtests share a schema
 				scfg.Name = fmt.Sprintf("prop-single-%v", penalty)
-				batched := testkit.NewLimiter(t, pool, bcfg, ratelimit.DatabaseOptions{Timeout: time.Minute})
-				single := testkit.NewLimiter(t, pool, scfg, ratelimit.DatabaseOptions{Timeout: time.Minute, DisableCoalescing: true})
+				batched := testkit.NewLimiter(t, pool, bcfg, ratelimit.DatabaseOptions{Timeout: time.Minute, Now: clock})
+				single := testkit.NewLimiter(t, pool, scfg, ratelimit.DatabaseOptions{Timeout: time.Minute, DisableCoalescing: true, Now: clock})
 				rng := rand.New(rand.NewPCG(uint64(len(alg)), map[bool]uint64{false: 1, true: 2}[penalty]))
 				queues := 0
 				for round := range 150 {
@@ -110,7 +110,7 @@ func TestAllowUpToGrantsWhatIsLeft(t *testing.T) {
 		t.Run(string(alg), func(t *testing.T) {
 			t.Parallel()
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto", Algorithm: alg, Limit: 100,
-				Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
+				Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base.Add(time.Minute))})
 			d, err := l.Allow(ctx, "quota", ratelimit.Cost(30))
 			require.NoError(t, err)
 			require.Equal(t, int64(30), d.Granted)
@@ -147,7 +147,7 @@ func TestAllowUpToGrantsWhatIsLeft(t *testing.T) {
 
 			// Penalty: everything asked is counted.
 			p := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto-penalty", Algorithm: alg, Limit: 100,
-				Window: time.Hour, Penalty: true, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
+				Window: time.Hour, Penalty: true, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base.Add(time.Minute))})
 			d, err = p.Allow(ctx, "quota", ratelimit.UpTo(80))
 			require.NoError(t, err)
 			require.Equal(t, int64(80), d.Granted)
@@ -170,7 +170,7 @@ func TestAllowUpToConcurrentNeverOverGrants(t *testing.T) {
 		t.Run(string(alg), func(t *testing.T) {
 			t.Parallel()
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "upto-conc", Algorithm: alg, Limit: 1000,
-				Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base.Add(time.Minute))})
+				Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base.Add(time.Minute))})
 			var mu sync.Mutex
 			var total int64
 			var wg sync.WaitGroup
@@ -218,12 +218,12 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 		{Name: "sw-b", Algorithm: ratelimit.SlidingWindow, Limit: 12, Window: 2 * time.Minute, Penalty: true},
 	}
 	var shared, single []*ratelimit.Limiter
-	sharedDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{})
+	sharedDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Now: clock})
 	for _, cfg := range cfgs {
-		cfg.DenyCacheSize, cfg.Now = -1, clock
+		cfg.DenyCacheSize = -1
 		shared = append(shared, testkit.Limiter(t, sharedDB, cfg))
 		cfg.Name += "-single"
-		single = append(single, testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true}))
+		single = append(single, testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: clock}))
 	}
 	for _, l := range shared[1:] {
 		require.True(t, ratelimit.SharesCoalescer(shared[0], l), "limiters of one Database share a coalescer")
@@ -272,7 +272,7 @@ func TestQueueFunctionMissingFallsBack(t *testing.T) {
 	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_checks"}.Sanitize())
 	require.NoError(t, err)
 	var logs testkit.LogBuffer
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour, DenyCacheSize: -1, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil)), Now: testkit.Pinned(base)})
 	ls := []*ratelimit.Limiter{l, l, l, l}
 	got, err := ratelimit.TakeMixed(ctx, ls, []string{"k", "k", "k", "k"}, []int64{1, 1, 1, 1}, make([]bool, 4))
 	require.NoError(t, err)
@@ -306,10 +306,10 @@ func TestGroupsMatchSequentialDecisions(t *testing.T) {
 				{Name: "g-s", Limit: 3, Window: time.Minute, Shadow: true},
 			}
 			var shared, single []*ratelimit.Limiter
-			sharedDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true})
-			singleDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true})
+			sharedDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: clock})
+			singleDB := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: clock})
 			for _, cfg := range cfgs {
-				cfg.Algorithm, cfg.DenyCacheSize, cfg.Now = alg, -1, clock
+				cfg.Algorithm, cfg.DenyCacheSize = alg, -1
 				if alg != ratelimit.TokenBucket {
 					cfg.Burst = 0
 				}

@@ -23,7 +23,7 @@ func TestAllowRateWindows(t *testing.T) {
 	c := testkit.NewClock(base.Add(70 * time.Second))
 	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
 		t.Run(string(alg), func(t *testing.T) {
-			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-" + string(alg), Algorithm: alg, Limit: 3, Window: time.Minute, Now: c.Now})
+			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-" + string(alg), Algorithm: alg, Limit: 3, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 			d, err := l.Allow(ctx, "k", ratelimit.Cost(3))
 			require.NoError(t, err)
 			require.True(t, d.Allowed)
@@ -59,7 +59,7 @@ func TestAllowRateWindows(t *testing.T) {
 			require.Equal(t, int64(5), p.Used)
 
 			// The other window's rows are the name's RateName.
-			named := testkit.NewLimiter(t, pool, ratelimit.Config{Name: ratelimit.RateName(l.Config().Name, 2*time.Minute), Algorithm: alg, Limit: 2, Window: 2 * time.Minute, Now: c.Now})
+			named := testkit.NewLimiter(t, pool, ratelimit.Config{Name: ratelimit.RateName(l.Config().Name, 2*time.Minute), Algorithm: alg, Limit: 2, Window: 2 * time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 			p, err = named.Peek(ctx, "k")
 			require.NoError(t, err)
 			require.Equal(t, int64(1), p.Used)
@@ -79,7 +79,7 @@ func TestAllowRateTokenBucketSharesTheBalance(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 	d, err := l.Allow(ctx, "k", ratelimit.Cost(10))
 	require.NoError(t, err)
 	require.True(t, d.Allowed)
@@ -140,7 +140,7 @@ func TestAllowRateObservedUnderTheLimitersName(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	obs := &testkit.Observer{}
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-obs", Limit: 1, Window: time.Minute, Now: testkit.Pinned(base)}, ratelimit.DatabaseOptions{Observer: obs})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate-obs", Limit: 1, Window: time.Minute}, ratelimit.DatabaseOptions{Observer: obs, Now: testkit.Pinned(base)})
 	_, err := l.Allow(ctx, "k")
 	require.NoError(t, err)
 	_, err = l.Allow(ctx, "k", ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Hour}))
@@ -163,11 +163,11 @@ func TestKeyByWindow(t *testing.T) {
 	now := testkit.Pinned(base)
 	for _, byWindow := range []bool{false, true} {
 		name := "kbw-" + map[bool]string{false: "name", true: "window"}[byWindow]
-		hourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 3, Window: time.Hour, Now: now, KeyByWindow: byWindow})
+		hourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 3, Window: time.Hour, KeyByWindow: byWindow}, ratelimit.DatabaseOptions{Now: now})
 		d, err := hourly.Allow(ctx, "k", ratelimit.Cost(3))
 		require.NoError(t, err)
 		require.True(t, d.Allowed)
-		twoHourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 5, Window: 2 * time.Hour, Now: now, KeyByWindow: byWindow})
+		twoHourly := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Limit: 5, Window: 2 * time.Hour, KeyByWindow: byWindow}, ratelimit.DatabaseOptions{Now: now})
 		d, err = twoHourly.Allow(ctx, "k")
 		require.NoError(t, err)
 		if byWindow {

@@ -23,7 +23,7 @@ func TestShadowModeNeverDenies(t *testing.T) {
 	ctx := context.Background()
 	for _, alg := range ratelimit.Algorithms {
 		logs := &testkit.LogBuffer{}
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, Now: testkit.Pinned(base), Shadow: true}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(logs, nil))})
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "shadow-" + string(alg), Algorithm: alg, Limit: 2, Window: time.Hour, Shadow: true}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(logs, nil)), Now: testkit.Pinned(base)})
 		for i := range 2 {
 			d, err := l.Allow(ctx, "k")
 			require.NoError(t, err)
@@ -57,13 +57,13 @@ func TestShadowModeInMultiLimit(t *testing.T) {
 	ctx := context.Background()
 	logs := &testkit.LogBuffer{}
 	// One Database: the limits of one AllowAll.
-	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(logs, nil))})
-	shadow := testkit.Limiter(t, db, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour, Now: testkit.Pinned(base), Shadow: true})
-	real := testkit.Limiter(t, db, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
+	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(logs, nil)), Now: testkit.Pinned(base)})
+	shadow := testkit.Limiter(t, db, ratelimit.Config{Name: "new-limit", Limit: 1, Window: time.Hour, Shadow: true})
+	real := testkit.Limiter(t, db, ratelimit.Config{Name: "old-limit", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Hour})
 	// One voting limit of each algorithm: see TestMultiSingleAlgorithmConsumes
 	// in package tests for decisions that lack one.
-	perIP := testkit.Limiter(t, db, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour, Now: testkit.Pinned(base)})
-	global := testkit.Limiter(t, db, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour, Now: testkit.Pinned(base)})
+	perIP := testkit.Limiter(t, db, ratelimit.Config{Name: "per-ip", Limit: 10, Window: time.Hour})
+	global := testkit.Limiter(t, db, ratelimit.Config{Name: "global", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour})
 	for i := range 3 {
 		m, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: shadow, Key: "k"},
 			ratelimit.Check{Limiter: real, Key: "k"}, ratelimit.Check{Limiter: perIP, Key: "k"}, ratelimit.Check{Limiter: global, Key: "k"})

@@ -44,10 +44,10 @@ func sessionScript(t *testing.T, db *pgxpool.Pool) []string {
 	}
 	var ls []*ratelimit.Limiter
 	// One Database: the limits of one AllowAll below.
-	limits := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout})
+	limits := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: testkit.DecisionTimeout, Now: clk})
 	for _, alg := range ratelimit.Algorithms {
 		for _, penalty := range []bool{false, true} {
-			l := testkit.Limiter(t, limits, ratelimit.Config{Name: fmt.Sprintf("s-%s-%v", alg, penalty), Algorithm: alg, Limit: 3, Burst: 5, Window: 7 * time.Second, Penalty: penalty, DenyCacheSize: -1, Now: clk})
+			l := testkit.Limiter(t, limits, ratelimit.Config{Name: fmt.Sprintf("s-%s-%v", alg, penalty), Algorithm: alg, Limit: 3, Burst: 5, Window: 7 * time.Second, Penalty: penalty, DenyCacheSize: -1})
 			ls = append(ls, l)
 			for i, step := range []time.Duration{0, 0, 1100 * time.Millisecond, 0, 2333333 * time.Microsecond, 7 * time.Second, 0} {
 				now = now.Add(step)

@@ -17,7 +17,7 @@ func TestSlidingWindowSequence(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base.Add(30 * time.Second))
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Minute, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 10, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
 
 	d, err := l.Allow(ctx, "k", ratelimit.Cost(10))
 	require.NoError(t, err)

@@ -25,7 +25,7 @@ func TestSpreadAccuracy(t *testing.T) {
 	for _, alg := range ratelimit.Algorithms {
 		const limit, spread = 100, 8
 		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "global-" + string(alg), Algorithm: alg, Limit: limit,
-			Window: time.Hour, Spread: spread, DenyCacheSize: -1, Now: testkit.Pinned(base)})
+			Window: time.Hour, Spread: spread, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base)})
 		var admitted, firstDeny atomic.Int64
 		var attempts atomic.Int64
 		var wg sync.WaitGroup

@@ -18,7 +18,7 @@ func TestTokenBucketSequence(t *testing.T) {
 	ctx := context.Background()
 	c := testkit.NewClock(base)
 	// 10 tokens per second, capacity 5.
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Second, Burst: 5, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Second, Burst: 5}, ratelimit.DatabaseOptions{Now: c.Now})
 
 	d, err := l.Allow(ctx, "k", ratelimit.Cost(5))
 	require.NoError(t, err)
@@ -56,7 +56,7 @@ func TestTokenBucketPenalty(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	c := testkit.NewClock(base)
-	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tbp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 2, Penalty: true, Now: c.Now})
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "tbp", Algorithm: ratelimit.TokenBucket, Limit: 1, Window: time.Second, Burst: 2, Penalty: true}, ratelimit.DatabaseOptions{Now: c.Now})
 	for range 2 {
 		d, err := l.Allow(ctx, "k")
 		require.NoError(t, err)

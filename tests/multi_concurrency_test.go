@@ -43,12 +43,11 @@ const exactTimeout = time.Minute
 // limits of one AllowAll.
 func multiLimiters(t *testing.T, db ratelimit.DB) []*ratelimit.Limiter {
 	var ls []*ratelimit.Limiter
-	d := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: exactTimeout})
+	d := testkit.NewDatabase(t, db, ratelimit.DatabaseOptions{Timeout: exactTimeout, Now: func() time.Time { return multiAt }})
 	for i, limit := range multiLimits {
 		ls = append(ls, testkit.Limiter(t, d, ratelimit.Config{
 			Name: fmt.Sprintf("multi-%d", i), Limit: limit, Window: time.Hour,
 			DenyCacheSize: -1, // every decision goes to PostgreSQL and locks its rows
-			Now:           func() time.Time { return multiAt },
 		}))
 	}
 	return ls

@@ -287,14 +287,15 @@ func bouncerSequence(t *testing.T, via, direct ratelimit.DB, mode string, alg ra
 	now := time.Date(2030, 1, 2, 3, 4, 0, 0, time.UTC).Add(time.Duration(rng.IntN(1e6)) * time.Microsecond)
 	cfg := ratelimit.Config{
 		Name: fmt.Sprintf("seq-%s-%s-%v", mode, alg, penalty), Algorithm: alg, Limit: int64(3 + rng.IntN(8)),
-		Window: window, Penalty: penalty, DenyCacheSize: -1, Now: func() time.Time { return now },
+		Window: window, Penalty: penalty, DenyCacheSize: -1,
 	}
 	if alg == ratelimit.TokenBucket {
 		cfg.Burst = cfg.Limit + int64(rng.IntN(5))
 	}
-	lv, err := testkit.New(via, cfg)
+	clock := ratelimit.DatabaseOptions{Now: func() time.Time { return now }}
+	lv, err := testkit.New(via, cfg, clock)
 	require.NoError(t, err)
-	ld, err := testkit.New(direct, cfg)
+	ld, err := testkit.New(direct, cfg, clock)
 	require.NoError(t, err)
 	capacity := cfg.Limit
 	if alg == ratelimit.TokenBucket {

@@ -1,8 +1,9 @@
 // Package testkit holds the helpers that tests of several packages share:
-// a settable clock for Config.Now, a log buffer safe for concurrent
-// writers, a pool on which every statement fails, a pool wrapper that
-// counts statements, and a limiter constructor that fails the test on
-// error. Tests that need a real database get it from package dbtest.
+// a settable clock for DatabaseOptions.Now (and MemoryOptions.Now), a log
+// buffer safe for concurrent writers, a pool on which every statement
+// fails, a pool wrapper that counts statements, and a limiter constructor
+// that fails the test on error. Tests that need a real database get it
+// from package dbtest.
 package testkit
 
 import (
@@ -17,7 +18,8 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-// Clock is a settable clock for Config.Now, safe for concurrent use.
+// Clock is a settable clock for DatabaseOptions.Now or MemoryOptions.Now,
+// safe for concurrent use.
 type Clock struct {
 	mu sync.Mutex
 	t  time.Time
@@ -27,7 +29,7 @@ type Clock struct {
 func NewClock(t time.Time) *Clock { return &Clock{t: t} }
 
 // Now returns the clock's instant; pass the method value c.Now as
-// Config.Now.
+// DatabaseOptions.Now or MemoryOptions.Now.
 func (c *Clock) Now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
 
 // Set moves the clock to t.
@@ -36,7 +38,8 @@ func (c *Clock) Set(t time.Time) { c.mu.Lock(); c.t = t; c.mu.Unlock() }
 // Add moves the clock by d.
 func (c *Clock) Add(d time.Duration) { c.mu.Lock(); c.t = c.t.Add(d); c.mu.Unlock() }
 
-// Pinned returns a Config.Now that always answers t.
+// Pinned returns a DatabaseOptions.Now (or MemoryOptions.Now) that always
+// answers t.
 func Pinned(t time.Time) func() time.Time { return func() time.Time { return t } }
 
 // LogBuffer captures log output (such as a slog handler's); safe for
