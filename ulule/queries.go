@@ -1,70 +1,32 @@
 package ulule
 
-// This file is the store's whole dependency on pgrl's generated queries
-// (package gen): four fixed-window calls. When gen's signatures change, this
-// is the file to adapt.
+// This file is the store's one statement outside package ratelimit: a
+// negative Increment (hits taken back, as Redis's INCRBY takes a negative
+// count), which ratelimit does not offer (a cost is at least 1). It is one
+// call of pgrl's generated query (package gen) on the row ratelimit counts
+// in. When gen's signatures change, this is the file to adapt.
 
 import (
 	"context"
+	"math"
 	"time"
 
 	"github.com/pgrl/pgrl/gen"
-	"github.com/pgrl/pgrl/internal/pgerr"
-	"github.com/pgrl/pgrl/internal/sqlops"
 )
-
-// window is the state of one key's current fixed window, on the database's
-// clock.
-type window struct {
-	count     int64     // units counted in the window
-	expiresAt time.Time // end of the window
-}
 
 var queries = gen.New()
 
-// incrementWindow adds count units to the key's current window, whatever
-// the limit (every hit counts, as in ulule), and returns the window after
-// the addition. It is one statement.
-func incrementWindow(ctx context.Context, db DB, key []byte, count, windowUs int64) (window, error) {
+// takeBack adds count (negative) units to the key's current window, in the
+// row stored under key, and returns the count after it and the window's
+// end.
+func takeBack(ctx context.Context, db DB, key []byte, count, windowUs int64) (int64, time.Time, error) {
 	r, err := queries.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
-		Key: key, Cost: count, WindowUs: windowUs,
-		// Penalty counts the units even when the window is over the limit, so
-		// max_count only decides the unused allowed column.
-		MaxCount: 0, Penalty: true,
+		// Penalty adds the units whatever the limit; MaxCount only decides
+		// the allowed column, which the store does not read.
+		Key: key, Cost: count, WindowUs: windowUs, MaxCount: math.MaxInt64, Penalty: true,
 	})
-	if err != nil && isMissingPartition(err) {
-		// Partitioned layout and no partition for this window yet: create
-		// it and count again. Nothing was counted by the failed statement.
-		if _, perr := sqlops.New().FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{WindowUs: windowUs}); perr != nil {
-			return window{}, perr
-		}
-		r, err = queries.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
-			Key: key, Cost: count, WindowUs: windowUs, MaxCount: 0, Penalty: true,
-		})
-	}
 	if err != nil {
-		return window{}, err
+		return 0, time.Time{}, err
 	}
-	return window{count: r.Count, expiresAt: time.UnixMicro(r.ExpiresAtUs)}, nil
-}
-
-// peekWindow reads the key's current window without counting.
-func peekWindow(ctx context.Context, db DB, key []byte, windowUs int64) (window, error) {
-	r, err := queries.FixedWindowPeek(ctx, db, gen.FixedWindowPeekParams{Key: key, WindowUs: windowUs})
-	if err != nil {
-		return window{}, err
-	}
-	return window{count: r.Count, expiresAt: time.UnixMicro(r.ExpiresAtUs)}, nil
-}
-
-// resetKey forgets every window of the key.
-func resetKey(ctx context.Context, db DB, key []byte) error {
-	_, err := queries.FixedWindowReset(ctx, db, key)
-	return err
-}
-
-// isMissingPartition reports an insert that no partition accepts.
-func isMissingPartition(err error) bool {
-	kind, _ := pgerr.Classify(err)
-	return kind == pgerr.NoPartition
+	return r.Count, time.UnixMicro(r.ExpiresAtUs), nil
 }

@@ -5,10 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"reflect"
-	"strconv"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -16,7 +15,6 @@ import (
 	"github.com/ulule/limiter/v3"
 	"github.com/ulule/limiter/v3/drivers/store/common"
 
-	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -33,7 +31,8 @@ type DB interface {
 var (
 	// ErrNilDB: NewStore was given no database.
 	ErrNilDB = errors.New("pgrl ulule store: nil database; pass a *pgxpool.Pool")
-	// ErrInvalidPrefix: with ReadableKeys, the prefix contains ':'.
+	// ErrInvalidPrefix: with ReadableKeys, the prefix contains ':' or is
+	// longer than ratelimit.MaxReadableNameBytes.
 	ErrInvalidPrefix = errors.New("pgrl ulule store: invalid prefix")
 	// ErrInvalidPolicy: OnFailure is not one of the policies, or
 	// FailToStore has no Fallback.
@@ -42,9 +41,17 @@ var (
 	ErrInvalidTimeout = errors.New("pgrl ulule store: invalid timeout")
 	// ErrInvalidRate: the rate's period is not one pgrl can count in.
 	ErrInvalidRate = errors.New("pgrl ulule store: invalid rate")
-	// ErrInvalidCount: an increment the database refused as data out of
-	// range (a window's count would leave the bigint range).
+	// ErrInvalidCount: PostgreSQL refused a negative increment (hits taken
+	// back) that a read of the same counter through ratelimit did not
+	// explain: the window's count would fall below the bigint range, or the
+	// role may read pgrl_fixed_window but not write it. The
+	// *pgconn.PgError is wrapped. No failure policy answers it. (Positive
+	// counts never overflow: a count stops at the largest bigint.)
 	ErrInvalidCount = errors.New("pgrl ulule store: invalid count")
+	// ErrKeyTooLong is pgrl's: with ReadableKeys, a key longer than
+	// ratelimit.MaxReadableKeyBytes, which PostgreSQL could not index.
+	// Hashed keys (the default) take keys of any length.
+	ErrKeyTooLong = ratelimit.ErrKeyTooLong
 	// ErrNotMigrated is pgrl's: its tables are missing; run rl-migrate up.
 	ErrNotMigrated = ratelimit.ErrNotMigrated
 	// ErrReadOnly is pgrl's: the database is a read-only standby.
@@ -63,10 +70,12 @@ var (
 
 // FailurePolicy says what Get, Peek and Increment answer when the database
 // cannot (connection refused or lost, server shut down, Options.Timeout
-// passed). It never applies to bad input, to a missing migration, to a
-// missing grant, to a read-only standby, to SQL the server does not
-// support (ErrUnsupported), or to a call whose own context ended: those
-// errors are always returned.
+// passed, ratelimit's circuit breaker open after repeated failures). It
+// never applies to bad input, to a missing migration, grant or partition,
+// to a read-only standby, to SQL the server does not support
+// (ErrUnsupported): to any error ratelimit.IsConfigError reports, nor to
+// ErrInvalidRate or ErrInvalidCount, nor to a call whose own context
+// ended: those errors are always returned.
 type FailurePolicy int
 
 const (
@@ -106,9 +115,12 @@ type Options struct {
 	// different prefixes never share a counter. Defaults to ulule's
 	// limiter.DefaultPrefix ("limiter").
 	Prefix string
-	// ReadableKeys stores "prefix:period_us:key" in the table instead of a
-	// 16-byte digest of it. Defaults to false: keys are hashed, so no
-	// e-mail or IP address is stored. The prefix must not contain ':' then.
+	// ReadableKeys stores "prefix@<period in µs>us:key" (the name
+	// ratelimit.RateName(prefix, period), ':', the key) in the table
+	// instead of a 16-byte digest of it, with keys of at most
+	// ratelimit.MaxReadableKeyBytes. Defaults to false: keys are hashed, so
+	// no e-mail or IP address is stored. The prefix must not contain ':'
+	// then.
 	ReadableKeys bool
 	// OnFailure is the failure policy. Defaults to FailError.
 	OnFailure FailurePolicy
@@ -116,23 +128,30 @@ type Options struct {
 	// ignored otherwise.
 	Fallback limiter.Store
 	// Timeout bounds each call's time in the database, whatever the
-	// caller's context; when it passes, the failure policy answers.
-	// Defaults to ratelimit.DefaultTimeout (500ms), so that a stalled
-	// database never stalls the application. Pair a short timeout with the
-	// server's statement_timeout.
+	// caller's context; when it passes, the failure policy answers. It is
+	// the store's ratelimit.DatabaseOptions.Timeout. Defaults to
+	// ratelimit.DefaultTimeout (500ms), so that a stalled database never
+	// stalls the application. Pair a short timeout with the server's
+	// statement_timeout.
 	Timeout time.Duration
-	// Logger receives one warning each time the failure policy answers.
+	// Logger receives one warning each time the failure policy answers,
+	// and what the store's ratelimit.Database logs (an outage and its end,
+	// once each; SQL the server does not support, once per period).
 	// Defaults to slog.Default().
 	Logger *slog.Logger
 }
 
 // Store is a limiter.Store whose counters are pgrl's fixed-window counters
-// in PostgreSQL. It is safe for concurrent use.
+// in PostgreSQL, kept through package ratelimit. It is safe for concurrent
+// use.
 type Store struct {
 	db   DB
 	opts Options
-	// unsupportedLogged: an ErrUnsupported was logged (fail).
-	unsupportedLogged atomic.Bool
+	// counter is the fixed-window limit every call goes through, at the
+	// call's period (AtRate): Limit math.MaxInt64 and Penalty, so that it
+	// counts every hit and never refuses one; the store applies ulule's
+	// limit to the count it reports (contextOf).
+	counter *ratelimit.Limiter
 }
 
 var _ limiter.Store = (*Store)(nil)
@@ -143,7 +162,8 @@ func NewStore(db DB) (limiter.Store, error) {
 	return NewStoreWithOptions(db, Options{})
 }
 
-// NewStoreWithOptions returns a store on db with the given options.
+// NewStoreWithOptions returns a store on db with the given options. It
+// does not touch the database.
 func NewStoreWithOptions(db DB, opts Options) (*Store, error) {
 	if db == nil || isNilPointer(db) {
 		return nil, ErrNilDB
@@ -172,7 +192,49 @@ func NewStoreWithOptions(db DB, opts Options) (*Store, error) {
 	if opts.Logger == nil {
 		opts.Logger = slog.Default()
 	}
-	return &Store{db: db, opts: opts}, nil
+	limits, err := ratelimit.NewDatabase(db, ratelimit.DatabaseOptions{
+		Timeout: opts.Timeout,
+		// The partitioned layout works without partitions made ahead: a
+		// check that finds none for its window creates it (the role must
+		// then own pgrl's tables, as for any DDL).
+		CreatePartitions: true,
+		Logger:           opts.Logger,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pgrl ulule store: %w", err)
+	}
+	counter, err := limits.Limiter(ratelimit.Config{
+		Name:      opts.Prefix,
+		Algorithm: ratelimit.FixedWindow,
+		// Every hit counts and none is refused: ulule's limit comes with
+		// each call and the store applies it to the count.
+		Limit:   math.MaxInt64,
+		Penalty: true,
+		// Each call gives its own period (AtRate); this one is never used.
+		Window: time.Minute,
+		// Counters of the prefix at period p are stored under the name
+		// ratelimit.RateName(prefix, p): periods never share a counter.
+		KeyByWindow: true,
+		KeyMode:     keyMode(opts.ReadableKeys),
+		// The store's own policy (Options.OnFailure) answers outages, so
+		// ratelimit returns them.
+		OnFailure:     ratelimit.FailError,
+		DenyCacheSize: -1, // nothing is ever denied
+	})
+	if errors.Is(err, ratelimit.ErrInvalidName) {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidPrefix, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("pgrl ulule store: %w", err)
+	}
+	return &Store{db: db, opts: opts, counter: counter}, nil
+}
+
+func keyMode(readable bool) ratelimit.KeyMode {
+	if readable {
+		return ratelimit.ReadableKeys
+	}
+	return ratelimit.HashedKeys
 }
 
 func isNilPointer(db DB) bool {
@@ -187,38 +249,89 @@ func (s *Store) Get(ctx context.Context, key string, rate limiter.Rate) (limiter
 
 // Increment counts count hits for key and returns the key's state after
 // them. Every hit counts, also past the limit, as in ulule's stores. A
-// negative count takes hits back (Redis's INCRBY does the same).
+// negative count takes hits back (Redis's INCRBY does the same); 0 counts
+// nothing.
 func (s *Store) Increment(ctx context.Context, key string, count int64, rate limiter.Rate) (limiter.Context, error) {
-	windowUs, err := checkRate(rate)
+	at, err := atRate(rate)
 	if err != nil {
 		return limiter.Context{}, err
 	}
-	call, cancel := s.callContext(ctx)
-	defer cancel()
-	w, err := incrementWindow(call, s.db, s.storedKey(key, windowUs), count, windowUs)
+	var (
+		used int64
+		end  time.Time
+	)
+	switch {
+	case count > 0:
+		var d ratelimit.Decision
+		d, err = s.counter.Allow(ctx, key, ratelimit.Cost(count), at)
+		used, end = d.Used, d.ResetAt
+	case count == 0:
+		var d ratelimit.Decision
+		d, err = s.counter.Peek(ctx, key, at)
+		used, end = d.Used, d.ResetAt
+	default:
+		used, end, err = s.takeBack(ctx, key, count, rate, at)
+	}
 	if err != nil {
 		return s.fail(ctx, "increment", err, rate, func(f limiter.Store) (limiter.Context, error) {
 			return f.Increment(ctx, key, count, rate)
 		})
 	}
-	return contextOf(rate, w), nil
+	return contextOf(rate, used, end), nil
+}
+
+// takeBack adds count (negative) hits to key's current window: the one
+// statement the store sends itself (queries.go), on the row ratelimit
+// counts in. When it fails, ratelimit reads the same counter to tell a
+// setup error or an outage (typed as for any other call), and makes the
+// window's partition in the partitioned layout, before the statement is
+// sent once more.
+func (s *Store) takeBack(ctx context.Context, key string, count int64, rate limiter.Rate, at ratelimit.Option) (int64, time.Time, error) {
+	if s.opts.ReadableKeys && len(key) > ratelimit.MaxReadableKeyBytes {
+		// ratelimit's own check of a readable key, as its calls make it.
+		return 0, time.Time{}, fmt.Errorf("%w: %d bytes; readable keys hold at most %d bytes: shorten the key, or keep keys hashed",
+			ErrKeyTooLong, len(key), ratelimit.MaxReadableKeyBytes)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.opts.Timeout)
+	defer cancel()
+	windowUs := rate.Period.Microseconds()
+	k := ratelimit.StoredKey(keyMode(s.opts.ReadableKeys), ratelimit.RateName(s.opts.Prefix, rate.Period), key)
+	used, end, err := takeBack(ctx, s.db, k, count, windowUs)
+	if err == nil || ctx.Err() != nil {
+		return used, end, err
+	}
+	if _, perr := s.counter.Peek(ctx, key, at); perr != nil {
+		return 0, time.Time{}, perr
+	}
+	lim, lerr := s.counter.WithRate(counterRate(rate))
+	if lerr != nil {
+		return 0, time.Time{}, lerr
+	}
+	if perr := ratelimit.EnsurePartitions(ctx, s.db, lim); perr != nil {
+		return 0, time.Time{}, perr
+	}
+	used, end, err = takeBack(ctx, s.db, k, count, windowUs)
+	var pgErr *pgconn.PgError
+	if err != nil && errors.As(err, &pgErr) {
+		// PostgreSQL answered, and refused this statement only.
+		return 0, time.Time{}, fmt.Errorf("%w: adding %d to the count of %q: %w", ErrInvalidCount, count, key, err)
+	}
+	return used, end, err
 }
 
 // Peek returns the key's state without counting.
 func (s *Store) Peek(ctx context.Context, key string, rate limiter.Rate) (limiter.Context, error) {
-	windowUs, err := checkRate(rate)
+	at, err := atRate(rate)
 	if err != nil {
 		return limiter.Context{}, err
 	}
-	call, cancel := s.callContext(ctx)
-	defer cancel()
-	w, err := peekWindow(call, s.db, s.storedKey(key, windowUs), windowUs)
+	d, err := s.counter.Peek(ctx, key, at)
 	if err != nil {
 		return s.fail(ctx, "peek", err, rate, func(f limiter.Store) (limiter.Context, error) {
 			return f.Peek(ctx, key, rate)
 		})
 	}
-	return contextOf(rate, w), nil
+	return contextOf(rate, d.Used, d.ResetAt), nil
 }
 
 // Reset forgets every count of key at this rate's period and returns the
@@ -226,7 +339,7 @@ func (s *Store) Peek(ctx context.Context, key string, rate limiter.Rate) (limite
 // database error is always returned, whatever the failure policy: a reset
 // cannot be pretended. With FailToStore the fallback store is reset too.
 func (s *Store) Reset(ctx context.Context, key string, rate limiter.Rate) (limiter.Context, error) {
-	windowUs, err := checkRate(rate)
+	at, err := atRate(rate)
 	if err != nil {
 		return limiter.Context{}, err
 	}
@@ -235,70 +348,66 @@ func (s *Store) Reset(ctx context.Context, key string, rate limiter.Rate) (limit
 			return limiter.Context{}, err
 		}
 	}
-	call, cancel := s.callContext(ctx)
+	// One Timeout for both statements.
+	call, cancel := context.WithTimeout(ctx, s.opts.Timeout)
 	defer cancel()
-	k := s.storedKey(key, windowUs)
-	if err := resetKey(call, s.db, k); err != nil {
-		return limiter.Context{}, s.explain(ctx, mapErr(err))
+	if err := s.counter.Reset(call, key, at); err != nil {
+		return limiter.Context{}, wrap(ctx, err)
 	}
 	// A second statement learns the current window's end on the database's
 	// clock. It reports nothing counted even if another caller has counted
 	// a hit in between: this answer is the reset's.
-	w, err := peekWindow(call, s.db, k, windowUs)
+	d, err := s.counter.Peek(call, key, at)
 	if err != nil {
-		return limiter.Context{}, s.explain(ctx, mapErr(err))
+		return limiter.Context{}, wrap(ctx, err)
 	}
-	w.count = 0
-	return contextOf(rate, w), nil
+	return contextOf(rate, 0, d.ResetAt), nil
 }
 
-// contextOf turns a window into ulule's answer with ulule's own arithmetic:
-// Reached when the count is over the limit, Remaining the limit less the
-// count (never negative), Reset the window's end in Unix seconds.
-func contextOf(rate limiter.Rate, w window) limiter.Context {
-	return common.GetContextFromState(time.Time{}, rate, w.expiresAt, w.count)
+// contextOf turns a window's count and end into ulule's answer with ulule's
+// own arithmetic: Reached when the count is over the limit, Remaining the
+// limit less the count (never negative), Reset the window's end in Unix
+// seconds.
+func contextOf(rate limiter.Rate, count int64, end time.Time) limiter.Context {
+	return common.GetContextFromState(time.Time{}, rate, end, count)
 }
 
-// checkRate validates the rate's period and returns it in microseconds.
-// ulule's rates come with each call, so each call checks its own.
-func checkRate(rate limiter.Rate) (int64, error) {
+// atRate validates the rate's period and returns the option that counts
+// at it. ulule's rates come with each call, so each call checks its own.
+func atRate(rate limiter.Rate) (ratelimit.Option, error) {
 	p := rate.Period
 	if p < ratelimit.MinWindow || p > ratelimit.MaxWindow {
-		return 0, fmt.Errorf("%w: period %v; use a period between %v and %v, such as time.Minute", ErrInvalidRate, p, ratelimit.MinWindow, ratelimit.MaxWindow)
+		return ratelimit.Option{}, fmt.Errorf("%w: period %v; use a period between %v and %v, such as time.Minute", ErrInvalidRate, p, ratelimit.MinWindow, ratelimit.MaxWindow)
 	}
 	if p%time.Microsecond != 0 {
-		return 0, fmt.Errorf("%w: period %v; use a whole number of microseconds", ErrInvalidRate, p)
+		return ratelimit.Option{}, fmt.Errorf("%w: period %v; use a whole number of microseconds", ErrInvalidRate, p)
 	}
-	return p.Microseconds(), nil
+	return ratelimit.AtRate(counterRate(rate)), nil
 }
 
-// storedKey is the key column's value: pgrl's digest (or readable form) of
-// the key under the name "prefix:period_us". The period is part of the
-// name because pgrl aligns windows on multiples of the period, so counters
-// of different periods must not meet; limits of one period share a counter,
-// as in ulule's stores.
-func (s *Store) storedKey(key string, windowUs int64) []byte {
-	mode := ratelimit.HashedKeys
-	if s.opts.ReadableKeys {
-		mode = ratelimit.ReadableKeys
-	}
-	return ratelimit.StoredKey(mode, s.opts.Prefix+":"+strconv.FormatInt(windowUs, 10), key)
+// counterRate is the ratelimit rate the store counts ulule's rate at: its
+// period, and no limit of its own (see Store.counter). One rate per
+// period, whatever ulule's limit: limits of one period share a counter, as
+// in ulule's stores.
+func counterRate(rate limiter.Rate) ratelimit.Rate {
+	return ratelimit.Rate{Limit: math.MaxInt64, Window: rate.Period}
 }
 
-func (s *Store) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(ctx, s.opts.Timeout)
+// wrap names the store in err and keeps the caller's own context's end in
+// the chain.
+func wrap(ctx context.Context, err error) error {
+	if cerr := ctx.Err(); cerr != nil && !errors.Is(err, cerr) {
+		return fmt.Errorf("pgrl ulule store: %w: %w", cerr, err)
+	}
+	return fmt.Errorf("pgrl ulule store: %w", err)
 }
 
 // fail answers a call the database could not: errors the caller or the
 // setup caused are returned; an outage goes to the failure policy.
 func (s *Store) fail(ctx context.Context, op string, cause error, rate limiter.Rate, fallback func(limiter.Store) (limiter.Context, error)) (limiter.Context, error) {
-	err := mapErr(cause)
-	if errors.Is(err, ErrUnsupported) && s.unsupportedLogged.CompareAndSwap(false, true) {
-		s.opts.Logger.Error("pgrl ulule store: the store's SQL does not fit this server; calls fail with ErrUnsupported, "+
-			"and no failure policy answers them, until it does (logged once per store)", "op", op, "error", err.Error())
-	}
+	err := wrap(ctx, cause)
 	if ctx.Err() != nil || isSetupError(err) || s.opts.OnFailure == FailError {
-		return limiter.Context{}, s.explain(ctx, err)
+		return limiter.Context{}, err
 	}
 	s.opts.Logger.Warn("pgrl ulule store: database unavailable; the failure policy answers",
 		"op", op, "policy", s.opts.OnFailure.String(), "error", cause)
@@ -313,47 +422,10 @@ func (s *Store) fail(ctx context.Context, op string, cause error, rate limiter.R
 }
 
 // isSetupError reports errors that a failure policy must not hide: they
-// come from the input or the setup, not from a passing outage.
+// come from the input or the setup, not from a passing outage
+// (ratelimit.IsConfigError: a missing migration, grant or partition, a
+// read-only database, SQL the server does not support, input PostgreSQL
+// refused, a readable key too long).
 func isSetupError(err error) bool {
-	return errors.Is(err, ErrNotMigrated) || errors.Is(err, ErrReadOnly) || errors.Is(err, ErrInvalidCount) ||
-		errors.Is(err, ErrPermission) || errors.Is(err, ErrUnsupported)
-}
-
-// storeNeed is what the store needs on pgrl's tables.
-var storeNeed = pgerr.Need{Tables: []string{"pgrl_fixed_window"}, Privileges: []string{"SELECT", "INSERT", "UPDATE", "DELETE"}}
-
-// explain asks the database (one more query, on these error paths only)
-// which grant is missing when err is a missing table or a permission
-// error: a schema without USAGE hides pgrl_fixed_window, which then looks
-// missing.
-func (s *Store) explain(ctx context.Context, err error) error {
-	if !errors.Is(err, ErrNotMigrated) && !errors.Is(err, ErrPermission) {
-		return err
-	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opts.Timeout)
-	defer cancel()
-	if pe := pgerr.Diagnose(ctx, s.db, storeNeed, err); pe != nil {
-		return fmt.Errorf("pgrl ulule store: %w", pe)
-	}
-	return err
-}
-
-// mapErr turns the database errors a user can cause into typed errors that
-// name the fix, keeping the original for errors.As.
-func mapErr(err error) error {
-	kind, pgErr := pgerr.Classify(err)
-	switch {
-	case kind == pgerr.Undefined:
-		return fmt.Errorf("%w: %w", ErrNotMigrated, pgErr)
-	case kind == pgerr.ReadOnly:
-		return fmt.Errorf("%w: %w", ErrReadOnly, pgErr)
-	case kind == pgerr.Permission:
-		return fmt.Errorf("pgrl ulule store: %w", pgerr.Denied(pgErr, storeNeed))
-	case kind == pgerr.Input && !pgerr.IsConstraintViolation(pgErr):
-		return fmt.Errorf("%w: %w; keep each key's count within ±9.2e18 per window", ErrInvalidCount, err)
-	case kind == pgerr.Unsupported:
-		return fmt.Errorf("%w (a setup error, not an outage: no failure policy answers it; run `rl-migrate up` with this version of pgrl): %w",
-			ErrUnsupported, pgErr)
-	}
-	return fmt.Errorf("pgrl ulule store: %w", err)
+	return ratelimit.IsConfigError(err) || errors.Is(err, ErrInvalidCount)
 }

@@ -95,8 +95,9 @@ func TestWindowOnDatabaseClock(t *testing.T) {
 	require.Contains(t, []int64{end(before), end(after)}, lc.Reset)
 }
 
-// TestKeysHashed: the table holds pgrl's digest of "prefix:period_us" and
-// the key, never the key; ReadableKeys stores it readably.
+// TestKeysHashed: the table holds pgrl's digest of the name
+// ratelimit.RateName(prefix, period) ("api@60000000us") and the key,
+// never the key; ReadableKeys stores it readably.
 func TestKeysHashed(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
@@ -119,8 +120,8 @@ func TestKeysHashed(t *testing.T) {
 	}
 	require.NoError(t, rows.Err())
 	require.Equal(t, [][]byte{
-		ratelimit.StoredKey(ratelimit.HashedKeys, "api:60000000", "alice@example.com"),
-		[]byte("web:60000000:bob"),
+		ratelimit.StoredKey(ratelimit.HashedKeys, "api@60000000us", "alice@example.com"),
+		[]byte("web@60000000us:bob"),
 	}, keys)
 }
 

@@ -24,15 +24,20 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"os"
+	"os/signal"
 	"runtime"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -42,12 +47,16 @@ import (
 	"github.com/ulule/limiter/v3"
 	sredis "github.com/ulule/limiter/v3/drivers/store/redis"
 
-	"github.com/pgrl/pgrl/internal/cli"
-	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ulule"
 )
 
-func main() { cli.Main(run) }
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
 
 // result is one store's figures for one number of callers.
 type result struct {
@@ -87,7 +96,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	var err error
-	if o.callers, err = cli.PositiveInts("--callers", callers); err != nil {
+	if o.callers, err = positiveInts("--callers", callers); err != nil {
 		fmt.Fprintln(stderr, "ulbench:", err)
 		return 2
 	}
@@ -101,7 +110,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	if o.output == "json" {
-		err = cli.PrintJSON(stdout, map[string]any{
+		enc := json.NewEncoder(stdout)
+		enc.SetEscapeHTML(false)
+		err = enc.Encode(map[string]any{
 			"cpus": runtime.NumCPU(), "keys": o.keys, "duration": o.duration.String(), "results": results,
 		})
 	} else {
@@ -115,7 +126,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 }
 
 func bench(ctx context.Context, o options) ([]result, error) {
-	conn, _ := cli.ConnString(o.dbURL)
+	conn := o.dbURL
+	if conn == "" {
+		conn = os.Getenv("DATABASE_URL") // else the PG* variables
+	}
 	if err := prepareSchema(ctx, conn, o.schema); err != nil {
 		return nil, err
 	}
@@ -127,7 +141,7 @@ func bench(ctx context.Context, o options) ([]result, error) {
 			return nil, err
 		}
 		pcfg.ConnConfig.RuntimeParams["search_path"] = o.schema
-		pool, err := cli.OpenPool(ctx, pcfg, c)
+		pool, err := openPool(ctx, pcfg, c)
 		if err != nil {
 			return nil, err
 		}
@@ -223,25 +237,75 @@ func micros(sorted []time.Duration, q float64) float64 {
 	return float64(sorted[int(q*float64(len(sorted)-1))].Nanoseconds()) / 1e3
 }
 
-// prepareSchema creates the schema and applies pgrl's migrations in it when
-// its table is missing.
+// prepareSchema creates the schema and applies pgrl's migrations in it (as
+// rl-migrate --schema does) when its table is missing.
 func prepareSchema(ctx context.Context, conn, schemaName string) error {
 	c, err := pgx.Connect(ctx, conn)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = c.Close(context.Background()) }()
-	if _, err := c.Exec(ctx, "CREATE SCHEMA IF NOT EXISTS "+pgx.Identifier{schemaName}.Sanitize()); err != nil {
-		return err
-	}
 	var exists bool
-	if err := c.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", schemaName+".pgrl_fixed_window").Scan(&exists); err != nil {
+	if err := c.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", pgx.Identifier{schemaName, "pgrl_fixed_window"}.Sanitize()).Scan(&exists); err != nil {
 		return err
 	}
 	if exists {
 		return nil
 	}
-	return dbtest.Apply(ctx, c, schemaName)
+	m, err := migration.New(conn, migration.Config{Schema: schemaName})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = m.Close() }()
+	_, err = m.Up(ctx)
+	return err
+}
+
+// positiveInts parses a comma-separated flag value of positive integers;
+// name is the flag, for the error message.
+func positiveInts(name, s string) ([]int, error) {
+	var out []int
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p == "" {
+			continue
+		}
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s: %q is not a positive integer", name, p)
+		}
+		out = append(out, n)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%s: give at least one number", name)
+	}
+	return out, nil
+}
+
+// openPool opens a pool of exactly n connections with cfg and establishes
+// all of them before it returns, so that the benchmark measures no
+// connection setup.
+func openPool(ctx context.Context, cfg *pgxpool.Config, n int) (*pgxpool.Pool, error) {
+	cfg.MaxConns = int32(n)
+	cfg.MinConns = int32(n)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	held := make([]*pgxpool.Conn, 0, n)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for range n {
+		c, err := pool.Acquire(ctx)
+		if err != nil {
+			pool.Close()
+			return nil, err
+		}
+		held = append(held, c)
+	}
+	return pool, nil
 }
 
 func printText(w io.Writer, results []result) error {
