@@ -5,7 +5,8 @@ import "context"
 // Checker is what every kind of limit does, with one set of methods:
 // *Limiter (in PostgreSQL), *MemoryLimiter (in process memory) and package
 // policy's *Limiter (a limit stored in PostgreSQL) satisfy it, and package
-// httplimit and the ulule store take it. Each verb takes the same options
+// httplimit takes it (the ulule store is built on a *Limiter's Allow, Peek
+// and Reset with AtRate). Each verb takes the same options
 // (Cost, UpTo, AtRate); a Limiter's verbs have …Tx twins that run in the
 // caller's transaction (AllowTx, PeekTx, ResetTx).
 type Checker interface {
