@@ -21,6 +21,11 @@ const (
 	// StorePolicy means no store answered: the database failed and the
 	// limiter's failure policy (fail open or fail closed) decided.
 	StorePolicy Store = "policy"
+	// StoreLease means a slice of the key's quota that this process had
+	// already counted in PostgreSQL answered, without a round trip (package
+	// lease). The units were counted in the shared counter before the
+	// check: a lease never admits more than the limit.
+	StoreLease Store = "lease"
 )
 
 // Decision is the outcome of a check.

@@ -1,6 +1,10 @@
 package ratelimit
 
-import "context"
+import (
+	"context"
+
+	"github.com/pgrl/pgrl/internal/optview"
+)
 
 // Checker is what every kind of limit does, with one set of methods:
 // *Limiter (in PostgreSQL), *MemoryLimiter (in process memory) and package
@@ -125,4 +129,19 @@ func (l *Limiter) resolve(opts []Option, counts bool) (*Limiter, ask, error) {
 	}
 	lr, err := l.WithRate(r)
 	return lr, a, err
+}
+
+func init() {
+	optview.Decode = func(o any) optview.View {
+		x := o.(Option)
+		switch x.kind {
+		case optCost:
+			return optview.View{Kind: optview.Cost, N: x.n}
+		case optUpTo:
+			return optview.View{Kind: optview.UpTo, N: x.n}
+		case optRate:
+			return optview.View{Kind: optview.AtRate}
+		}
+		return optview.View{Kind: optview.Invalid}
+	}
 }

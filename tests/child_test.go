@@ -17,6 +17,7 @@ import (
 // binary: it prints "ready", then answers each line written to its stdin
 // with one line of JSON.
 type child struct {
+	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	out    *bufio.Scanner
 	stderr *strings.Builder
@@ -33,7 +34,7 @@ func startChild(t *testing.T, ctx context.Context, test string, env ...string) *
 	require.NoError(t, err)
 	stdout, err := cmd.StdoutPipe()
 	require.NoError(t, err)
-	c := &child{stdin: stdin, out: bufio.NewScanner(stdout), stderr: &strings.Builder{}}
+	c := &child{cmd: cmd, stdin: stdin, out: bufio.NewScanner(stdout), stderr: &strings.Builder{}}
 	cmd.Stderr = c.stderr
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = stdin.Close(); _ = cmd.Wait() })

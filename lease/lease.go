@@ -1,0 +1,653 @@
+package lease
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/optview"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// Defaults of Options' optional fields.
+const (
+	// DefaultShare is Options.Share when it is 0.
+	DefaultShare = 8
+	// DefaultIdle is Options.Idle when it is 0.
+	DefaultIdle = time.Second
+	// MinIdle is the shortest Options.Idle.
+	MinIdle = time.Millisecond
+)
+
+// Errors returned for a bad setup or a bad call. Test with errors.Is; the
+// error's text adds the offending value and the fix.
+var (
+	// ErrNilLimiter: New was given no *ratelimit.Limiter.
+	ErrNilLimiter = errors.New("pgrl lease: nil limiter; pass the *ratelimit.Limiter whose quota is leased")
+	// ErrInvalidSize: Options.Size is below 1 or above the limit.
+	ErrInvalidSize = errors.New("pgrl lease: invalid slice size")
+	// ErrInvalidShare: Options.Share is negative.
+	ErrInvalidShare = errors.New("pgrl lease: invalid share")
+	// ErrInvalidIdle: Options.Idle is negative or below MinIdle.
+	ErrInvalidIdle = errors.New("pgrl lease: invalid idle time")
+	// ErrUnsupported: the limiter's configuration cannot be leased in this
+	// version: the token bucket, Penalty, Spread above 1, or a stored
+	// Policy. The text says why and what to use instead.
+	ErrUnsupported = errors.New("pgrl lease: limit not supported by leases")
+	// ErrClosed: a check made after Close.
+	ErrClosed = errors.New("pgrl lease: limiter closed; make a new one with lease.New, or check with the *ratelimit.Limiter directly")
+)
+
+// Options configure a lease limiter.
+type Options struct {
+	// Size is the largest slice, in units, that one statement takes for a
+	// key. Required: from 1 to the limiter's Limit (a slice never exceeds
+	// the limit). A larger Size saves more statements and can leave more
+	// units unused in a process while another is denied (docs/LEASES.md).
+	Size int64
+	// Share is the fair-share divisor: once this process has seen the
+	// key's Remaining r in the current window, its next slice asks for
+	// ceil(r/Share) units (at least the check's cost, at most Size), so
+	// slices shrink as the key nears its limit and the last units go one
+	// by one. Defaults to DefaultShare (8). Negative is refused.
+	Share int
+	// Idle is how long a key's slice may go without a check before its
+	// unused units are returned (fixed window) or dropped (sliding
+	// window). Defaults to DefaultIdle (1s); at least MinIdle.
+	Idle time.Duration
+	// DB is the database unused fixed-window units are returned on: the
+	// one the limiter's ratelimit.Database was made on (a *pgxpool.Pool).
+	// Nil: units are never returned; they expire with their window.
+	DB ratelimit.DB
+	// Now is the local clock a slice's expiry and idle time are measured
+	// on, for tests (with ratelimit.DatabaseOptions.Now pinned to the same
+	// clock). Defaults to time.Now, whose monotonic reading is what makes
+	// an expiry independent of the database's and this machine's wall
+	// clocks.
+	Now func() time.Time
+}
+
+// Stats counts what a lease limiter did since New.
+type Stats struct {
+	// Slices is how many statements took a slice of at least one unit.
+	Slices int64
+	// Leased is the units those slices took.
+	Leased int64
+	// UsedLocally is the leased units given to checks.
+	UsedLocally int64
+	// Returned is the leased units given back to the database (idle,
+	// Close).
+	Returned int64
+	// Dropped is the leased units given to no check and not returned:
+	// their window ended, the key was Reset, or the sliding window (whose
+	// units are never returned) went idle or closed.
+	Dropped int64
+	// LocalDecisions is how many checks a slice answered, with no
+	// statement.
+	LocalDecisions int64
+	// DatabaseDecisions is how many checks PostgreSQL answered (a slice's
+	// ask, or the caller's own check while the breaker is open).
+	DatabaseDecisions int64
+	// OtherDecisions is how many checks the limiter answered without
+	// PostgreSQL: its deny cache (no statement), or its failure policy.
+	OtherDecisions int64
+}
+
+// Limiter answers checks of a *ratelimit.Limiter's keys from slices of
+// their quota counted in PostgreSQL ahead of use. It is safe for
+// concurrent use. Make one with New and Close it.
+type Limiter struct {
+	l        *ratelimit.Limiter
+	cfg      ratelimit.Config
+	opts     Options
+	now      func() time.Time
+	stored   string // the name the counter rows are stored under
+	windowUs int64
+	seed     maphash.Seed
+	shards   [shardCount]shard
+
+	closed    atomic.Bool
+	stop      chan struct{}
+	done      chan struct{}
+	closeOnce sync.Once
+
+	slices, leased, usedLocally, returned, dropped, local, remote, other atomic.Int64
+
+	// afterSweep, when set (tests), is called after each sweep of the
+	// background goroutine.
+	afterSweep atomic.Pointer[func()]
+}
+
+var _ ratelimit.Checker = (*Limiter)(nil)
+
+const shardCount = 64
+
+type shard struct {
+	mu sync.Mutex
+	m  map[string]*entry
+}
+
+// entry is one key's lease. Its fields are guarded by lock, a channel of
+// one slot, so that a goroutine waiting for another's slice can give up
+// when its context ends.
+type entry struct {
+	key  string
+	lock chan struct{}
+	dead bool // removed from its shard; look the key up again
+
+	left      int64     // units of the slice not yet given to a check
+	expires   time.Time // local instant the slice's window ends
+	local     time.Time // local instant taken before the slice's statement
+	dbNow     time.Time // the slice's decision's Now (database clock)
+	resetAt   time.Time // the slice's decision's ResetAt
+	used      int64     // the slice's decision's Used (the slice counted)
+	remaining int64     // the slice's decision's Remaining (the slice not counted)
+	lastUse   time.Time // local instant of the last check
+}
+
+// New returns a lease limiter on l. It starts a goroutine that returns
+// idle slices; Close stops it. l must be a fixed or sliding window limiter
+// without Penalty, Spread or Policy (ErrUnsupported says why for each).
+func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
+	if l == nil {
+		return nil, ErrNilLimiter
+	}
+	cfg := l.Config()
+	switch {
+	case cfg.Algorithm == ratelimit.TokenBucket:
+		return nil, fmt.Errorf("%w: %q is a token bucket, which refills while units are out on lease; a lease would need them counted against its capacity (a later version). Use a fixed or sliding window, or check the token bucket directly", ErrUnsupported, cfg.Name)
+	case cfg.Penalty:
+		return nil, fmt.Errorf("%w: %q has Penalty, which counts a partial grant's whole ask, so a slice's ask would penalise the key for units no request used. Check a penalised limit directly", ErrUnsupported, cfg.Name)
+	case cfg.Spread > 1:
+		return nil, fmt.Errorf("%w: %q has Spread %d; a slice is taken from one row. Use Spread 1 with a lease: a lease already takes most checks off the row", ErrUnsupported, cfg.Name, cfg.Spread)
+	case cfg.Policy != "":
+		return nil, fmt.Errorf("%w: %q reads stored policy %q, but a slice's ask (a partial grant) counts at the limiter's own figures, not the policy's. Lease a limiter without Policy", ErrUnsupported, cfg.Name, cfg.Policy)
+	}
+	if opts.Size < 1 || opts.Size > cfg.Limit {
+		return nil, fmt.Errorf("%w: %d for %q; set Options.Size between 1 and the limit %d (a slice never exceeds the limit), such as %d", ErrInvalidSize, opts.Size, cfg.Name, cfg.Limit, max(cfg.Limit/100, 1))
+	}
+	if opts.Share < 0 {
+		return nil, fmt.Errorf("%w: %d for %q; use 1 or more (0 means %d)", ErrInvalidShare, opts.Share, cfg.Name, DefaultShare)
+	}
+	if opts.Share == 0 {
+		opts.Share = DefaultShare
+	}
+	if opts.Idle < 0 || (opts.Idle > 0 && opts.Idle < MinIdle) {
+		return nil, fmt.Errorf("%w: %v for %q; use at least %v (0 means %v)", ErrInvalidIdle, opts.Idle, cfg.Name, MinIdle, DefaultIdle)
+	}
+	if opts.Idle == 0 {
+		opts.Idle = DefaultIdle
+	}
+	now := opts.Now
+	if now == nil {
+		now = time.Now
+	}
+	stored := cfg.Name
+	if cfg.KeyByWindow {
+		stored = ratelimit.RateName(cfg.Name, cfg.Window)
+	}
+	lim := &Limiter{
+		l: l, cfg: cfg, opts: opts, now: now, stored: stored,
+		windowUs: cfg.Window.Microseconds(), seed: maphash.MakeSeed(),
+		stop: make(chan struct{}), done: make(chan struct{}),
+	}
+	for i := range lim.shards {
+		lim.shards[i].m = make(map[string]*entry)
+	}
+	go lim.sweeper()
+	return lim, nil
+}
+
+// Config is the leased limiter's configuration.
+func (x *Limiter) Config() ratelimit.Config { return x.cfg }
+
+// Stats reports what the limiter did since New.
+func (x *Limiter) Stats() Stats {
+	return Stats{
+		Slices: x.slices.Load(), Leased: x.leased.Load(), UsedLocally: x.usedLocally.Load(),
+		Returned: x.returned.Load(), Dropped: x.dropped.Load(),
+		LocalDecisions: x.local.Load(), DatabaseDecisions: x.remote.Load(), OtherDecisions: x.other.Load(),
+	}
+}
+
+// ask is what one check's options ask for.
+type ask struct {
+	n    int64
+	upTo bool
+}
+
+// options reads a check's options: Cost or UpTo once; AtRate is refused.
+func (x *Limiter) options(opts []ratelimit.Option, counts bool) (ask, error) {
+	a := ask{n: 1}
+	sized := false
+	for _, o := range opts {
+		v := optview.Decode(o)
+		switch v.Kind {
+		case optview.Cost, optview.UpTo:
+			if !counts {
+				return a, fmt.Errorf("%w: Cost or UpTo for %q where nothing is counted; Peek and Reset take no option on a lease limiter", ratelimit.ErrInvalidOption, x.cfg.Name)
+			}
+			if sized {
+				return a, fmt.Errorf("%w: Cost or UpTo given twice for %q; give one of them, once", ratelimit.ErrInvalidOption, x.cfg.Name)
+			}
+			sized = true
+			a = ask{n: v.N, upTo: v.Kind == optview.UpTo}
+		case optview.AtRate:
+			return a, fmt.Errorf("%w: AtRate for %q, a lease limiter, whose slices are counted at the limiter's own rate; lease one limiter per rate, or check other rates with the *ratelimit.Limiter", ratelimit.ErrInvalidOption, x.cfg.Name)
+		default:
+			return a, fmt.Errorf("%w: the zero Option for %q; use Cost or UpTo", ratelimit.ErrInvalidOption, x.cfg.Name)
+		}
+	}
+	if a.n <= 0 {
+		return a, fmt.Errorf("%w: %d for %q; a check asks for at least 1 unit", ratelimit.ErrInvalidCost, a.n, x.cfg.Name)
+	}
+	if !a.upTo && a.n > x.cfg.Limit {
+		return a, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, x.cfg.Name, x.cfg.Limit)
+	}
+	return a, nil
+}
+
+// Allow checks and counts what the options ask for (one unit by default,
+// Cost(n), or UpTo(n)) for key: from the key's slice when it holds enough,
+// with no statement; otherwise the slice's next ask goes to the database
+// through the limiter's Allow with UpTo (its whole pipeline: deny cache,
+// breaker, coalescing, failure policy). AtRate is refused
+// (ratelimit.ErrInvalidOption).
+//
+// A check the slice and the database's grant together cannot cover is
+// denied, and the units granted stay in the slice for smaller checks
+// until the window ends. An answer that PostgreSQL did not make (memory
+// fallback, failure policy, deny cache) is returned as the limiter made
+// it and creates no slice; while the breaker is open the caller's own
+// check is sent instead of a slice's ask.
+func (x *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
+	a, err := x.options(opts, true)
+	if err != nil {
+		return ratelimit.Decision{}, err
+	}
+	for {
+		if x.closed.Load() {
+			return ratelimit.Decision{}, ErrClosed
+		}
+		e := x.entry(key)
+		if err := e.acquire(ctx); err != nil {
+			return ratelimit.Decision{}, err
+		}
+		if e.dead {
+			e.release()
+			continue
+		}
+		if x.closed.Load() {
+			e.release()
+			return ratelimit.Decision{}, ErrClosed
+		}
+		d, err := x.check(ctx, e, a, opts)
+		e.release()
+		return d, err
+	}
+}
+
+// check decides one check with e held.
+func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.Option) (ratelimit.Decision, error) {
+	now := x.now()
+	e.lastUse = now
+	if e.left > 0 && !now.Before(e.expires) {
+		x.dropped.Add(e.left)
+		e.left = 0
+	}
+	live := now.Before(e.expires)
+	if e.left >= a.n {
+		e.left -= a.n
+		x.usedLocally.Add(a.n)
+		x.local.Add(1)
+		return x.localDecision(e, now, a.n), nil
+	}
+	if x.l.BreakerOpen() {
+		// The failure policy answers: the caller's own check, so that the
+		// memory tier counts what the caller asked, not a slice.
+		d, err := x.l.Allow(ctx, e.key, opts...)
+		x.count(d, err)
+		return d, err
+	}
+	n := x.ask(e, a, live)
+	start := now
+	d, err := x.l.Allow(ctx, e.key, ratelimit.UpTo(n))
+	x.count(d, err)
+	if err != nil {
+		return d, err
+	}
+	if d.Store != ratelimit.StorePostgres {
+		return passThrough(d, a), nil
+	}
+	if d.Granted > 0 {
+		x.slices.Add(1)
+		x.leased.Add(d.Granted)
+	}
+	end := windowEnd(d.Now, x.windowUs)
+	if x.cfg.Algorithm == ratelimit.FixedWindow && d.ResetAt.Before(end) {
+		end = d.ResetAt
+	}
+	expires := start.Add(end.Sub(d.Now))
+	if e.left > 0 && !windowEnd(e.dbNow, x.windowUs).Equal(windowEnd(d.Now, x.windowUs)) {
+		// The leftover was counted in an earlier window than this grant
+		// (the local clock has not reached that window's end yet, the
+		// database's has): it may not be used in this one.
+		x.dropped.Add(e.left)
+		e.left = 0
+	}
+	e.left += d.Granted
+	e.expires, e.local, e.dbNow, e.resetAt = expires, start, d.Now, d.ResetAt
+	e.used, e.remaining = d.Used, d.Remaining
+	take := a.n
+	if a.upTo {
+		take = min(a.n, e.left)
+	}
+	if take == 0 || e.left < take {
+		return x.denied(e, d), nil
+	}
+	e.left -= take
+	x.usedLocally.Add(take)
+	out := d
+	out.Allowed, out.Granted, out.RetryAfter, out.ShadowDenied = true, take, 0, false
+	out.Used, out.Remaining = max(d.Used-e.left, 0), d.Remaining+e.left
+	return out, nil
+}
+
+// count counts a decision of the limiter.
+func (x *Limiter) count(d ratelimit.Decision, err error) {
+	switch {
+	case err != nil:
+	case d.Store == ratelimit.StorePostgres:
+		x.remote.Add(1)
+	default:
+		x.other.Add(1)
+	}
+}
+
+// ask is the slice a check of a asks the database for: Size with no
+// figure of the key's Remaining in this window, else ceil(r/Share); at
+// least what the check needs, at most Size (or, for UpTo, what it asks
+// when that is more).
+func (x *Limiter) ask(e *entry, a ask, live bool) int64 {
+	n := x.opts.Size
+	if live && !e.dbNow.IsZero() {
+		r := e.remaining
+		n = r / int64(x.opts.Share)
+		if r%int64(x.opts.Share) != 0 {
+			n++
+		}
+		n = min(n, x.opts.Size)
+	}
+	return max(n, min(a.n, x.cfg.Limit))
+}
+
+// localDecision is the answer of a slice that gave n units.
+func (x *Limiter) localDecision(e *entry, now time.Time, n int64) ratelimit.Decision {
+	dbNow := e.dbNow.Add(now.Sub(e.local))
+	return ratelimit.Decision{
+		Allowed:   true,
+		Granted:   n,
+		Limit:     x.cfg.Limit,
+		Used:      max(e.used-e.left, 0),
+		Remaining: e.remaining + e.left,
+		ResetAt:   e.resetAt,
+		Now:       dbNow,
+		Store:     ratelimit.StoreLease,
+	}
+}
+
+// denied is the answer to a check that the slice and the database's
+// grant d could not cover. RetryAfter is the database's, or the window's
+// end when the grant left nothing (it was computed for one unit).
+func (x *Limiter) denied(e *entry, d ratelimit.Decision) ratelimit.Decision {
+	out := d
+	out.Allowed, out.Granted = false, 0
+	out.Used, out.Remaining = max(d.Used-e.left, 0), d.Remaining+e.left
+	if out.RetryAfter <= 0 {
+		out.RetryAfter = max(windowEnd(d.Now, x.windowUs).Sub(d.Now), time.Microsecond)
+	}
+	if d.ShadowDenied || x.cfg.Shadow {
+		out.Allowed, out.ShadowDenied = true, true
+	}
+	return out
+}
+
+// passThrough is an answer PostgreSQL did not make, to the check a asked
+// for: Granted is what the check would take, not the slice's ask.
+func passThrough(d ratelimit.Decision, a ask) ratelimit.Decision {
+	switch {
+	case a.upTo:
+		d.Granted = min(d.Granted, a.n)
+	case d.Allowed && !d.ShadowDenied:
+		d.Granted = a.n
+	default:
+		d.Granted = 0
+	}
+	return d
+}
+
+// windowEnd is the end of the aligned window of windowUs microseconds that
+// holds t: windows are multiples of the window since the Unix epoch, on
+// the database's clock.
+func windowEnd(t time.Time, windowUs int64) time.Time {
+	us := t.UnixMicro()
+	start := us - ((us%windowUs)+windowUs)%windowUs
+	return time.UnixMicro(start + windowUs)
+}
+
+// Peek reports key's state from the database (the limiter's Peek). Units
+// out on lease, in this process or another, count as used. AtRate is
+// refused.
+func (x *Limiter) Peek(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
+	if _, err := x.options(opts, false); err != nil {
+		return ratelimit.Decision{}, err
+	}
+	if x.closed.Load() {
+		return ratelimit.Decision{}, ErrClosed
+	}
+	return x.l.Peek(ctx, key)
+}
+
+// Reset drops this process's slice of key (its units are not returned:
+// the reset forgets them) and then forgets what was counted for key (the
+// limiter's Reset). Slices other processes hold are theirs until their
+// window ends. AtRate is refused.
+func (x *Limiter) Reset(ctx context.Context, key string, opts ...ratelimit.Option) error {
+	if _, err := x.options(opts, false); err != nil {
+		return err
+	}
+	if x.closed.Load() {
+		return ErrClosed
+	}
+	for {
+		e := x.entry(key)
+		if err := e.acquire(ctx); err != nil {
+			return err
+		}
+		if e.dead {
+			e.release()
+			continue
+		}
+		x.dropped.Add(e.left)
+		e.left, e.dbNow, e.expires = 0, time.Time{}, time.Time{}
+		err := x.l.Reset(ctx, key)
+		e.release()
+		return err
+	}
+}
+
+// Close returns every unused unit it can (fixed window, with Options.DB),
+// drops the rest, stops the background goroutine, and makes further checks
+// fail with ErrClosed. It waits for checks in flight. The first error of a
+// return is reported; Close may be called again.
+func (x *Limiter) Close(ctx context.Context) error {
+	x.closed.Store(true)
+	x.closeOnce.Do(func() { close(x.stop) })
+	select {
+	case <-x.done:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	var errs []error
+	for i := range x.shards {
+		for _, e := range x.snapshot(i) {
+			if err := e.acquire(ctx); err != nil {
+				return errors.Join(append(errs, err)...)
+			}
+			if !e.dead {
+				if err := x.giveBack(ctx, e); err != nil {
+					errs = append(errs, err)
+				}
+				x.remove(i, e)
+			}
+			e.release()
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// entry returns key's entry, made if new.
+func (x *Limiter) entry(key string) *entry {
+	s := &x.shards[maphash.String(x.seed, key)%shardCount]
+	s.mu.Lock()
+	e := s.m[key]
+	if e == nil {
+		e = &entry{key: key, lock: make(chan struct{}, 1)}
+		s.m[key] = e
+	}
+	s.mu.Unlock()
+	return e
+}
+
+// snapshot lists shard i's entries.
+func (x *Limiter) snapshot(i int) []*entry {
+	s := &x.shards[i]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*entry, 0, len(s.m))
+	for _, e := range s.m {
+		out = append(out, e)
+	}
+	return out
+}
+
+// remove marks e dead and takes it out of shard i; e is held.
+func (x *Limiter) remove(i int, e *entry) {
+	e.dead = true
+	s := &x.shards[i]
+	s.mu.Lock()
+	if s.m[e.key] == e {
+		delete(s.m, e.key)
+	}
+	s.mu.Unlock()
+}
+
+func (e *entry) acquire(ctx context.Context) error {
+	select {
+	case e.lock <- struct{}{}:
+		return nil
+	default:
+	}
+	select {
+	case e.lock <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (e *entry) tryAcquire() bool {
+	select {
+	case e.lock <- struct{}{}:
+		return true
+	default:
+		return false
+	}
+}
+
+func (e *entry) release() { <-e.lock }
+
+// sweeper returns the slices of keys idle for Options.Idle, until Close.
+func (x *Limiter) sweeper() {
+	defer close(x.done)
+	t := time.NewTicker(max(x.opts.Idle/4, MinIdle))
+	defer t.Stop()
+	for {
+		select {
+		case <-x.stop:
+			return
+		case <-t.C:
+			x.sweep(context.Background())
+			if f := x.afterSweep.Load(); f != nil {
+				(*f)()
+			}
+		}
+	}
+}
+
+// sweep gives back the slices of the keys idle for Options.Idle and forgets
+// those keys. A key whose lock is held is in use: it is left alone.
+func (x *Limiter) sweep(ctx context.Context) {
+	now := x.now()
+	for i := range x.shards {
+		for _, e := range x.snapshot(i) {
+			if !e.tryAcquire() {
+				continue
+			}
+			if !e.dead && now.Sub(e.lastUse) >= x.opts.Idle {
+				call, cancel := context.WithTimeout(ctx, ratelimit.DefaultTimeout)
+				_ = x.giveBack(call, e) // a unit not returned expires with its window
+				cancel()
+				x.remove(i, e)
+			}
+			e.release()
+		}
+	}
+}
+
+var queries = gen.New()
+
+// giveBack returns e's unused units to the database when it can: the fixed
+// window, Options.DB set, and the slice's window still live on the local
+// clock. The statement is pinned (At) to the instant the units were
+// counted at, so it lands in their window's row whatever the clocks, and
+// never in a later window, which it would over-admit. What it cannot
+// return is dropped. e is held; its slice is empty afterwards.
+func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
+	n := e.left
+	e.left = 0
+	if n == 0 {
+		return nil
+	}
+	if x.cfg.Algorithm != ratelimit.FixedWindow || x.opts.DB == nil || !x.now().Before(e.expires) {
+		x.dropped.Add(n)
+		return nil
+	}
+	k := ratelimit.StoredKey(x.cfg.KeyMode, x.stored, e.key)
+	at := e.dbNow
+	r, err := queries.FixedWindowTake(ctx, x.opts.DB, gen.FixedWindowTakeParams{
+		Key: k, At: &at, WindowUs: x.windowUs, Cost: -n, MaxCount: math.MaxInt64, Penalty: true,
+	})
+	if err != nil {
+		x.dropped.Add(n)
+		return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, x.cfg.Name, err)
+	}
+	x.returned.Add(n)
+	if r.Count < 0 {
+		// The key was reset by another process while this one held units
+		// counted before the reset: the count may not go below zero, which
+		// would admit more than the limit after the reset.
+		if _, err := queries.FixedWindowTake(ctx, x.opts.DB, gen.FixedWindowTakeParams{
+			Key: k, At: &at, WindowUs: x.windowUs, Cost: -r.Count, MaxCount: math.MaxInt64, Penalty: true,
+		}); err != nil {
+			return fmt.Errorf("pgrl lease: restoring the count of %q after a reset: %w", x.cfg.Name, err)
+		}
+	}
+	return nil
+}

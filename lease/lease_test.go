@@ -1,0 +1,493 @@
+package lease
+
+import (
+	"context"
+	"math"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// base is the start of a minute on the pinned clocks of these tests.
+var base = time.Date(2030, 1, 2, 3, 4, 0, 0, time.UTC)
+
+// setup is a limiter of cfg on a fresh schema, its clock pinned to c (nil:
+// the database's clock), and the pool.
+func setup(t *testing.T, cfg ratelimit.Config, c *testkit.Clock) (*ratelimit.Limiter, ratelimit.DB) {
+	t.Helper()
+	pool, _ := dbtest.Pool(t)
+	var o ratelimit.DatabaseOptions
+	if c != nil {
+		o.Now = c.Now
+	}
+	return testkit.NewLimiter(t, pool, cfg, o), pool
+}
+
+func newLease(t *testing.T, l *ratelimit.Limiter, opts Options) *Limiter {
+	t.Helper()
+	x, err := New(l, opts)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = x.Close(context.Background()) })
+	return x
+}
+
+func peekUsed(t *testing.T, l ratelimit.Checker, key string) int64 {
+	t.Helper()
+	d, err := l.Peek(context.Background(), key)
+	require.NoError(t, err)
+	return d.Used
+}
+
+func TestLeaseOptionsValidated(t *testing.T) {
+	t.Parallel()
+	l, _ := setup(t, ratelimit.Config{Name: "opts", Limit: 100, Window: time.Minute}, nil)
+
+	_, err := New(nil, Options{Size: 1})
+	require.ErrorIs(t, err, ErrNilLimiter)
+
+	for _, size := range []int64{0, -1, math.MinInt64, 101, math.MaxInt64} {
+		_, err := New(l, Options{Size: size})
+		require.ErrorIs(t, err, ErrInvalidSize, "size %d", size)
+		require.Contains(t, err.Error(), "set Options.Size between 1 and the limit 100")
+	}
+	for _, share := range []int{-1, math.MinInt} {
+		_, err := New(l, Options{Size: 10, Share: share})
+		require.ErrorIs(t, err, ErrInvalidShare, "share %d", share)
+		require.Contains(t, err.Error(), "use 1 or more")
+	}
+	for _, idle := range []time.Duration{-1, time.Nanosecond, MinIdle - 1, math.MinInt64} {
+		_, err := New(l, Options{Size: 10, Idle: idle})
+		require.ErrorIs(t, err, ErrInvalidIdle, "idle %v", idle)
+		require.Contains(t, err.Error(), "use at least 1ms")
+	}
+	// The extremes that are valid.
+	for _, o := range []Options{
+		{Size: 1}, {Size: 100}, {Size: 10, Share: math.MaxInt}, {Size: 10, Idle: math.MaxInt64}, {Size: 10, Idle: MinIdle},
+	} {
+		x, err := New(l, o)
+		require.NoError(t, err, "%+v", o)
+		require.NoError(t, x.Close(context.Background()))
+	}
+	x := newLease(t, l, Options{Size: 10})
+	require.Equal(t, DefaultShare, x.opts.Share)
+	require.Equal(t, DefaultIdle, x.opts.Idle)
+	require.Equal(t, l.Config(), x.Config())
+}
+
+func TestLeaseRefusesWhatItCannotLease(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	d := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{})
+	for _, c := range []struct {
+		cfg  ratelimit.Config
+		want string
+	}{
+		{ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute}, "token bucket"},
+		{ratelimit.Config{Name: "pen", Limit: 10, Window: time.Minute, Penalty: true}, "Penalty"},
+		{ratelimit.Config{Name: "spread", Limit: 10, Window: time.Minute, Spread: 2}, "Spread 2"},
+		{ratelimit.Config{Name: "pol", Limit: 10, Window: time.Minute, Policy: "p"}, "stored policy"},
+	} {
+		_, err := New(testkit.Limiter(t, d, c.cfg), Options{Size: 1})
+		require.ErrorIs(t, err, ErrUnsupported, c.cfg.Name)
+		require.Contains(t, err.Error(), c.want)
+	}
+
+	x := newLease(t, testkit.Limiter(t, d, ratelimit.Config{Name: "ok", Limit: 10, Window: time.Minute}), Options{Size: 5})
+	ctx := context.Background()
+	at := ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Second})
+	_, err := x.Allow(ctx, "k", at)
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	require.Contains(t, err.Error(), "lease one limiter per rate")
+	_, err = x.Peek(ctx, "k", at)
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	require.ErrorIs(t, x.Reset(ctx, "k", at), ratelimit.ErrInvalidOption)
+	_, err = x.Peek(ctx, "k", ratelimit.Cost(1))
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	_, err = x.Allow(ctx, "k", ratelimit.Option{})
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	_, err = x.Allow(ctx, "k", ratelimit.Cost(1), ratelimit.UpTo(2))
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	for _, o := range []ratelimit.Option{ratelimit.Cost(0), ratelimit.Cost(-1), ratelimit.UpTo(0), ratelimit.UpTo(math.MinInt64)} {
+		_, err = x.Allow(ctx, "k", o)
+		require.ErrorIs(t, err, ratelimit.ErrInvalidCost)
+	}
+	_, err = x.Allow(ctx, "k", ratelimit.Cost(11))
+	require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
+	// None of these counted anything.
+	require.Zero(t, peekUsed(t, x, "k"))
+	require.Equal(t, Stats{}, x.Stats())
+}
+
+func TestLeaseAnswersFromTheSlice(t *testing.T) {
+	t.Parallel()
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	l, _ := setup(t, ratelimit.Config{Name: "local", Limit: 100, Window: time.Minute}, c)
+	x := newLease(t, l, Options{Size: 10, Now: c.Now})
+	ctx := context.Background()
+
+	d, err := x.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, int64(1), d.Granted)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+	require.Equal(t, int64(1), d.Used)
+	require.Equal(t, int64(99), d.Remaining)
+	require.Equal(t, int64(10), peekUsed(t, l, "k"), "the slice is counted in PostgreSQL")
+
+	for i := 2; i <= 10; i++ {
+		c.Add(time.Second)
+		d, err := x.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		require.Equal(t, int64(1), d.Granted)
+		require.Equal(t, ratelimit.StoreLease, d.Store, "check %d", i)
+		require.Equal(t, int64(i), d.Used)
+		require.Equal(t, int64(100-i), d.Remaining)
+		require.Equal(t, base.Add(time.Minute), d.ResetAt.UTC())
+		require.Equal(t, base.Add(time.Duration(9+i)*time.Second), d.Now.UTC(), "Now follows the database's clock")
+		require.Equal(t, d.ResetAt.Sub(d.Now), d.ResetAfter())
+	}
+	require.Equal(t, int64(10), peekUsed(t, l, "k"))
+	require.Equal(t, Stats{Slices: 1, Leased: 10, UsedLocally: 10, LocalDecisions: 9, DatabaseDecisions: 1}, x.Stats())
+
+	// UpTo from the slice: the next slice's ask is ceil(90/8) = 12, at most Size.
+	d, err = x.Allow(ctx, "k", ratelimit.UpTo(4))
+	require.NoError(t, err)
+	require.Equal(t, int64(4), d.Granted)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+	require.Equal(t, int64(20), peekUsed(t, l, "k"))
+	d, err = x.Allow(ctx, "k", ratelimit.Cost(6))
+	require.NoError(t, err)
+	require.Equal(t, int64(6), d.Granted)
+	require.Equal(t, ratelimit.StoreLease, d.Store)
+	require.Equal(t, int64(80), d.Remaining, "80 left in the database, none in the slice")
+}
+
+// TestLeaseSlicesShrinkNearTheLimit: with Share 4 each slice asks a quarter
+// of what this process last saw remaining, and the last units go one by one.
+func TestLeaseSlicesShrinkNearTheLimit(t *testing.T) {
+	t.Parallel()
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	l, _ := setup(t, ratelimit.Config{Name: "share", Limit: 100, Window: time.Minute}, c)
+	x := newLease(t, l, Options{Size: 50, Share: 4, Now: c.Now})
+	ctx := context.Background()
+
+	var counted []int64
+	admitted := int64(0)
+	for {
+		before := x.Stats().Slices
+		d, err := x.Allow(ctx, "k")
+		require.NoError(t, err)
+		if !d.Allowed {
+			break
+		}
+		admitted++
+		if x.Stats().Slices > before {
+			counted = append(counted, peekUsed(t, l, "k"))
+		}
+	}
+	require.Equal(t, int64(100), admitted, "one process alone uses every unit")
+	// 50, then ceil(50/4)=13, ceil(37/4)=10, ceil(27/4)=7, 5, 4, 3, 2, 1, 1, ...
+	require.Equal(t, []int64{50, 63, 73, 80, 85, 89, 92, 94, 96, 97, 98, 99, 100}, counted)
+	require.Equal(t, int64(100), x.Stats().Leased)
+}
+
+func TestLeaseDenialKeepsTheUnits(t *testing.T) {
+	t.Parallel()
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	l, _ := setup(t, ratelimit.Config{Name: "deny", Limit: 10, Window: time.Minute}, c)
+	x := newLease(t, l, Options{Size: 4, Now: c.Now})
+	ctx := context.Background()
+	// Another process takes 7.
+	d, err := l.Allow(ctx, "k", ratelimit.Cost(7))
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+
+	d, err = x.Allow(ctx, "k", ratelimit.Cost(4))
+	require.NoError(t, err)
+	require.False(t, d.Allowed, "only 3 were left")
+	require.Zero(t, d.Granted)
+	require.Equal(t, int64(3), d.Remaining, "the slice's 3 units")
+	require.Equal(t, 50*time.Second, d.RetryAfter, "the window's end")
+	require.Equal(t, int64(10), peekUsed(t, l, "k"))
+	for range 3 {
+		d, err = x.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		require.Equal(t, ratelimit.StoreLease, d.Store)
+	}
+	d, err = x.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+	require.Equal(t, int64(10), peekUsed(t, l, "k"))
+}
+
+func TestLeaseExpiresAtTheWindowEnd(t *testing.T) {
+	t.Parallel()
+	for _, a := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+		t.Run(string(a), func(t *testing.T) {
+			t.Parallel()
+			c := testkit.NewClock(base.Add(50 * time.Second))
+			l, _ := setup(t, ratelimit.Config{Name: "exp", Algorithm: a, Limit: 100, Window: time.Minute}, c)
+			x := newLease(t, l, Options{Size: 10, Now: c.Now, Idle: time.Hour})
+			ctx := context.Background()
+
+			d, err := x.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, ratelimit.StorePostgres, d.Store)
+			c.Set(base.Add(time.Minute - time.Microsecond))
+			d, err = x.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, ratelimit.StoreLease, d.Store, "the last instant of the window")
+			c.Set(base.Add(time.Minute))
+			d, err = x.Allow(ctx, "k")
+			require.NoError(t, err)
+			require.Equal(t, ratelimit.StorePostgres, d.Store, "the next window takes a new slice")
+			require.Equal(t, int64(8), x.Stats().Dropped)
+			require.Equal(t, int64(10), x.Stats().Slices+8)
+		})
+	}
+}
+
+func TestLeaseCloseReturnsUnits(t *testing.T) {
+	t.Parallel()
+	l, pool := setup(t, ratelimit.Config{Name: "close", Limit: 1000, Window: time.Hour}, nil)
+	x, err := New(l, Options{Size: 100, DB: pool, Idle: time.Hour})
+	require.NoError(t, err)
+	ctx := context.Background()
+	for _, k := range []string{"a", "b"} {
+		for range 3 {
+			d, err := x.Allow(ctx, k)
+			require.NoError(t, err)
+			require.True(t, d.Allowed)
+		}
+		require.Equal(t, int64(100), peekUsed(t, l, k))
+	}
+	require.NoError(t, x.Close(ctx))
+	require.Equal(t, int64(3), peekUsed(t, l, "a"))
+	require.Equal(t, int64(3), peekUsed(t, l, "b"))
+	s := x.Stats()
+	require.Equal(t, int64(194), s.Returned)
+	require.Equal(t, s.Leased, s.UsedLocally+s.Returned+s.Dropped)
+	_, err = x.Allow(ctx, "a")
+	require.ErrorIs(t, err, ErrClosed)
+	require.Contains(t, err.Error(), "make a new one with lease.New")
+	require.ErrorIs(t, x.Reset(ctx, "a"), ErrClosed)
+	require.NoError(t, x.Close(ctx), "a second Close")
+}
+
+func TestLeaseSlidingWindowUnitsAreNotReturned(t *testing.T) {
+	t.Parallel()
+	l, pool := setup(t, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 1000, Window: time.Hour}, nil)
+	x, err := New(l, Options{Size: 100, DB: pool, Idle: time.Hour})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = x.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.NoError(t, x.Close(ctx))
+	require.Equal(t, int64(100), peekUsed(t, l, "k"))
+	require.Equal(t, Stats{Slices: 1, Leased: 100, UsedLocally: 1, Dropped: 99, DatabaseDecisions: 1}, x.Stats())
+}
+
+func TestLeaseIdleSliceReturned(t *testing.T) {
+	t.Parallel()
+	t.Run("background", func(t *testing.T) {
+		t.Parallel()
+		l, pool := setup(t, ratelimit.Config{Name: "idlebg", Limit: 100_000, Window: time.Hour}, nil)
+		x, err := New(l, Options{Size: 10, DB: pool, Idle: 20 * time.Millisecond})
+		require.NoError(t, err)
+		swept := make(chan struct{}, 1)
+		f := func() {
+			select {
+			case swept <- struct{}{}:
+			default:
+			}
+		}
+		x.afterSweep.Store(&f)
+		t.Cleanup(func() { _ = x.Close(context.Background()) })
+		ctx := context.Background()
+		d, err := x.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		deadline := time.After(30 * time.Second)
+		for x.Stats().Returned == 0 {
+			select {
+			case <-swept:
+			case <-deadline:
+				t.Fatal("the idle slice was not returned within 30s")
+			}
+		}
+		require.Equal(t, int64(9), x.Stats().Returned)
+		require.Equal(t, int64(1), peekUsed(t, l, "k"))
+	})
+}
+
+func TestLeaseSweepReturnsOnlyIdleKeys(t *testing.T) {
+	t.Parallel()
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	l, pool := setup(t, ratelimit.Config{Name: "sweep", Limit: 100, Window: time.Minute}, c)
+	x := newLease(t, l, Options{Size: 10, DB: pool, Now: c.Now, Idle: 5 * time.Second})
+	ctx := context.Background()
+	_, err := x.Allow(ctx, "old")
+	require.NoError(t, err)
+	c.Add(3 * time.Second)
+	_, err = x.Allow(ctx, "new")
+	require.NoError(t, err)
+	c.Add(2 * time.Second)
+	x.sweep(ctx)
+	require.Equal(t, int64(1), peekUsed(t, l, "old"), "idle for 5s: returned")
+	require.Equal(t, int64(10), peekUsed(t, l, "new"), "idle for 2s: kept")
+	require.Equal(t, int64(9), x.Stats().Returned)
+	// The returned key starts afresh: a new slice of Size.
+	d, err := x.Allow(ctx, "old")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+	require.Equal(t, int64(11), peekUsed(t, l, "old"))
+}
+
+func TestLeaseResetDropsTheSlice(t *testing.T) {
+	t.Parallel()
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	l, pool := setup(t, ratelimit.Config{Name: "reset", Limit: 100, Window: time.Minute}, c)
+	x := newLease(t, l, Options{Size: 10, DB: pool, Now: c.Now, Idle: time.Hour})
+	ctx := context.Background()
+	_, err := x.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.NoError(t, x.Reset(ctx, "k"))
+	require.Zero(t, peekUsed(t, l, "k"))
+	d, err := x.Allow(ctx, "k")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.StorePostgres, d.Store, "the slice was dropped")
+
+	// Another process resets the key while this one holds 9 units: they
+	// are given back without taking the count below zero.
+	require.NoError(t, l.Reset(ctx, "k"))
+	require.NoError(t, x.Close(ctx))
+	require.Zero(t, peekUsed(t, l, "k"))
+	d, err = l.Allow(ctx, "k", ratelimit.UpTo(math.MaxInt64))
+	require.NoError(t, err)
+	require.Equal(t, int64(100), d.Granted, "exactly the limit after the reset")
+}
+
+// TestLeaseConcurrentChecksExact: 64 goroutines of one process on one key
+// admit exactly the limit: every leased unit is used by a check.
+func TestLeaseConcurrentChecksExact(t *testing.T) {
+	t.Parallel()
+	for _, a := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+		t.Run(string(a), func(t *testing.T) {
+			t.Parallel()
+			l, _ := setup(t, ratelimit.Config{Name: "conc", Algorithm: a, Limit: 1000, Window: time.Hour}, nil)
+			x := newLease(t, l, Options{Size: 50, Idle: time.Hour})
+			var admitted atomic.Int64
+			var wg sync.WaitGroup
+			for range 64 {
+				wg.Go(func() {
+					for {
+						d, err := x.Allow(context.Background(), "hot", ratelimit.Cost(1))
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						if !d.Allowed {
+							return
+						}
+						admitted.Add(d.Granted)
+					}
+				})
+			}
+			wg.Wait()
+			require.Equal(t, int64(1000), admitted.Load())
+			require.Equal(t, int64(1000), peekUsed(t, l, "hot"))
+			s := x.Stats()
+			require.Equal(t, int64(1000), s.UsedLocally)
+			require.Less(t, s.Slices, int64(100))
+		})
+	}
+}
+
+// TestLeaseWritesPerCheck: on a hot key (10,000 per minute, 64 goroutines)
+// the statements sent are at most 1 in 50 admitted checks.
+func TestLeaseWritesPerCheck(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	db := &testkit.CountingDB{Pool: pool}
+	c := testkit.NewClock(base.Add(time.Second))
+	l := testkit.NewLimiter(t, db, ratelimit.Config{Name: "writes", Limit: 10_000, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
+	x := newLease(t, l, Options{Size: 500, Now: c.Now, Idle: time.Hour})
+	var admitted, checks atomic.Int64
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			for {
+				d, err := x.Allow(context.Background(), "hot")
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				checks.Add(1)
+				if !d.Allowed {
+					return
+				}
+				admitted.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	n := db.Statements()
+	t.Logf("%d statements for %d admitted checks (%d checks): 1 in %.0f", n, admitted.Load(), checks.Load(), float64(admitted.Load())/float64(n))
+	require.Equal(t, int64(10_000), admitted.Load())
+	require.LessOrEqual(t, n*50, admitted.Load())
+}
+
+func TestLeasePassesThroughTheFailurePolicy(t *testing.T) {
+	t.Parallel()
+	l := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "dead", Limit: 100, Window: time.Minute, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{Timeout: time.Second})
+	x := newLease(t, l, Options{Size: 10})
+	ctx := context.Background()
+	for range 3 {
+		d, err := x.Allow(ctx, "k", ratelimit.Cost(2))
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		require.Equal(t, ratelimit.StorePolicy, d.Store)
+		require.Equal(t, int64(2), d.Granted, "the check's cost, not the slice's ask")
+	}
+	d, err := x.Allow(ctx, "k", ratelimit.UpTo(3))
+	require.NoError(t, err)
+	require.Equal(t, int64(3), d.Granted)
+	require.Zero(t, x.Stats().Slices)
+	require.Zero(t, x.Stats().LocalDecisions)
+	require.Zero(t, x.Stats().DatabaseDecisions)
+	require.Equal(t, int64(4), x.Stats().OtherDecisions)
+	require.NoError(t, x.Close(ctx))
+}
+
+// TestLeaseReturnLandsInItsWindow: units are returned to the window they
+// were counted in, even when the database's clock is already in the next
+// window (the local clock lags): the next window's count is untouched.
+func TestLeaseReturnLandsInItsWindow(t *testing.T) {
+	t.Parallel()
+	db := testkit.NewClock(base.Add(50 * time.Second))
+	local := testkit.NewClock(base.Add(50 * time.Second))
+	l, pool := setup(t, ratelimit.Config{Name: "pin", Limit: 100, Window: time.Minute}, db)
+	x, err := New(l, Options{Size: 10, DB: pool, Now: local.Now, Idle: time.Hour})
+	require.NoError(t, err)
+	ctx := context.Background()
+	_, err = x.Allow(ctx, "k")
+	require.NoError(t, err)
+	db.Set(base.Add(70 * time.Second))
+	d, err := l.Allow(ctx, "k", ratelimit.Cost(5))
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.NoError(t, x.Close(ctx))
+	require.Equal(t, int64(9), x.Stats().Returned)
+	require.Equal(t, int64(5), peekUsed(t, l, "k"), "the next window keeps its count")
+	db.Set(base.Add(59 * time.Second))
+	require.Equal(t, int64(1), peekUsed(t, l, "k"), "the lease's window got its units back")
+}

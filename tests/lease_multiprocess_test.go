@@ -1,0 +1,368 @@
+package tests
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/lease"
+	"github.com/pgrl/pgrl/ratelimit"
+)
+
+// The lease experiment: leaseProcesses OS processes, each with
+// leaseGoroutines goroutines, check one key (or a spread of keys) through
+// a lease limiter as fast as they can.
+const (
+	leaseProcesses  = 4
+	leaseGoroutines = 8
+	leaseChildEnv   = "PGRL_LEASE_CHILD_URL"
+	leaseConfigEnv  = "PGRL_LEASE_CHILD_CONFIG"
+)
+
+// leaseChildConfig is the limit a child leases.
+type leaseChildConfig struct {
+	Name      string              `json:"name"`
+	Algorithm ratelimit.Algorithm `json:"algorithm"`
+	Limit     int64               `json:"limit"`
+	WindowMs  int64               `json:"window_ms"`
+	Size      int64               `json:"size"`
+}
+
+// leaseCommand is one line sent to a child: "run" checks for DurationMs
+// (every goroutine until it is denied when UntilDenied) over Keys keys;
+// "take" makes N checks of key 0 and keeps the slice.
+type leaseCommand struct {
+	Op          string `json:"op"`
+	Keys        int    `json:"keys"`
+	DurationMs  int64  `json:"duration_ms"`
+	UntilDenied bool   `json:"until_denied"`
+	N           int    `json:"n"`
+}
+
+// leaseTally is what one child admitted of one key in one aligned window.
+type leaseTally struct {
+	Key      int   `json:"key"`
+	WindowUs int64 `json:"window_us"` // the window's start on the database's clock
+	Admitted int64 `json:"admitted"`
+	Checks   int64 `json:"checks"`
+}
+
+// leaseReport is a child's answer.
+type leaseReport struct {
+	Tallies []leaseTally `json:"tallies"`
+	FirstUs int64        `json:"first_us"` // first and last decisions' Now
+	LastUs  int64        `json:"last_us"`
+	Stats   lease.Stats  `json:"stats"`
+	Error   string       `json:"error,omitempty"`
+}
+
+// TestLeaseChildProcess is not a test of its own: run by the lease tests
+// as a child process, it leases the limit of its configuration and answers
+// leaseCommand lines with a leaseReport.
+func TestLeaseChildProcess(t *testing.T) {
+	url := os.Getenv(leaseChildEnv)
+	if url == "" {
+		t.Skip("a child process of the lease tests")
+	}
+	var cfg leaseChildConfig
+	require.NoError(t, json.Unmarshal([]byte(os.Getenv(leaseConfigEnv)), &cfg))
+	ctx := context.Background()
+	pool, err := pgxpool.New(ctx, url)
+	require.NoError(t, err)
+	defer pool.Close()
+	window := time.Duration(cfg.WindowMs) * time.Millisecond
+	lim, err := testkit.New(pool, ratelimit.Config{Name: cfg.Name, Algorithm: cfg.Algorithm, Limit: cfg.Limit, Window: window},
+		ratelimit.DatabaseOptions{Timeout: 10 * time.Second})
+	require.NoError(t, err)
+	fmt.Println("ready")
+	in := bufio.NewScanner(os.Stdin)
+	var held *lease.Limiter // the "take" command's limiter, never closed
+	for in.Scan() {
+		var c leaseCommand
+		require.NoError(t, json.Unmarshal(in.Bytes(), &c))
+		x, err := lease.New(lim, lease.Options{Size: cfg.Size, DB: pool})
+		require.NoError(t, err)
+		var r leaseReport
+		switch c.Op {
+		case "take":
+			held = x
+			for range c.N {
+				d, err := x.Allow(ctx, "key-0")
+				if err != nil {
+					r.Error = err.Error()
+					break
+				}
+				if d.Allowed {
+					r.Tallies = append(r.Tallies, leaseTally{Admitted: 1, Checks: 1})
+				}
+			}
+			r.Stats = held.Stats()
+		case "run":
+			r = leaseRun(ctx, x, c, window.Microseconds())
+			if err := x.Close(ctx); err != nil && r.Error == "" {
+				r.Error = err.Error()
+			}
+			r.Stats = x.Stats()
+		}
+		b, _ := json.Marshal(r)
+		fmt.Println(string(b))
+	}
+}
+
+// leaseRun is the "run" command: leaseGoroutines goroutines check keys in
+// turn until the deadline, each tallying what it admitted by key and by
+// the aligned window of the decision's Now (a slice's answers fall in the
+// window their units were counted in).
+func leaseRun(ctx context.Context, x *lease.Limiter, c leaseCommand, windowUs int64) leaseReport {
+	type at struct {
+		key int
+		win int64
+	}
+	var (
+		mu      sync.Mutex
+		r       leaseReport
+		tallies = map[at]*leaseTally{}
+		wg      sync.WaitGroup
+	)
+	keys := make([]string, c.Keys)
+	for i := range keys {
+		keys[i] = fmt.Sprintf("key-%d", i)
+	}
+	deadline := time.Now().Add(time.Duration(c.DurationMs) * time.Millisecond)
+	for g := range leaseGoroutines {
+		wg.Go(func() {
+			mine := map[at]*leaseTally{}
+			var first, last int64
+			var failure string
+			for i := g; time.Now().Before(deadline); i++ {
+				k := i % len(keys)
+				d, err := x.Allow(ctx, keys[k])
+				if err != nil {
+					failure = err.Error()
+					break
+				}
+				us := d.Now.UnixMicro()
+				if first == 0 {
+					first = us
+				}
+				last = us
+				w := at{k, us - us%windowUs}
+				tl := mine[w]
+				if tl == nil {
+					tl = &leaseTally{Key: k, WindowUs: w.win}
+					mine[w] = tl
+				}
+				tl.Checks++
+				if d.Allowed {
+					tl.Admitted += d.Granted
+				} else if c.UntilDenied {
+					break
+				}
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			for w, tl := range mine {
+				if s := tallies[w]; s != nil {
+					s.Admitted += tl.Admitted
+					s.Checks += tl.Checks
+				} else {
+					tallies[w] = tl
+				}
+			}
+			if first != 0 && (r.FirstUs == 0 || first > r.FirstUs) {
+				r.FirstUs = first // the latest start of any goroutine
+			}
+			if last != 0 && (r.LastUs == 0 || last < r.LastUs) {
+				r.LastUs = last // the earliest end of any goroutine
+			}
+			if failure != "" {
+				r.Error = failure
+			}
+		})
+	}
+	wg.Wait()
+	for _, tl := range tallies {
+		r.Tallies = append(r.Tallies, *tl)
+	}
+	return r
+}
+
+// startLeaseChildren starts n children leasing cfg on schema.
+func startLeaseChildren(t *testing.T, ctx context.Context, schema string, cfg leaseChildConfig, n int) []*child {
+	t.Helper()
+	b, err := json.Marshal(cfg)
+	require.NoError(t, err)
+	children := make([]*child, n)
+	for i := range children {
+		children[i] = startChild(t, ctx, "TestLeaseChildProcess",
+			leaseChildEnv+"="+dbtest.URLWithSchema(schema), leaseConfigEnv+"="+string(b))
+	}
+	return children
+}
+
+// runAll sends c to every child and returns their reports.
+func runAll(t *testing.T, children []*child, c leaseCommand) []leaseReport {
+	t.Helper()
+	line, err := json.Marshal(c)
+	require.NoError(t, err)
+	for _, ch := range children {
+		ch.send(t, string(line))
+	}
+	reports := make([]leaseReport, len(children))
+	for i, ch := range children {
+		ch.read(t, &reports[i])
+		require.Empty(t, reports[i].Error, "child %d", i)
+	}
+	return reports
+}
+
+// TestLeaseMultiprocessNeverOver: 4 processes × 8 goroutines lease one
+// hot key, or 16 keys, at limits of 20, 1,000 and 100,000 per window, for
+// the fixed and the sliding window. Summed over the processes, what was
+// admitted of each key in each aligned window never exceeds the limit;
+// and for the fixed window, in every window the run covered from start to
+// end whose demand was at least twice the limit, it is at least the limit
+// less the documented shortfall bound: one slice (Size) per process.
+func TestLeaseMultiprocessNeverOver(t *testing.T) {
+	_, schema := dbtest.Pool(t)
+	cases := []struct {
+		limit, size int64
+		windowMs    int64
+		// whether the lower bound must be checked in at least one window:
+		// demand of twice the limit is within any machine's reach
+		mustQualify bool
+	}{
+		{limit: 20, size: 2, windowMs: 500, mustQualify: true},
+		{limit: 1000, size: 50, windowMs: 500, mustQualify: true},
+		{limit: 100_000, size: 2000, windowMs: 500},
+	}
+	if testing.Short() {
+		cases = cases[:2]
+	}
+	for _, a := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+		for _, c := range cases {
+			for _, keys := range []int{1, 16} {
+				t.Run(fmt.Sprintf("%s/limit=%d/keys=%d", a, c.limit, keys), func(t *testing.T) {
+					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+					defer cancel()
+					cfg := leaseChildConfig{
+						Name: fmt.Sprintf("lease-%s-%d-%d", a, c.limit, keys), Algorithm: a,
+						Limit: c.limit, WindowMs: c.windowMs, Size: c.size,
+					}
+					children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
+					reports := runAll(t, children, leaseCommand{Op: "run", Keys: keys, DurationMs: 3*c.windowMs + 200})
+					leaseCheck(t, reports, cfg, a == ratelimit.FixedWindow && c.mustQualify)
+				})
+			}
+		}
+	}
+}
+
+// leaseCheck holds the sums of reports to the limit of cfg.
+func leaseCheck(t *testing.T, reports []leaseReport, cfg leaseChildConfig, mustQualify bool) {
+	t.Helper()
+	type at struct {
+		key int
+		win int64
+	}
+	sums := map[at]*leaseTally{}
+	from, to := int64(0), int64(0)
+	var st lease.Stats
+	for i, r := range reports {
+		if i == 0 || r.FirstUs > from {
+			from = r.FirstUs
+		}
+		if i == 0 || r.LastUs < to {
+			to = r.LastUs
+		}
+		for _, tl := range r.Tallies {
+			w := at{tl.Key, tl.WindowUs}
+			if sums[w] == nil {
+				sums[w] = &leaseTally{Key: tl.Key, WindowUs: tl.WindowUs}
+			}
+			sums[w].Admitted += tl.Admitted
+			sums[w].Checks += tl.Checks
+		}
+		st.Slices += r.Stats.Slices
+		st.Leased += r.Stats.Leased
+		st.UsedLocally += r.Stats.UsedLocally
+		st.Returned += r.Stats.Returned
+		st.Dropped += r.Stats.Dropped
+		st.LocalDecisions += r.Stats.LocalDecisions
+		st.DatabaseDecisions += r.Stats.DatabaseDecisions
+		st.OtherDecisions += r.Stats.OtherDecisions
+	}
+	windowUs := cfg.WindowMs * 1000
+	bound := int64(len(reports)) * cfg.Size
+	keys := make([]at, 0, len(sums))
+	for w := range sums {
+		keys = append(keys, w)
+	}
+	sort.Slice(keys, func(i, j int) bool {
+		return keys[i].key < keys[j].key || keys[i].key == keys[j].key && keys[i].win < keys[j].win
+	})
+	qualified := 0
+	var lines []string
+	for _, w := range keys {
+		s := sums[w]
+		require.LessOrEqual(t, s.Admitted, cfg.Limit, "key %d, window at %d: admitted over the limit", w.key, w.win)
+		full := w.win >= from && w.win+windowUs <= to
+		if full && s.Checks >= 2*cfg.Limit && cfg.Algorithm == ratelimit.FixedWindow {
+			qualified++
+			require.GreaterOrEqual(t, s.Admitted, cfg.Limit-bound, "key %d, window at %d: more than %d short", w.key, w.win, bound)
+		}
+		if w.key == 0 {
+			lines = append(lines, fmt.Sprintf("window %d: %d admitted of %d checks (full %v)", w.win, s.Admitted, s.Checks, full))
+		}
+	}
+	t.Logf("limit %d, size %d: key 0 %s; stats summed %+v", cfg.Limit, cfg.Size, strings.Join(lines, "; "), st)
+	if mustQualify {
+		require.Positive(t, qualified, "no window with a full run and demand of twice the limit: the lower bound was not checked")
+	}
+}
+
+// TestLeaseMultiprocessKilledChild: a child holding a slice is killed with
+// SIGKILL; the other children then take the key until they are denied.
+// The total admitted never exceeds the limit, and falls short of it by
+// exactly what the killed child held: those units are lost until the
+// window ends.
+func TestLeaseMultiprocessKilledChild(t *testing.T) {
+	_, schema := dbtest.Pool(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// A day's window: the run never crosses its end.
+	cfg := leaseChildConfig{Name: "lease-kill", Algorithm: ratelimit.FixedWindow, Limit: 1000, WindowMs: 24 * 3600 * 1000, Size: 50}
+	children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
+
+	var took leaseReport
+	children[0].ask(t, `{"op":"take","n":7}`, &took)
+	require.Empty(t, took.Error)
+	require.Len(t, took.Tallies, 7)
+	held := took.Stats.Leased - took.Stats.UsedLocally
+	require.Equal(t, int64(43), held, "%+v", took.Stats)
+	require.NoError(t, children[0].cmd.Process.Kill())
+	_ = children[0].cmd.Wait()
+
+	reports := runAll(t, children[1:], leaseCommand{Op: "run", Keys: 1, DurationMs: 60_000, UntilDenied: true})
+	total := int64(7)
+	for _, r := range reports {
+		for _, tl := range r.Tallies {
+			total += tl.Admitted
+		}
+	}
+	t.Logf("killed child admitted 7 and held %d; %d admitted in all", held, total)
+	require.LessOrEqual(t, total, cfg.Limit)
+	require.GreaterOrEqual(t, total, cfg.Limit-held)
+}
