@@ -340,29 +340,33 @@ func leaseCheck(t *testing.T, reports []leaseReport, cfg leaseChildConfig, mustQ
 // window ends.
 func TestLeaseMultiprocessKilledChild(t *testing.T) {
 	_, schema := dbtest.Pool(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	// A day's window: the run never crosses its end.
-	cfg := leaseChildConfig{Name: "lease-kill", Algorithm: ratelimit.FixedWindow, Limit: 1000, WindowMs: 24 * 3600 * 1000, Size: 50}
-	children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
+	for _, a := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+		t.Run(string(a), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			// A day's window: the run never crosses its end.
+			cfg := leaseChildConfig{Name: "lease-kill-" + string(a), Algorithm: a, Limit: 1000, WindowMs: 24 * 3600 * 1000, Size: 50}
+			children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
 
-	var took leaseReport
-	children[0].ask(t, `{"op":"take","n":7}`, &took)
-	require.Empty(t, took.Error)
-	require.Len(t, took.Tallies, 7)
-	held := took.Stats.Leased - took.Stats.UsedLocally
-	require.Equal(t, int64(43), held, "%+v", took.Stats)
-	require.NoError(t, children[0].cmd.Process.Kill())
-	_ = children[0].cmd.Wait()
+			var took leaseReport
+			children[0].ask(t, `{"op":"take","n":7}`, &took)
+			require.Empty(t, took.Error)
+			require.Len(t, took.Tallies, 7)
+			held := took.Stats.Leased - took.Stats.UsedLocally
+			require.Equal(t, int64(43), held, "%+v", took.Stats)
+			require.NoError(t, children[0].cmd.Process.Kill())
+			_ = children[0].cmd.Wait()
 
-	reports := runAll(t, children[1:], leaseCommand{Op: "run", Keys: 1, DurationMs: 60_000, UntilDenied: true})
-	total := int64(7)
-	for _, r := range reports {
-		for _, tl := range r.Tallies {
-			total += tl.Admitted
-		}
+			reports := runAll(t, children[1:], leaseCommand{Op: "run", Keys: 1, DurationMs: 60_000, UntilDenied: true})
+			total := int64(7)
+			for _, r := range reports {
+				for _, tl := range r.Tallies {
+					total += tl.Admitted
+				}
+			}
+			t.Logf("killed child admitted 7 and held %d; %d admitted in all", held, total)
+			require.LessOrEqual(t, total, cfg.Limit)
+			require.GreaterOrEqual(t, total, cfg.Limit-held)
+		})
 	}
-	t.Logf("killed child admitted 7 and held %d; %d admitted in all", held, total)
-	require.LessOrEqual(t, total, cfg.Limit)
-	require.GreaterOrEqual(t, total, cfg.Limit-held)
 }
