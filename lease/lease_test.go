@@ -491,3 +491,55 @@ func TestLeaseReturnLandsInItsWindow(t *testing.T) {
 	db.Set(base.Add(59 * time.Second))
 	require.Equal(t, int64(1), peekUsed(t, l, "k"), "the lease's window got its units back")
 }
+
+// TestLeaseReturnsUnderLoad: goroutines check keys in bursts, so that keys
+// go idle and their slices are returned by the background sweep while other
+// keys are checked, then Close returns the rest. Afterwards every key's
+// count in PostgreSQL is exactly what its checks admitted, and every leased
+// unit is accounted for.
+func TestLeaseReturnsUnderLoad(t *testing.T) {
+	t.Parallel()
+	l, pool := setup(t, ratelimit.Config{Name: "load", Limit: 1_000_000, Window: time.Hour}, nil)
+	x, err := New(l, Options{Size: 100, DB: pool, Idle: MinIdle})
+	require.NoError(t, err)
+	ctx := context.Background()
+	keys := []string{"a", "b", "c", "d", "e", "f", "g", "h"}
+	admitted := make([]atomic.Int64, len(keys))
+	deadline := time.Now().Add(300 * time.Millisecond)
+	var wg sync.WaitGroup
+	for g := range 16 {
+		wg.Go(func() {
+			for i := g; time.Now().Before(deadline); i++ {
+				k := i % len(keys)
+				for range 1 + i%37 {
+					d, err := x.Allow(ctx, keys[k], ratelimit.Cost(int64(1+i%3)))
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					if !d.Allowed {
+						t.Errorf("denied under a limit of a million: %+v", d)
+						return
+					}
+					admitted[k].Add(d.Granted)
+				}
+				if i%5 == 0 {
+					time.Sleep(2 * time.Millisecond) // let keys go idle
+				}
+			}
+		})
+	}
+	wg.Wait()
+	require.NoError(t, x.Close(ctx))
+	var total int64
+	for k, key := range keys {
+		require.Equal(t, admitted[k].Load(), peekUsed(t, l, key), "key %s", key)
+		total += admitted[k].Load()
+	}
+	s := x.Stats()
+	t.Logf("%+v", s)
+	require.Equal(t, total, s.UsedLocally)
+	require.Equal(t, s.Leased, s.UsedLocally+s.Returned)
+	require.Zero(t, s.Dropped)
+	require.Positive(t, s.Returned)
+}
