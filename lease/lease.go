@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"math"
+	"reflect"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -34,6 +35,8 @@ var (
 	ErrInvalidSize = errors.New("pgrl lease: invalid slice size")
 	// ErrInvalidShare: Options.Share is negative.
 	ErrInvalidShare = errors.New("pgrl lease: invalid share")
+	// ErrInvalidDB: Options.DB is a nil pointer (a nil *pgxpool.Pool, say).
+	ErrInvalidDB = errors.New("pgrl lease: invalid database")
 	// ErrInvalidIdle: Options.Idle is negative or below MinIdle.
 	ErrInvalidIdle = errors.New("pgrl lease: invalid idle time")
 	// ErrUnsupported: the limiter's configuration cannot be leased in this
@@ -183,6 +186,11 @@ func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	}
 	if opts.Idle == 0 {
 		opts.Idle = DefaultIdle
+	}
+	if opts.DB != nil {
+		if v := reflect.ValueOf(opts.DB); v.Kind() == reflect.Pointer && v.IsNil() {
+			return nil, fmt.Errorf("%w: Options.DB for %q is a nil %T; pass the pool the limiter's Database was made on, or leave DB nil (units are then never returned)", ErrInvalidDB, cfg.Name, opts.DB)
+		}
 	}
 	now := opts.Now
 	if now == nil {

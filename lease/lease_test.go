@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -67,6 +68,9 @@ func TestLeaseOptionsValidated(t *testing.T) {
 		require.ErrorIs(t, err, ErrInvalidIdle, "idle %v", idle)
 		require.Contains(t, err.Error(), "use at least 1ms")
 	}
+	_, err = New(l, Options{Size: 10, DB: (*pgxpool.Pool)(nil)})
+	require.ErrorIs(t, err, ErrInvalidDB)
+	require.Contains(t, err.Error(), "or leave DB nil")
 	// The extremes that are valid.
 	for _, o := range []Options{
 		{Size: 1}, {Size: 100}, {Size: 10, Share: math.MaxInt}, {Size: 10, Idle: math.MaxInt64}, {Size: 10, Idle: MinIdle},
