@@ -32,7 +32,6 @@
 // policies are refused (ErrUnsupported), as are AtRate and checks in a
 // transaction (a Limiter has no …Tx methods).
 //
-// A check's options are read through an internal hook of package
-// ratelimit (ratelimit.Option is opaque in the public API); everything
-// else is ratelimit's public API and one public statement of package gen.
+// It uses ratelimit's public API only (a check's options are read with
+// ratelimit.Option.Value), and one public statement of package gen.
 package lease

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/pgrl/pgrl/gen"
-	"github.com/pgrl/pgrl/internal/optview"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -235,9 +234,9 @@ func (x *Limiter) options(opts []ratelimit.Option, counts bool) (ask, error) {
 	a := ask{n: 1}
 	sized := false
 	for _, o := range opts {
-		v := optview.Decode(o)
-		switch v.Kind {
-		case optview.Cost, optview.UpTo:
+		v := o.Value()
+		switch {
+		case v.Sized:
 			if !counts {
 				return a, fmt.Errorf("%w: Cost or UpTo for %q where nothing is counted; Peek and Reset take no option on a lease limiter", ratelimit.ErrInvalidOption, x.cfg.Name)
 			}
@@ -245,8 +244,8 @@ func (x *Limiter) options(opts []ratelimit.Option, counts bool) (ask, error) {
 				return a, fmt.Errorf("%w: Cost or UpTo given twice for %q; give one of them, once", ratelimit.ErrInvalidOption, x.cfg.Name)
 			}
 			sized = true
-			a = ask{n: v.N, upTo: v.Kind == optview.UpTo}
-		case optview.AtRate:
+			a = ask{n: v.Units, upTo: v.UpTo}
+		case v.Rated:
 			return a, fmt.Errorf("%w: AtRate for %q, a lease limiter, whose slices are counted at the limiter's own rate; lease one limiter per rate, or check other rates with the *ratelimit.Limiter", ratelimit.ErrInvalidOption, x.cfg.Name)
 		default:
 			return a, fmt.Errorf("%w: the zero Option for %q; use Cost or UpTo", ratelimit.ErrInvalidOption, x.cfg.Name)

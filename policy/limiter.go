@@ -287,7 +287,7 @@ func (l *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Optio
 // noRate refuses a rate given with a call: the policy holds the rate.
 func (l *Limiter) noRate(opts []ratelimit.Option) error {
 	for _, o := range opts {
-		if _, ok := o.Rate(); ok {
+		if o.Value().Rated {
 			return fmt.Errorf("%w: AtRate for policy %q, whose rate is stored; change the policy or give the key an override (rl-policy)", ratelimit.ErrInvalidOption, l.name)
 		}
 	}

@@ -1,10 +1,6 @@
 package ratelimit
 
-import (
-	"context"
-
-	"github.com/pgrl/pgrl/internal/optview"
-)
+import "context"
 
 // Checker is what every kind of limit does, with one set of methods:
 // *Limiter (in PostgreSQL), *MemoryLimiter (in process memory) and package
@@ -84,10 +80,35 @@ func UpTo(n int64) Option { return Option{kind: optUpTo, n: n} }
 // Reset, it reads or forgets the rows that rate uses.
 func AtRate(r Rate) Option { return Option{kind: optRate, rate: r} }
 
-// Rate reports the rate o gives, when o is an AtRate option: for
-// wrappers (package policy's Limiter) that decide the rate themselves and
-// refuse one given with the call.
-func (o Option) Rate() (r Rate, ok bool) { return o.rate, o.kind == optRate }
+// OptionValue is what one Option gives, as Option.Value reports it.
+type OptionValue struct {
+	// Sized is set for Cost(n) and UpTo(n), and Units is their n (which
+	// may be invalid: the check refuses it with ErrInvalidCost).
+	Sized bool
+	Units int64
+	// UpTo is set for UpTo(n): Units is a ceiling, not a cost.
+	UpTo bool
+	// Rate is r for AtRate(r), and Rated is set for it.
+	Rate  Rate
+	Rated bool
+}
+
+// Value reports what o gives, for wrappers of a Checker that read a
+// check's options themselves: package policy refuses a rate given with
+// the call (its policy holds the rate), package lease answers Cost and
+// UpTo from its slices. The zero Option gives nothing: Sized and Rated
+// false.
+func (o Option) Value() OptionValue {
+	switch o.kind {
+	case optCost:
+		return OptionValue{Sized: true, Units: o.n}
+	case optUpTo:
+		return OptionValue{Sized: true, Units: o.n, UpTo: true}
+	case optRate:
+		return OptionValue{Rate: o.rate, Rated: true}
+	}
+	return OptionValue{}
+}
 
 // options returns what opts ask for, and the rate they give when rated.
 // A check may give Cost or UpTo once, and AtRate once; counts says whether
@@ -129,19 +150,4 @@ func (l *Limiter) resolve(opts []Option, counts bool) (*Limiter, ask, error) {
 	}
 	lr, err := l.WithRate(r)
 	return lr, a, err
-}
-
-func init() {
-	optview.Decode = func(o any) optview.View {
-		x := o.(Option)
-		switch x.kind {
-		case optCost:
-			return optview.View{Kind: optview.Cost, N: x.n}
-		case optUpTo:
-			return optview.View{Kind: optview.UpTo, N: x.n}
-		case optRate:
-			return optview.View{Kind: optview.AtRate}
-		}
-		return optview.View{Kind: optview.Invalid}
-	}
 }

@@ -112,3 +112,23 @@ func TestOptionsCompose(t *testing.T) {
 	_, err = ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, ratelimit.Check{Limiter: l, Key: "k", Rate: ratelimit.Rate{Limit: -1, Window: time.Hour}})
 	require.ErrorIs(t, err, ratelimit.ErrInvalidLimit)
 }
+
+// TestOptionValue: what Option.Value reports for each kind of option,
+// including values a check would refuse.
+func TestOptionValue(t *testing.T) {
+	t.Parallel()
+	r := ratelimit.Rate{Limit: 5, Window: time.Second}
+	for _, c := range []struct {
+		o    ratelimit.Option
+		want ratelimit.OptionValue
+	}{
+		{ratelimit.Cost(3), ratelimit.OptionValue{Sized: true, Units: 3}},
+		{ratelimit.Cost(0), ratelimit.OptionValue{Sized: true}},
+		{ratelimit.Cost(math.MinInt64), ratelimit.OptionValue{Sized: true, Units: math.MinInt64}},
+		{ratelimit.UpTo(math.MaxInt64), ratelimit.OptionValue{Sized: true, Units: math.MaxInt64, UpTo: true}},
+		{ratelimit.AtRate(r), ratelimit.OptionValue{Rate: r, Rated: true}},
+		{ratelimit.Option{}, ratelimit.OptionValue{}},
+	} {
+		require.Equal(t, c.want, c.o.Value())
+	}
+}
