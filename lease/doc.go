@@ -32,6 +32,9 @@
 // policies are refused (ErrUnsupported), as are AtRate and checks in a
 // transaction (a Limiter has no …Tx methods).
 //
+// Limiter.Stats counts slices, units and decisions; package metrics exports
+// them to Prometheus (metrics.NewLeaseCollector).
+//
 // It uses ratelimit's public API only (a check's options are read with
 // ratelimit.Option.Value), and one public statement of package gen.
 package lease

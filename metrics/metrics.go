@@ -1,9 +1,10 @@
 // Package metrics exports what pgrl does as Prometheus metrics: the
 // decisions, check latency, breaker state and deny-cache hits of the
-// limiters of package ratelimit, and the state of a package policy
-// listener and its cache.
+// limiters of package ratelimit, the state of a package policy listener
+// and its cache, and the slices, units and decisions of package lease's
+// limiters.
 //
-// It sits above both of those packages and nothing in pgrl imports it, so
+// It sits above those packages and nothing in pgrl imports it, so
 // only applications that import it link the Prometheus client.
 //
 // Register the collectors with the registry your /metrics handler serves
@@ -43,7 +44,11 @@
 //   - pgrl_deny_cache_hits_total{limiter}: checks the local deny cache
 //     answered without a round trip.
 //
-// A PolicyCollector exports the pgrl_policy_* series (see PolicyCollector).
+// A PolicyCollector exports the pgrl_policy_* series (see PolicyCollector),
+// a LeaseCollector the pgrl_lease_* series of lease limiters, read from
+// their Stats at each scrape (see LeaseCollector):
+//
+//	lc, err := metrics.NewLeaseCollector(reg, leased)
 //
 // Events (the breaker opening and closing, outages) are logged by the
 // limiters themselves through their Database's logger
