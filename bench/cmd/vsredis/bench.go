@@ -181,7 +181,19 @@ func keyName(k int) string { return "key-" + strconv.Itoa(k) }
 
 // pgrlConfig is the limit pgrl enforces: a token bucket like redis_rate's
 // GCRA, refilling benchRate a second up to benchBurst.
-func pgrlConfig() ratelimit.Config {
+//
+// With --algorithm fixed_window or sliding_window it is benchBurst per
+// window of a second instead: every check is admitted as well.
+func pgrlConfig(o options) ratelimit.Config {
+	if a := algorithmOf(o); a != ratelimit.TokenBucket {
+		return ratelimit.Config{
+			Name:      benchName,
+			Algorithm: a,
+			Limit:     benchBurst,
+			Window:    time.Second,
+			OnFailure: ratelimit.FailError,
+		}
+	}
 	return ratelimit.Config{
 		Name:      benchName,
 		Algorithm: ratelimit.TokenBucket,
@@ -190,6 +202,15 @@ func pgrlConfig() ratelimit.Config {
 		Burst:     benchBurst,
 		OnFailure: ratelimit.FailError, // an error must stop the run, not be answered from memory
 	}
+}
+
+// algorithmOf is pgrl's algorithm in the run (the token bucket unless
+// --algorithm says otherwise).
+func algorithmOf(o options) ratelimit.Algorithm {
+	if o.algorithm == "" {
+		return ratelimit.TokenBucket
+	}
+	return o.algorithm
 }
 
 // pgrlOptions are the options of the Database pgrl's limits are kept in:
@@ -209,7 +230,7 @@ func pgrlLimiter(db ratelimit.DB, o options, disableCoalescing bool) (*ratelimit
 	if err != nil {
 		return nil, err
 	}
-	return d.Limiter(pgrlConfig())
+	return d.Limiter(pgrlConfig(o))
 }
 
 func pgrlCheck(l *ratelimit.Limiter, keys []string) loadtest.Check {
@@ -307,8 +328,18 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 	if err != nil {
 		return Case{}, err
 	}
+	var leases leaseSet
+	defer func() { _ = leases.close(context.WithoutCancel(ctx)) }()
+	pgCheck := pgrlCheck(lib, keys)
+	if o.leaseSize > 0 {
+		ll, err := leases.wrap(lib, o, db)
+		if err != nil {
+			return Case{}, err
+		}
+		pgCheck = leasedCheck(ll, keys)
+	}
 	paths := []*path{
-		newPath(pathPgrl, pgrlCheck(lib, keys), db),
+		newPath(pathPgrl, pgCheck, db),
 		newPath(pathRedis, redisCheck(redis_rate.NewLimiter(rdb), keys), nil),
 	}
 	if o.compareCoalescing {
@@ -364,8 +395,13 @@ func runCase(ctx context.Context, o options, keys []string, callers, nkeys int) 
 	if err := loadtest.Run(ctx, plan, run...); err != nil {
 		return Case{}, err
 	}
+	leaseStats, err := leases.finish(ctx)
+	if err != nil {
+		return Case{}, err
+	}
 	pg, rd := paths[0], paths[1]
 	c := Case{
+		Lease:               leaseStats,
 		Callers:             callers,
 		Keys:                nkeys,
 		PgConns:             pgConnsFor(o, callers),
@@ -561,8 +597,9 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 			CPUModel: cpuModel(), GoVersion: runtime.Version(),
 		},
 		Schema:           o.schema,
-		Algorithm:        string(ratelimit.TokenBucket),
+		Algorithm:        string(algorithmOf(o)),
 		Limit:            fmt.Sprintf("%d/s, burst %d", benchRate, benchBurst),
+		LeaseSize:        o.leaseSize,
 		DurationSeconds:  o.duration.Seconds(),
 		WarmupSeconds:    o.warmup.Seconds(),
 		MaxBatch:         o.maxBatch,
@@ -571,6 +608,22 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 		CompareCoalesced: o.compareCoalescing,
 		Variants:         variantNames(o.variants),
 		Targets:          defaultTargets,
+	}
+	if algorithmOf(o) != ratelimit.TokenBucket {
+		rep.Limit = fmt.Sprintf("%d per 1s window", benchBurst)
+	}
+	if o.leaseSize > 0 {
+		if len(o.keys) > 0 {
+			rep.Leased = append(rep.Leased, benchName)
+		}
+		if o.mix != "" {
+			leased, unleased := leasedMixLimits()
+			rep.Leased = append(rep.Leased, leased...)
+			rep.Unleased = append(rep.Unleased, unleased...)
+		}
+		if o.compareCoalescing || len(o.variants) > 0 {
+			rep.Unleased = append(rep.Unleased, "the --compare-coalescing and --variant paths")
+		}
 	}
 	pool, err := openPool(ctx, o.databaseURL, o.schema, 1)
 	if err != nil {

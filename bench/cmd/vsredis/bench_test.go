@@ -98,3 +98,58 @@ func abs(x float64) float64 {
 	}
 	return x
 }
+
+// TestLeasedEndToEnd runs the leased path: a key space and the mix with
+// --lease-size on the fixed window. Every leased check is verified as it
+// is made and the end-of-run check holds; most checks are answered from
+// slices.
+func TestLeasedEndToEnd(t *testing.T) {
+	addr := redisAddr(t)
+	schema := dbtest.NewSchema(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var stdout, stderr bytes.Buffer
+	code := run(ctx, []string{
+		"--database-url", dbtest.URL(), "--schema", schema,
+		"--redis-addr", addr, "--redis-db", testRedisDB,
+		"--callers", "4", "--keys", "10", "--mix", "app", "--mix-requests", "2000",
+		"--algorithm", "fixed_window", "--lease-size", "50",
+		"--duration", "300ms", "--warmup", "60ms", "--output", "json",
+	}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit %d; stderr:\n%s", code, stderr.String())
+	}
+	var rep Report
+	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
+		t.Fatalf("output is not a report: %v\n%s", err, stdout.String())
+	}
+	if rep.LeaseSize != 50 || rep.Algorithm != "fixed_window" || len(rep.Leased) != 6 || len(rep.Unleased) != 2 {
+		t.Fatalf("lease size %d, algorithm %s, leased %v, unleased %v", rep.LeaseSize, rep.Algorithm, rep.Leased, rep.Unleased)
+	}
+	if len(rep.Cases) != 1 || len(rep.MixCases) != 1 {
+		t.Fatalf("%d cases and %d mix cases, want 1 and 1", len(rep.Cases), len(rep.MixCases))
+	}
+	for what, s := range map[string]*LeaseStats{"key space": rep.Cases[0].Lease, "mix": rep.MixCases[0].Lease} {
+		if s == nil {
+			t.Fatalf("%s: no lease stats", what)
+		}
+		if !s.NeverOverLimit || s.Admitted == 0 || s.Slices == 0 || s.LocalDecisions <= s.DatabaseDecisions {
+			t.Errorf("%s: %+v: want admitted checks, mostly answered from slices, within the limit", what, s)
+		}
+		if s.UsedLocally+s.Returned+s.Dropped > s.UnitsLeased {
+			t.Errorf("%s: %+v: more units used, returned and dropped than leased", what, s)
+		}
+	}
+	if c := rep.Cases[0]; c.PgrlChecks == 0 || c.PgrlClientCPUUsOp <= 0 || c.RedisClientCPUUsOp <= 0 {
+		t.Errorf("%+v: no checks, or no CPU per check", c)
+	}
+	var text bytes.Buffer
+	if err := printText(&text, rep); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"leased (package lease, Size 50): vsredis, contact", "not leased: login-email-ip", "lease, 4 callers, 10 keys:", "lease, mix, 4 callers:", "never over the limit: held"} {
+		if !bytes.Contains(text.Bytes(), []byte(want)) {
+			t.Errorf("text report lacks %q:\n%s", want, text.String())
+		}
+	}
+}

@@ -30,6 +30,12 @@
 // and checks/s of both sides, and pgrl's checks per statement and
 // statements per round trip.
 //
+// With --lease-size N (off by default) and --algorithm fixed_window or
+// sliding_window, pgrl's limiter in the key-space cases and the mix's
+// limits checked alone are wrapped with package lease (Options.Size N);
+// the report names the leased limits, sums their lease.Stats per case, and
+// checks that none admitted over its limit.
+//
 // The report gives, per case and path, ops/s, p50 and p99 latency, the
 // client's CPU time per check and the machine's CPU use while the path ran,
 // and for pgrl the number of statements sent and the average batch size.

@@ -21,11 +21,25 @@ import (
 type mixLimiters struct {
 	db     [numMixLimits]*ratelimit.Limiter // nil for the memory limit
 	beacon *ratelimit.MemoryLimiter
+	// leased holds, with --lease-size, the lease limiters on db's that a
+	// single check uses (nil for the others).
+	leased [numMixLimits]*leasedLimit
 }
 
 // mixConfig is pgrl's version of limit l: a token bucket, as redis_rate's
-// GCRA, with the limit's rate, period and burst.
-func mixConfig(l mixLimit) ratelimit.Config {
+// GCRA, with the limit's rate, period and burst; with a fixed or sliding
+// window (--algorithm), the limit's burst per window of its period, so that
+// every check is admitted as well.
+func mixConfig(l mixLimit, a ratelimit.Algorithm) ratelimit.Config {
+	if a != ratelimit.TokenBucket && a != "" {
+		return ratelimit.Config{
+			Name:      l.name,
+			Algorithm: a,
+			Limit:     l.burst,
+			Window:    l.period,
+			OnFailure: ratelimit.FailError,
+		}
+	}
 	return ratelimit.Config{
 		Name:      l.name,
 		Algorithm: ratelimit.TokenBucket,
@@ -51,17 +65,34 @@ func newMixLimiters(db ratelimit.DB, o options) (*mixLimiters, error) {
 	for i, l := range appLimits {
 		var err error
 		if l.memory {
-			cfg := mixConfig(l)
+			cfg := mixConfig(l, algorithmOf(o))
 			cfg.OnFailure = ratelimit.FailToMemory // the default: a memory limiter has no database to fail
 			m.beacon, err = ratelimit.NewMemory(cfg, ratelimit.MemoryOptions{MaxKeys: 100_000})
 		} else {
-			m.db[i], err = limits.Limiter(mixConfig(l))
+			m.db[i], err = limits.Limiter(mixConfig(l, algorithmOf(o)))
 		}
 		if err != nil {
 			return nil, fmt.Errorf("limit %s: %w", l.name, err)
 		}
 	}
 	return m, nil
+}
+
+// lease wraps the database limiters that are checked alone with lease.New
+// (leasedMixLimits); the limits a login checks together stay unleased.
+func (m *mixLimiters) lease(o options, db ratelimit.DB, set *leaseSet) error {
+	together := allowAllLimits()
+	for i, l := range m.db {
+		if l == nil || together[i] {
+			continue
+		}
+		ll, err := set.wrap(l, o, db)
+		if err != nil {
+			return err
+		}
+		m.leased[i] = ll
+	}
+	return nil
 }
 
 // allow makes one check on its limiter and verifies it was admitted by the
@@ -72,6 +103,12 @@ func (m *mixLimiters) allow(ctx context.Context, c mixCheck) (pg bool, err error
 	if appLimits[c.limit].memory {
 		want = ratelimit.StoreMemory
 		d, err = m.beacon.Allow(ctx, c.key)
+	} else if ll := m.leased[c.limit]; ll != nil {
+		d, err = ll.Allow(ctx, c.key)
+		if err != nil {
+			return false, err
+		}
+		return true, ll.admit(c.key, d)
 	} else {
 		d, err = m.db[c.limit].Allow(ctx, c.key)
 	}
@@ -217,6 +254,13 @@ func runMixCase(ctx context.Context, o options, mix *appMix, callers int) (MixCa
 	if err != nil {
 		return MixCase{}, err
 	}
+	var leases leaseSet
+	defer func() { _ = leases.close(context.WithoutCancel(ctx)) }()
+	if o.leaseSize > 0 {
+		if err := lims.lease(o, db, &leases); err != nil {
+			return MixCase{}, err
+		}
+	}
 	pgTally, rdTally := &checkTally{}, &checkTally{}
 	pg := newPath(pathPgrl, pgrlMixCheck(mix, lims, pgTally), db)
 	pg.tally = pgTally
@@ -234,7 +278,13 @@ func runMixCase(ctx context.Context, o options, mix *appMix, callers int) (MixCa
 	if err := loadtest.Run(ctx, plan, &pg.Path, &rd.Path); err != nil {
 		return MixCase{}, err
 	}
-	return mixCaseOf(callers, pgConnsFor(o, callers), redisConnsFor(callers), pg, rd), nil
+	leaseStats, err := leases.finish(ctx)
+	if err != nil {
+		return MixCase{}, err
+	}
+	c := mixCaseOf(callers, pgConnsFor(o, callers), redisConnsFor(callers), pg, rd)
+	c.Lease = leaseStats
+	return c, nil
 }
 
 // mixCaseOf is the report row of a mix case from its measured paths.

@@ -24,7 +24,13 @@ type Report struct {
 	PgConnsFlag      int      `json:"pg_conns_flag"` // 0: min(callers, 16)
 	CompareCoalesced bool     `json:"compare_coalescing"`
 	Variants         []string `json:"variants,omitempty"`
-	Cases            []Case   `json:"cases"`
+	// LeaseSize is --lease-size (0: no leases); Leased names the limits
+	// whose checks pgrl answered through package lease, and Unleased
+	// those it left unleased in a leased run, with why.
+	LeaseSize int64    `json:"lease_size,omitempty"`
+	Leased    []string `json:"leased,omitempty"`
+	Unleased  []string `json:"unleased,omitempty"`
+	Cases     []Case   `json:"cases"`
 	// Mix describes the application mix, and MixCases are its cases, with
 	// --mix app.
 	Mix          *MixInfo  `json:"mix,omitempty"`
@@ -89,6 +95,9 @@ type Case struct {
 
 	// Variants are the --variant paths: pgrl with other settings.
 	Variants []Variant `json:"pgrl_variants,omitempty"`
+
+	// Lease is what the leased limiter did, with --lease-size.
+	Lease *LeaseStats `json:"pgrl_lease,omitempty"`
 }
 
 // Variant is the measurement of pgrl with other coalescing settings, in the
@@ -140,7 +149,9 @@ type MixInfo struct {
 }
 
 // MixLimit is one limit of a mix: a token bucket of Rate per Period and
-// Burst on both sides (Burst so large that every check is admitted).
+// Burst on both sides (Burst so large that every check is admitted). With
+// --algorithm fixed_window or sliding_window (Report.Algorithm), pgrl counts
+// Burst per window of Period instead.
 type MixLimit struct {
 	Name   string `json:"name"`
 	Rate   int64  `json:"rate"`
@@ -201,6 +212,11 @@ type MixCase struct {
 	RedisServerCPUUsReq float64 `json:"redis_rate_server_cpu_us_per_request"`
 	PgrlMachineBusy     float64 `json:"pgrl_machine_busy"`
 	RedisMachineBusy    float64 `json:"redis_rate_machine_busy"`
+
+	// Lease is what the leased limiters did, with --lease-size. Their
+	// checks count in PgrlPostgresChecks whether a slice or a statement
+	// answered them.
+	Lease *LeaseStats `json:"pgrl_lease,omitempty"`
 }
 
 // Targets are the throughput ratios the comparison aims at, over key spaces
@@ -260,7 +276,14 @@ func printText(w io.Writer, rep Report) error {
 	m := rep.Machine
 	fmt.Fprintf(w, "%s/%s, %d CPUs (%s), %s, PostgreSQL %s (wal_writer_flush_after %s, synchronous_commit %s), Redis %s\n",
 		m.GOOS, m.GOARCH, m.NumCPU, m.CPUModel, m.GoVersion, m.PostgresVersion, m.WalWriterFlushAfter, m.SynchronousCommit, m.RedisVersion)
-	fmt.Fprintf(w, "%s, %s, %gs per path per case\n\n", rep.Algorithm, rep.Limit, rep.DurationSeconds)
+	fmt.Fprintf(w, "%s, %s, %gs per path per case\n", rep.Algorithm, rep.Limit, rep.DurationSeconds)
+	if rep.LeaseSize > 0 {
+		fmt.Fprintf(w, "leased (package lease, Size %d): %s\n", rep.LeaseSize, strings.Join(rep.Leased, ", "))
+		if len(rep.Unleased) > 0 {
+			fmt.Fprintf(w, "not leased: %s\n", strings.Join(rep.Unleased, "; "))
+		}
+	}
+	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "callers\tkeys\tpgrl ops/s\tredis_rate ops/s\tratio\tpgrl p50 µs\tpgrl p99 µs\tredis p50 µs\tredis p99 µs\tavg batch\tuncoal. ops/s\tuncoal. p50 µs\t")
 	for _, c := range rep.Cases {
@@ -274,6 +297,9 @@ func printText(w io.Writer, rep Report) error {
 	}
 	if err := tw.Flush(); err != nil {
 		return err
+	}
+	for _, c := range rep.Cases {
+		printLeaseLine(w, fmt.Sprintf("%d callers, %d keys", c.Callers, c.Keys), c.Lease, c.PgrlClientCPUUsOp, c.RedisClientCPUUsOp, "check")
 	}
 	if err := printMixText(w, rep); err != nil {
 		return err
@@ -309,5 +335,26 @@ func printMixText(w io.Writer, rep Report) error {
 			c.Callers, c.PgrlRequestsPerSec, c.RedisRateRequestsPerSec, c.Ratio, c.PgrlChecksPerSec, c.RedisRateChecksPerSec,
 			c.PgrlP50Us, c.PgrlP99Us, c.RedisRateP50Us, c.RedisRateP99Us, c.PgrlChecksPerStatement, c.PgrlStatementsPerRoundTrip)
 	}
-	return tw.Flush()
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, c := range rep.MixCases {
+		printLeaseLine(w, fmt.Sprintf("mix, %d callers", c.Callers), c.Lease, c.PgrlClientCPUUsReq, c.RedisClientCPUUsReq, "request")
+	}
+	return nil
+}
+
+// printLeaseLine prints what a case's leased limiters did, with the client
+// CPU per check or request of both sides; nothing for an unleased case.
+func printLeaseLine(w io.Writer, what string, s *LeaseStats, pgCPU, redisCPU float64, unit string) {
+	if s == nil {
+		return
+	}
+	verdict := "never over the limit: held"
+	if !s.NeverOverLimit {
+		verdict = "never over the limit: NOT shown"
+	}
+	fmt.Fprintf(w, "lease, %s: %d slices, %d units leased (%d used, %d returned, %d dropped), %d local and %d database decisions (%.4f database decisions per leased check), %d admitted, %s; client CPU µs per %s: pgrl %.2f, redis_rate %.2f\n",
+		what, s.Slices, s.UnitsLeased, s.UsedLocally, s.Returned, s.Dropped, s.LocalDecisions, s.DatabaseDecisions,
+		s.DatabaseDecisionsPerCheck(), s.Admitted, verdict, unit, pgCPU, redisCPU)
 }

@@ -14,7 +14,12 @@ import (
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/internal/loadtest"
+	"github.com/pgrl/pgrl/ratelimit"
 )
+
+// maxLeaseSize is the largest --lease-size: the smallest limit a leased run
+// leases (the mix's confirmation limit per window).
+const maxLeaseSize = mixConfirmationBurst
 
 // options are the parsed command line.
 type options struct {
@@ -35,6 +40,10 @@ type options struct {
 	variants          []variant
 	output            string
 	cpuProfile        string
+	// algorithm is pgrl's algorithm in the key-space cases and the mix.
+	algorithm ratelimit.Algorithm
+	// leaseSize is lease.Options.Size for the leased path; 0: off.
+	leaseSize int64
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -63,6 +72,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return err
 	})
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
+	algorithm := fs.String("algorithm", string(ratelimit.TokenBucket), "pgrl's algorithm in the key-space cases and the mix: token_bucket (the closest to redis_rate's GCRA), or fixed_window or sliding_window with each limit's burst as the limit per window (rate period; 1s for the key spaces)")
+	fs.Int64Var(&o.leaseSize, "lease-size", 0, "lease pgrl's limiters in the key-space cases and the mix with package lease, in slices of this many units (lease.Options.Size); 0: off. Needs --algorithm fixed_window or sliding_window, and at most "+strconv.Itoa(maxLeaseSize)+" (the smallest limit of the mix)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file, for go tool pprof")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: vsredis [flags]\n\nCompares pgrl's limiter on PostgreSQL with go-redis/redis_rate on Redis:\nops/s, p50 and p99 per number of callers and key space, and requests/s\nand checks/s of an application's mix of limits.\n\nFlags:\n")
@@ -89,6 +100,20 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		o.mix = ""
 	default:
 		return o, fmt.Errorf("--mix %q: use %s or none", o.mix, mixApp)
+	}
+	o.algorithm = ratelimit.Algorithm(*algorithm)
+	switch o.algorithm {
+	case ratelimit.TokenBucket, ratelimit.FixedWindow, ratelimit.SlidingWindow:
+	default:
+		return o, fmt.Errorf("--algorithm %q: use token_bucket, fixed_window or sliding_window", *algorithm)
+	}
+	switch {
+	case o.leaseSize < 0:
+		return o, fmt.Errorf("--lease-size %d: must not be negative (0 turns leases off)", o.leaseSize)
+	case o.leaseSize > 0 && o.algorithm == ratelimit.TokenBucket:
+		return o, fmt.Errorf("--lease-size %d with --algorithm token_bucket: package lease refuses the token bucket; add --algorithm fixed_window or --algorithm sliding_window", o.leaseSize)
+	case o.leaseSize > maxLeaseSize:
+		return o, fmt.Errorf("--lease-size %d: at most %d, the smallest limit of the mix (a slice never exceeds its limit)", o.leaseSize, maxLeaseSize)
 	}
 	if len(o.keys) == 0 && o.mix == "" {
 		return o, errors.New("--keys none and --mix none: nothing to run; give a key space or a mix")

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/pgrl/pgrl/internal/cli"
+	"github.com/pgrl/pgrl/ratelimit"
 )
 
 func TestParseVariant(t *testing.T) {
@@ -39,11 +40,36 @@ func TestUsageErrors(t *testing.T) {
 		{"--mix-requests", "0"},
 		{"--keys", "none", "--mix", "none"},
 		{"extra"},
+		{"--algorithm", "gcra"},
+		{"--lease-size", "-1", "--algorithm", "fixed_window"},
+		{"--lease-size", "10"}, // the token bucket, which lease refuses
+		{"--lease-size", "10", "--algorithm", "token_bucket"},
+		{"--lease-size", "1000001", "--algorithm", "fixed_window"},
 	} {
 		var stderr bytes.Buffer
 		if code := run(context.Background(), args, &bytes.Buffer{}, &stderr); code != cli.ExitUsage {
 			t.Errorf("%v: exit %d, want %d (%s)", args, code, cli.ExitUsage, stderr.String())
 		}
+	}
+}
+
+func TestLeaseFlags(t *testing.T) {
+	o, err := parseFlags([]string{"--lease-size", "100", "--algorithm", "sliding_window"}, &bytes.Buffer{})
+	if err != nil || o.leaseSize != 100 || o.algorithm != ratelimit.SlidingWindow {
+		t.Fatalf("got %+v, %v", o, err)
+	}
+	o, err = parseFlags(nil, &bytes.Buffer{})
+	if err != nil || o.leaseSize != 0 || o.algorithm != ratelimit.TokenBucket {
+		t.Fatalf("defaults: got lease size %d, algorithm %q, %v; want no leases and the token bucket", o.leaseSize, o.algorithm, err)
+	}
+	var stderr bytes.Buffer
+	run(context.Background(), []string{"--lease-size", "10"}, &bytes.Buffer{}, &stderr)
+	if !strings.Contains(stderr.String(), "--algorithm fixed_window") {
+		t.Errorf("--lease-size with the token bucket: %q does not say which --algorithm to use", stderr.String())
+	}
+	leased, unleased := leasedMixLimits()
+	if strings.Join(leased, ",") != "contact,confirmation-email,admin-writes,uploads,public-api" || len(unleased) != 2 {
+		t.Errorf("leased %v, unleased %v: want the five limits checked alone leased, the login's three and the beacon not (two reasons)", leased, unleased)
 	}
 }
 
