@@ -233,8 +233,9 @@ func runAll(t *testing.T, children []*child, c leaseCommand) []leaseReport {
 // the fixed and the sliding window. Summed over the processes, what was
 // admitted of each key in each aligned window never exceeds the limit;
 // and for the fixed window, in every window the run covered from start to
-// end whose demand was at least twice the limit, it is at least the limit
-// less the documented shortfall bound: one slice (Size) per process.
+// end where the key was short of quota (demand of twice the limit, or a
+// check denied), it is at least the limit less the documented shortfall
+// bound: one slice (Size) per process.
 func TestLeaseMultiprocessNeverOver(t *testing.T) {
 	_, schema := dbtest.Pool(t)
 	cases := []struct {
@@ -257,12 +258,19 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 				t.Run(fmt.Sprintf("%s/limit=%d/keys=%d", a, c.limit, keys), func(t *testing.T) {
 					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 					defer cancel()
+					// Spread over 16 keys, each key gets a 16th of the demand:
+					// longer windows keep a key short of quota on a busy
+					// machine too.
+					windowMs := c.windowMs
+					if keys > 1 {
+						windowMs *= 4
+					}
 					cfg := leaseChildConfig{
 						Name: fmt.Sprintf("lease-%s-%d-%d", a, c.limit, keys), Algorithm: a,
-						Limit: c.limit, WindowMs: c.windowMs, Size: c.size,
+						Limit: c.limit, WindowMs: windowMs, Size: c.size,
 					}
 					children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
-					reports := runAll(t, children, leaseCommand{Op: "run", Keys: keys, DurationMs: 3*c.windowMs + 200})
+					reports := runAll(t, children, leaseCommand{Op: "run", Keys: keys, DurationMs: 3*windowMs + 200})
 					leaseCheck(t, reports, cfg, a == ratelimit.FixedWindow && c.mustQualify)
 				})
 			}
@@ -319,7 +327,15 @@ func leaseCheck(t *testing.T, reports []leaseReport, cfg leaseChildConfig, mustQ
 		s := sums[w]
 		require.LessOrEqual(t, s.Admitted, cfg.Limit, "key %d, window at %d: admitted over the limit", w.key, w.win)
 		full := w.win >= from && w.win+windowUs <= to
-		if full && s.Checks >= 2*cfg.Limit && cfg.Algorithm == ratelimit.FixedWindow {
+		// The lower bound applies to a full window where the key was
+		// short of quota: demand of twice the limit, or any check denied.
+		// A check of one unit is denied only when PostgreSQL granted its
+		// slice's ask nothing (UpTo grants any unit left), so at that
+		// instant every unit of the window was counted: admitted, or held
+		// in slices, at most one of Size per process. On a busy machine
+		// the children may not reach twice the limit in a window, but
+		// they run until denied.
+		if full && (s.Checks >= 2*cfg.Limit || s.Checks > s.Admitted) && cfg.Algorithm == ratelimit.FixedWindow {
 			qualified++
 			require.GreaterOrEqual(t, s.Admitted, cfg.Limit-bound, "key %d, window at %d: more than %d short", w.key, w.win, bound)
 		}
@@ -329,7 +345,7 @@ func leaseCheck(t *testing.T, reports []leaseReport, cfg leaseChildConfig, mustQ
 	}
 	t.Logf("limit %d, size %d: key 0 %s; stats summed %+v", cfg.Limit, cfg.Size, strings.Join(lines, "; "), st)
 	if mustQualify {
-		require.Positive(t, qualified, "no window with a full run and demand of twice the limit: the lower bound was not checked")
+		require.Positive(t, qualified, "no window with a full run and a key short of quota: the lower bound was not checked")
 	}
 }
 
