@@ -277,7 +277,11 @@ VALUES ('\x01', now() - interval '3 hours', 1, 0, now() - interval '1 hour', tru
 		require.True(t, want[i].lower.Equal(lower) && want[i].upper.Equal(upper),
 			"partition %s: read [%s, %s), a clean session reads [%s, %s)", g.PartitionName, lower, upper, want[i].lower, want[i].upper)
 	}
-	add("%d partitions read as a clean session reads them", len(got))
+	// How many there are depends on the hour the run is in (partitions
+	// ahead of now), which may turn between two settings' runs: the
+	// transcript says only that each was read as a clean session reads it.
+	require.NotEmpty(t, got)
+	add("partitions read as a clean session reads them")
 	created := -1
 	for _, dry := range []bool{true, false} {
 		r, err = cleanup.Run(ctx, pool, cleanup.Options{Mode: cleanup.ModePartitions, Horizon: 5 * time.Hour, DryRun: dry})
