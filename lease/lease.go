@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/pgrl/pgrl/gen"
+	"github.com/pgrl/pgrl/internal/sqlops"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -39,8 +40,8 @@ var (
 	// ErrInvalidIdle: Options.Idle is negative or below MinIdle.
 	ErrInvalidIdle = errors.New("pgrl lease: invalid idle time")
 	// ErrUnsupported: the limiter's configuration cannot be leased in this
-	// version: the token bucket, Penalty, Spread above 1, or a stored
-	// Policy. The text says why and what to use instead.
+	// version: the token bucket, Spread above 1, or a stored Policy. The
+	// text says why and what to use instead.
 	ErrUnsupported = errors.New("pgrl lease: limit not supported by leases")
 	// ErrClosed: a check made after Close.
 	ErrClosed = errors.New("pgrl lease: limiter closed; make a new one with lease.New, or check with the *ratelimit.Limiter directly")
@@ -53,19 +54,20 @@ type Options struct {
 	// the limit). A larger Size saves more statements and can leave more
 	// units unused in a process while another is denied (docs/LEASES.md).
 	Size int64
-	// Share is the fair-share divisor: once this process has seen the
-	// key's Remaining r in the current window, its next slice asks for
-	// ceil(r/Share) units (at least the check's cost, at most Size), so
-	// slices shrink as the key nears its limit and the last units go one
-	// by one. Defaults to DefaultShare (8). Negative is refused.
+	// Share is the fair-share divisor: the statement that grants a slice
+	// grants ceil(left/Share) of what the key has left (ratelimit.Slice),
+	// at least what the check needs and at most Size, so slices shrink as
+	// the key nears its limit and the last units go one by one. Set it near
+	// the number of processes that check a key. Defaults to DefaultShare
+	// (8). Negative is refused.
 	Share int
 	// Idle is how long a key's slice may go without a check before its
-	// unused units are returned (fixed window) or dropped (sliding
-	// window). Defaults to DefaultIdle (1s); at least MinIdle.
+	// unused units are returned. Defaults to DefaultIdle (1s); at least
+	// MinIdle.
 	Idle time.Duration
-	// DB is the database unused fixed-window units are returned on: the
-	// one the limiter's ratelimit.Database was made on (a *pgxpool.Pool).
-	// Nil: units are never returned; they expire with their window.
+	// DB is the database unused units are returned on: the one the
+	// limiter's ratelimit.Database was made on (a *pgxpool.Pool). Nil:
+	// units are never returned; they expire with their window.
 	DB ratelimit.DB
 	// Now is the local clock a slice's expiry and idle time are measured
 	// on, for tests (with ratelimit.DatabaseOptions.Now pinned to the same
@@ -87,8 +89,8 @@ type Stats struct {
 	// Close).
 	Returned int64
 	// Dropped is the leased units given to no check and not returned:
-	// their window ended, the key was Reset, or the sliding window (whose
-	// units are never returned) went idle or closed.
+	// their window ended, the key was Reset, there was no Options.DB, or
+	// under Penalty they paid for a denied check.
 	Dropped int64
 	// LocalDecisions is how many checks a slice answered, with no
 	// statement.
@@ -155,7 +157,7 @@ type entry struct {
 
 // New returns a lease limiter on l. It starts a goroutine that returns
 // idle slices; Close stops it. l must be a fixed or sliding window limiter
-// without Penalty, Spread or Policy (ErrUnsupported says why for each).
+// without Spread or Policy (ErrUnsupported says why for each).
 func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	if l == nil {
 		return nil, ErrNilLimiter
@@ -164,8 +166,6 @@ func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	switch {
 	case cfg.Algorithm == ratelimit.TokenBucket:
 		return nil, fmt.Errorf("%w: %q is a token bucket, which refills while units are out on lease; a lease would need them counted against its capacity (a later version). Use a fixed or sliding window, or check the token bucket directly", ErrUnsupported, cfg.Name)
-	case cfg.Penalty:
-		return nil, fmt.Errorf("%w: %q has Penalty, which counts a partial grant's whole ask, so a slice's ask would penalise the key for units no request used. Check a penalised limit directly", ErrUnsupported, cfg.Name)
 	case cfg.Spread > 1:
 		return nil, fmt.Errorf("%w: %q has Spread %d; a slice is taken from one row. Use Spread 1 with a lease: a lease already takes most checks off the row", ErrUnsupported, cfg.Name, cfg.Spread)
 	case cfg.Policy != "":
@@ -322,9 +322,8 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		x.count(d, err)
 		return d, err
 	}
-	n := x.ask(e, a, live)
 	start := now
-	d, err := x.l.Allow(ctx, e.key, ratelimit.UpTo(n))
+	d, err := x.l.Allow(ctx, e.key, x.slice(e, a, live))
 	x.count(d, err)
 	if err != nil {
 		return d, err
@@ -356,6 +355,13 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		take = min(a.n, e.left)
 	}
 	if take == 0 || e.left < take {
+		if x.cfg.Penalty {
+			// Every attempt counts its whole cost: the statement counted
+			// what the held units did not cover, and the held units pay
+			// the rest.
+			x.dropped.Add(e.left)
+			e.left = 0
+		}
 		return x.denied(e, d), nil
 	}
 	e.left -= take
@@ -377,21 +383,23 @@ func (x *Limiter) count(d ratelimit.Decision, err error) {
 	}
 }
 
-// ask is the slice a check of a asks the database for: Size with no
-// figure of the key's Remaining in this window, else ceil(r/Share); at
-// least what the check needs, at most Size (or, for UpTo, what it asks
-// when that is more).
-func (x *Limiter) ask(e *entry, a ask, live bool) int64 {
-	n := x.opts.Size
-	if live && !e.dbNow.IsZero() {
-		r := e.remaining
-		n = r / int64(x.opts.Share)
-		if r%int64(x.opts.Share) != 0 {
-			n++
-		}
-		n = min(n, x.opts.Size)
+// slice is the slice a check of a asks the database for: the statement
+// grants ceil(left/Share) of what the key has left, at most Size (or what
+// an UpTo check asks, when that is more), and at least what the check
+// still needs beyond the units e holds (live: e's units are of the
+// current window); fewer than that left is a denial (under Penalty
+// counting just that).
+func (x *Limiter) slice(e *entry, a ask, live bool) ratelimit.Option {
+	held := int64(0)
+	if live {
+		held = e.left
 	}
-	return max(n, min(a.n, x.cfg.Limit))
+	need := max(a.n-held, 1)
+	if a.upTo {
+		need = 1
+	}
+	need = min(need, x.cfg.Limit)
+	return ratelimit.Slice(need, max(x.opts.Size, min(a.n-held, x.cfg.Limit)), int64(x.opts.Share))
 }
 
 // localDecision is the answer of a slice that gave n units.
@@ -620,11 +628,13 @@ func (x *Limiter) sweep(ctx context.Context) {
 
 var queries = gen.New()
 
-// giveBack returns e's unused units to the database when it can: the fixed
-// window, Options.DB set, and the slice's window still live on the local
-// clock. The statement is pinned (At) to the instant the units were
-// counted at, so it lands in their window's row whatever the clocks, and
-// never in a later window, which it would over-admit. What it cannot
+// giveBack returns e's unused units to the database when it can: Options.DB
+// set, and the slice's window still live on the local clock. The units go
+// back to the window they were counted in, whatever the clocks, and never
+// to a later window, which would over-admit: the fixed window's statement
+// is pinned (At) to the instant they were counted at; the sliding window's
+// lowers that window's count, or, once the row has moved one window on,
+// its previous count (see sqlops.SlidingWindowReturnSlice). What it cannot
 // return is dropped. e is held; its slice is empty afterwards.
 func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
 	n := e.left
@@ -632,11 +642,26 @@ func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
 	if n == 0 {
 		return nil
 	}
-	if x.cfg.Algorithm != ratelimit.FixedWindow || x.opts.DB == nil || !x.now().Before(e.expires) {
+	if x.opts.DB == nil || !x.now().Before(e.expires) {
 		x.dropped.Add(n)
 		return nil
 	}
 	k := ratelimit.StoredKey(x.cfg.KeyMode, x.stored, e.key)
+	if x.cfg.Algorithm == ratelimit.SlidingWindow {
+		rows, err := sqlops.New().SlidingWindowReturnSlice(ctx, x.opts.DB, sqlops.SlidingWindowReturnSliceParams{
+			Key: k, N: n, WindowStartUs: windowEnd(e.dbNow, x.windowUs).UnixMicro() - x.windowUs, WindowUs: x.windowUs,
+		})
+		switch {
+		case err != nil:
+			x.dropped.Add(n)
+			return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, x.cfg.Name, err)
+		case rows == 0: // the row has moved two windows on, or was reset
+			x.dropped.Add(n)
+		default:
+			x.returned.Add(n)
+		}
+		return nil
+	}
 	at := e.dbNow
 	r, err := queries.FixedWindowTake(ctx, x.opts.DB, gen.FixedWindowTakeParams{
 		Key: k, At: &at, WindowUs: x.windowUs, Cost: -n, MaxCount: math.MaxInt64, Penalty: true,

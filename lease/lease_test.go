@@ -94,7 +94,6 @@ func TestLeaseRefusesWhatItCannotLease(t *testing.T) {
 		want string
 	}{
 		{ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute}, "token bucket"},
-		{ratelimit.Config{Name: "pen", Limit: 10, Window: time.Minute, Penalty: true}, "Penalty"},
 		{ratelimit.Config{Name: "spread", Limit: 10, Window: time.Minute, Spread: 2}, "Spread 2"},
 		{ratelimit.Config{Name: "pol", Limit: 10, Window: time.Minute, Policy: "p"}, "stored policy"},
 	} {
@@ -198,12 +197,47 @@ func TestLeaseSlicesShrinkNearTheLimit(t *testing.T) {
 		}
 	}
 	require.Equal(t, int64(100), admitted, "one process alone uses every unit")
-	// 50, then ceil(50/4)=13, ceil(37/4)=10, ceil(27/4)=7, 5, 4, 3, 2, 1, 1, ...
-	require.Equal(t, []int64{50, 63, 73, 80, 85, 89, 92, 94, 96, 97, 98, 99, 100}, counted)
+	// The statement sizes each slice from what is left: ceil(100/4)=25,
+	// ceil(75/4)=19, 14, 11, 8, 6, 5, 3, 3, 2, 1, 1, 1, 1 (at most Size).
+	require.Equal(t, []int64{25, 44, 58, 69, 77, 83, 88, 91, 94, 96, 97, 98, 99, 100}, counted)
 	require.Equal(t, int64(100), x.Stats().Leased)
 }
 
-func TestLeaseDenialKeepsTheUnits(t *testing.T) {
+// Under Penalty a leased limit counts what the plain limit counts for the
+// same checks, and admits the same: every attempt is charged its whole
+// cost (a denied check's statement counts what the held units do not
+// cover, and the held units pay the rest).
+func TestLeasePenaltyCountsEveryAttempt(t *testing.T) {
+	t.Parallel()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			c := testkit.NewClock(base.Add(10 * time.Second))
+			cfg := ratelimit.Config{Algorithm: alg, Limit: 10, Window: time.Minute, Penalty: true, DenyCacheSize: -1}
+			cfg.Name = "pen-plain"
+			plain, _ := setup(t, cfg, c)
+			cfg.Name = "pen-lease"
+			leased, _ := setup(t, cfg, c)
+			x := newLease(t, leased, Options{Size: 4, Share: 1, Now: c.Now})
+			ctx := context.Background()
+			var got, want []bool
+			for _, cost := range []int64{3, 3, 3, 3, 1, 2} {
+				d, err := plain.Allow(ctx, "k", ratelimit.Cost(cost))
+				require.NoError(t, err)
+				want = append(want, d.Allowed)
+				d, err = x.Allow(ctx, "k", ratelimit.Cost(cost))
+				require.NoError(t, err)
+				got = append(got, d.Allowed)
+			}
+			require.Equal(t, []bool{true, true, true, false, false, false}, want)
+			require.Equal(t, want, got)
+			require.Equal(t, peekUsed(t, plain, "k"), peekUsed(t, leased, "k"), "every attempt charged its cost")
+			require.Equal(t, int64(15), peekUsed(t, leased, "k"))
+		})
+	}
+}
+
+func TestLeaseDenialTakesNothing(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	l, _ := setup(t, ratelimit.Config{Name: "deny", Limit: 10, Window: time.Minute}, c)
@@ -218,15 +252,18 @@ func TestLeaseDenialKeepsTheUnits(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, d.Allowed, "only 3 were left")
 	require.Zero(t, d.Granted)
-	require.Equal(t, int64(3), d.Remaining, "the slice's 3 units")
-	require.Equal(t, 50*time.Second, d.RetryAfter, "the window's end")
-	require.Equal(t, int64(10), peekUsed(t, l, "k"))
+	require.Equal(t, int64(3), d.Remaining)
+	require.Positive(t, d.RetryAfter)
+	require.Equal(t, int64(7), peekUsed(t, l, "k"), "a slice that cannot cover the check takes nothing")
+	require.Zero(t, x.Stats().Leased)
+	// The last 3 units go one slice at a time (ceil(3/8) = 1).
 	for range 3 {
 		d, err = x.Allow(ctx, "k")
 		require.NoError(t, err)
 		require.True(t, d.Allowed)
-		require.Equal(t, ratelimit.StoreLease, d.Store)
+		require.Equal(t, int64(1), d.Granted)
 	}
+	require.Equal(t, int64(3), x.Stats().Slices)
 	d, err = x.Allow(ctx, "k")
 	require.NoError(t, err)
 	require.False(t, d.Allowed)
@@ -287,17 +324,57 @@ func TestLeaseCloseReturnsUnits(t *testing.T) {
 	require.NoError(t, x.Close(ctx), "a second Close")
 }
 
-func TestLeaseSlidingWindowUnitsAreNotReturned(t *testing.T) {
+// The sliding window's unused units go back to the window they were
+// counted in: its count while the row is in it, its previous count once
+// the row has moved one window on (where they weigh on the estimate).
+func TestLeaseSlidingWindowUnitsAreReturned(t *testing.T) {
 	t.Parallel()
-	l, pool := setup(t, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 1000, Window: time.Hour}, nil)
-	x, err := New(l, Options{Size: 100, DB: pool, Idle: time.Hour})
-	require.NoError(t, err)
+	db := testkit.NewClock(base.Add(50 * time.Second))
+	local := testkit.NewClock(base.Add(50 * time.Second))
+	l, pool := setup(t, ratelimit.Config{Name: "sw", Algorithm: ratelimit.SlidingWindow, Limit: 1000, Window: time.Minute}, db)
 	ctx := context.Background()
-	_, err = x.Allow(ctx, "k")
+	row := func(key string) (cur, prev int64) {
+		t.Helper()
+		k := ratelimit.StoredKey(ratelimit.HashedKeys, "sw", key)
+		require.NoError(t, pool.QueryRow(ctx, "SELECT count, prev_count FROM pgrl_sliding_window WHERE key = $1", k).Scan(&cur, &prev))
+		return cur, prev
+	}
+
+	x, err := New(l, Options{Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
+	require.NoError(t, err)
+	_, err = x.Allow(ctx, "same")
 	require.NoError(t, err)
 	require.NoError(t, x.Close(ctx))
-	require.Equal(t, int64(100), peekUsed(t, l, "k"))
-	require.Equal(t, Stats{Slices: 1, Leased: 100, UsedLocally: 1, Dropped: 99, DatabaseDecisions: 1}, x.Stats())
+	cur, prev := row("same")
+	require.Equal(t, [2]int64{1, 0}, [2]int64{cur, prev}, "back into the window's count")
+	require.Equal(t, Stats{Slices: 1, Leased: 100, UsedLocally: 1, Returned: 99, DatabaseDecisions: 1}, x.Stats())
+
+	// The database's clock is already in the next window, where another
+	// process checks: the units go to the previous count.
+	x, err = New(l, Options{Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
+	require.NoError(t, err)
+	_, err = x.Allow(ctx, "next")
+	require.NoError(t, err)
+	db.Set(base.Add(70 * time.Second))
+	_, err = l.Allow(ctx, "next", ratelimit.Cost(5))
+	require.NoError(t, err)
+	require.NoError(t, x.Close(ctx))
+	cur, prev = row("next")
+	require.Equal(t, [2]int64{5, 1}, [2]int64{cur, prev}, "the next window keeps its count; the previous one gets the units back")
+
+	// Two windows on, the row has forgotten them: nothing changes.
+	db.Set(base.Add(50 * time.Second))
+	x, err = New(l, Options{Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
+	require.NoError(t, err)
+	_, err = x.Allow(ctx, "far")
+	require.NoError(t, err)
+	db.Set(base.Add(130 * time.Second))
+	_, err = l.Allow(ctx, "far", ratelimit.Cost(5))
+	require.NoError(t, err)
+	require.NoError(t, x.Close(ctx))
+	cur, prev = row("far")
+	require.Equal(t, [2]int64{5, 0}, [2]int64{cur, prev})
+	require.Equal(t, int64(99), x.Stats().Dropped)
 }
 
 func TestLeaseIdleSliceReturned(t *testing.T) {
@@ -462,9 +539,11 @@ func TestLeasePassesThroughTheFailurePolicy(t *testing.T) {
 		require.Equal(t, ratelimit.StorePolicy, d.Store)
 		require.Equal(t, int64(2), d.Granted, "the check's cost, not the slice's ask")
 	}
+	// The failure policy answers a slice as a check of its min: for an
+	// UpTo check, one unit.
 	d, err := x.Allow(ctx, "k", ratelimit.UpTo(3))
 	require.NoError(t, err)
-	require.Equal(t, int64(3), d.Granted)
+	require.Equal(t, int64(1), d.Granted)
 	require.Zero(t, x.Stats().Slices)
 	require.Zero(t, x.Stats().LocalDecisions)
 	require.Zero(t, x.Stats().DatabaseDecisions)

@@ -387,6 +387,30 @@ func (c Config) checkAsk(a ask) error {
 	if a.n <= 0 {
 		return invalid(ErrInvalidCost, "%d for %q; a partial grant asks for at least 1 unit", a.n, c.Name)
 	}
+	if a.slice {
+		return c.checkSlice(a)
+	}
+	return nil
+}
+
+// checkSlice validates a Slice ask (its n already checked).
+func (c Config) checkSlice(a ask) error {
+	switch {
+	case a.min <= 0:
+		return invalid(ErrInvalidCost, "Slice min %d for %q; min is the cost of the check the slice is for: at least 1", a.min, c.Name)
+	case a.min > c.capacity():
+		return invalid(ErrCostExceedsLimit, "Slice min %d for %q can never be granted: the limit admits at most %d at once", a.min, c.Name, c.capacity())
+	case a.min > a.n:
+		return invalid(ErrInvalidCost, "Slice min %d for %q is above n %d; a slice grants at most n: pass n >= min", a.min, c.Name, a.n)
+	case a.share < 1:
+		return invalid(ErrInvalidOption, "Slice share %d for %q; the share is how many holders split what is left: at least 1", a.share, c.Name)
+	case c.Spread > 1:
+		return invalid(ErrInvalidOption, "Slice for %q, which has Spread %d; a slice is taken from one row: use Spread 1", c.Name, c.Spread)
+	case c.Policy != "":
+		return invalid(ErrInvalidOption, "Slice for %q, which reads stored policy %q; a slice counts at the limiter's own figures: use a limiter without Policy", c.Name, c.Policy)
+	case c.Algorithm == TokenBucket:
+		return invalid(ErrInvalidOption, "Slice for %q, a token bucket, which this version cannot lease; use a fixed or sliding window", c.Name)
+	}
 	return nil
 }
 

@@ -41,7 +41,7 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 // limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
-		if l.coalescer != nil {
+		if l.coalescer != nil && !a.slice {
 			return l.coalescer.take(ctx, l, key, a)
 		}
 		return l.take(ctx, l.st.db, key, a)
@@ -77,6 +77,9 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision,
 	if l.shards != nil {
 		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
 		return l.spreadDecision(d), err
+	}
+	if a.slice {
+		return l.alg.takeSlice(ctx, l, db, l.key(key), l.cfg.ceiling(a))
 	}
 	if l.cfg.Policy != "" && !a.upTo {
 		k := l.key(key)

@@ -62,6 +62,17 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
 }
 
+func (fixedWindow) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
+	r, err := sqlops.New().FixedWindowTakeSlice(ctx, db, sqlops.FixedWindowTakeSliceParams{
+		Key: k, N: a.n, Min: a.min, Share: a.share, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit,
+		Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
+}
+
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().FixedWindowTakeChecks(ctx, db, sqlops.FixedWindowTakeChecksParams{
 		Keys:      q.keys,

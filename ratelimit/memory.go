@@ -182,6 +182,9 @@ func (m *MemoryLimiter) Allow(_ context.Context, key string, opts ...Option) (De
 // options is what opts ask of m, which takes no AtRate.
 func (m *MemoryLimiter) options(opts []Option, counts bool) (ask, error) {
 	a, _, rated, err := options(m.cfg.Name, opts, counts)
+	if err == nil && a.slice {
+		err = invalid(ErrInvalidOption, "Slice for %q, a MemoryLimiter; a slice leases a PostgreSQL limit's quota (package lease): use UpTo", m.cfg.Name)
+	}
 	if err == nil && rated {
 		err = invalid(ErrInvalidOption, "AtRate for %q, a MemoryLimiter, which counts at its own rate; make a MemoryLimiter per rate", m.cfg.Name)
 	}

@@ -30,9 +30,11 @@ var (
 // the rate it counts against. A check without options asks for one unit at
 // the limiter's own rate. Options are values (no allocation per check).
 type Option struct {
-	kind optionKind
-	n    int64
-	rate Rate
+	kind  optionKind
+	n     int64
+	min   int64 // Slice's min
+	share int64 // Slice's share
+	rate  Rate
 }
 
 type optionKind uint8
@@ -40,6 +42,7 @@ type optionKind uint8
 const (
 	optCost optionKind = iota + 1
 	optUpTo
+	optSlice
 	optRate
 )
 
@@ -69,6 +72,26 @@ func Cost(n int64) Option { return Option{kind: optCost, n: n} }
 // shadow-mode denial proceeds with Granted 0.
 func UpTo(n int64) Option { return Option{kind: optUpTo, n: n} }
 
+// Slice is the partial grant a quota lease takes (package lease): the
+// statement that decides it sizes it from what the key has left, so that
+// the processes leasing one key share what is left fairly. It grants
+// ceil(left/share) units, at least min and at most n, and is denied,
+// granting nothing, when fewer than min are left (min is the cost of the
+// check that asked for the slice). So slices shrink as the key nears its
+// limit, and the last units go one at a time. Under Penalty a denied slice
+// counts min, never the ask.
+//
+// 1 <= min <= n and share >= 1 (ErrInvalidCost and ErrInvalidOption
+// otherwise); n above the capacity is the capacity, as for UpTo, and a min
+// above it can never be granted (ErrCostExceedsLimit). A slice is one
+// key's, decided on its own: it is refused with Spread above 1, a stored
+// Policy and in AllowAll, and never coalesced with other checks. The
+// failure policy answers it as a check of min units: a slice is only ever
+// counted in PostgreSQL.
+func Slice(min, n, share int64) Option {
+	return Option{kind: optSlice, n: n, min: min, share: share}
+}
+
 // AtRate counts the check against rate r instead of the limiter's own: the
 // per-call limit of clients that pass their limit with every check (a
 // plan's quota, a per-tenant override), as redis_rate does. Counters
@@ -86,8 +109,13 @@ type OptionValue struct {
 	// may be invalid: the check refuses it with ErrInvalidCost).
 	Sized bool
 	Units int64
-	// UpTo is set for UpTo(n): Units is a ceiling, not a cost.
+	// UpTo is set for UpTo(n) and Slice(min, n, share): Units is a
+	// ceiling, not a cost.
 	UpTo bool
+	// SliceMin and SliceShare are Slice's min and share, and Sliced is
+	// set for it.
+	SliceMin, SliceShare int64
+	Sliced               bool
 	// Rate is r for AtRate(r), and Rated is set for it.
 	Rate  Rate
 	Rated bool
@@ -104,6 +132,8 @@ func (o Option) Value() OptionValue {
 		return OptionValue{Sized: true, Units: o.n}
 	case optUpTo:
 		return OptionValue{Sized: true, Units: o.n, UpTo: true}
+	case optSlice:
+		return OptionValue{Sized: true, Units: o.n, UpTo: true, SliceMin: o.min, SliceShare: o.share, Sliced: true}
 	case optRate:
 		return OptionValue{Rate: o.rate, Rated: true}
 	}
@@ -119,15 +149,18 @@ func options(name string, opts []Option, counts bool) (a ask, r Rate, rated bool
 	sized := false
 	for _, o := range opts {
 		switch o.kind {
-		case optCost, optUpTo:
+		case optCost, optUpTo, optSlice:
 			if !counts {
-				return a, r, false, invalid(ErrInvalidOption, "Cost or UpTo for %q where nothing is counted; Peek and Reset take only AtRate", name)
+				return a, r, false, invalid(ErrInvalidOption, "Cost, UpTo or Slice for %q where nothing is counted; Peek and Reset take only AtRate", name)
 			}
 			if sized {
-				return a, r, false, invalid(ErrInvalidOption, "Cost or UpTo given twice for %q; give one of them, once", name)
+				return a, r, false, invalid(ErrInvalidOption, "Cost, UpTo or Slice given twice for %q; give one of them, once", name)
 			}
 			sized = true
-			a = ask{n: o.n, upTo: o.kind == optUpTo}
+			a = ask{n: o.n, upTo: o.kind != optCost}
+			if o.kind == optSlice {
+				a.slice, a.min, a.share = true, o.min, o.share
+			}
 		case optRate:
 			if rated {
 				return a, r, false, invalid(ErrInvalidOption, "AtRate given twice for %q; give it once", name)
@@ -135,7 +168,7 @@ func options(name string, opts []Option, counts bool) (a ask, r Rate, rated bool
 			rated = true
 			r = o.rate
 		default:
-			return a, r, false, invalid(ErrInvalidOption, "the zero Option for %q; use Cost, UpTo or AtRate", name)
+			return a, r, false, invalid(ErrInvalidOption, "the zero Option for %q; use Cost, UpTo, Slice or AtRate", name)
 		}
 	}
 	return a, r, rated, nil

@@ -8,19 +8,37 @@ import (
 )
 
 // ask is what one check asks for: n units, all of them or none, or with
-// upTo as many of them as are left (a partial grant, UpTo).
+// upTo as many of them as are left (a partial grant, UpTo). A slice (Slice)
+// is a partial grant sized by the statement: ceil(left/share), at least
+// min, at most n.
 type ask struct {
-	n    int64
-	upTo bool
+	n          int64
+	upTo       bool
+	slice      bool
+	min, share int64
 }
 
 // retryCost is the cost whose admission RetryAfter waits for: the whole
-// cost of an all-or-nothing check, one unit for a partial grant.
+// cost of an all-or-nothing check, one unit for a partial grant, min for a
+// slice.
 func (a ask) retryCost() int64 {
-	if a.upTo {
+	switch {
+	case a.slice:
+		return a.min
+	case a.upTo:
 		return 1
 	}
 	return a.n
+}
+
+// own is the check a slice was asked for: min units, all or none. The
+// failure policy answers a slice as that check: a slice is only ever
+// counted in PostgreSQL.
+func (a ask) own() ask {
+	if a.slice {
+		return ask{n: a.min}
+	}
+	return a
 }
 
 // settle sets d.Granted for a decision no statement granted units in: an
@@ -31,6 +49,9 @@ func (a ask) retryCost() int64 {
 // which is nothing: the check proceeds, but nothing was taken for it (a
 // partial grant is denied only when nothing was left).
 func (a ask) settle(d Decision) Decision {
+	if a.slice && d.Store != StorePostgres {
+		a = a.own()
+	}
 	switch {
 	case d.ShadowDenied:
 		d.Granted = 0

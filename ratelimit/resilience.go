@@ -184,7 +184,7 @@ func (l *Limiter) fallback(ctx context.Context, key string, a ask, cause error) 
 	case FailError:
 		return Decision{}, cause
 	default:
-		d, err := l.memory.fallbackAsk(key, a)
+		d, err := l.memory.fallbackAsk(key, a.own())
 		if err != nil {
 			return Decision{}, err
 		}

@@ -65,6 +65,18 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), 1).granting(r.Granted), nil
 }
 
+func (slidingWindow) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
+	r, err := sqlops.New().SlidingWindowTakeSlice(ctx, db, sqlops.SlidingWindowTakeSliceParams{
+		Key: k, N: a.n, Min: a.min, Share: a.share, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit,
+		Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.min).
+		granting(r.Granted), nil
+}
+
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().SlidingWindowTakeChecks(ctx, db, sqlops.SlidingWindowTakeChecksParams{
 		Keys:      q.keys,

@@ -38,6 +38,7 @@ type leaseChildConfig struct {
 	Limit     int64               `json:"limit"`
 	WindowMs  int64               `json:"window_ms"`
 	Size      int64               `json:"size"`
+	Penalty   bool                `json:"penalty"`
 }
 
 // leaseCommand is one line sent to a child: "run" checks for DurationMs
@@ -83,7 +84,8 @@ func TestLeaseChildProcess(t *testing.T) {
 	require.NoError(t, err)
 	defer pool.Close()
 	window := time.Duration(cfg.WindowMs) * time.Millisecond
-	lim, err := testkit.New(pool, ratelimit.Config{Name: cfg.Name, Algorithm: cfg.Algorithm, Limit: cfg.Limit, Window: window},
+	lim, err := testkit.New(pool, ratelimit.Config{Name: cfg.Name, Algorithm: cfg.Algorithm, Limit: cfg.Limit, Window: window,
+		Penalty: cfg.Penalty},
 		ratelimit.DatabaseOptions{Timeout: 10 * time.Second})
 	require.NoError(t, err)
 	fmt.Println("ready")
@@ -255,24 +257,29 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 	for _, a := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
 		for _, c := range cases {
 			for _, keys := range []int{1, 16} {
-				t.Run(fmt.Sprintf("%s/limit=%d/keys=%d", a, c.limit, keys), func(t *testing.T) {
-					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-					defer cancel()
-					// Spread over 16 keys, each key gets a 16th of the demand:
-					// longer windows keep a key short of quota on a busy
-					// machine too.
-					windowMs := c.windowMs
-					if keys > 1 {
-						windowMs *= 4
+				for _, penalty := range []bool{false, true} {
+					if penalty && c.limit > 1000 {
+						continue // every denied check is a statement: the small limits show it
 					}
-					cfg := leaseChildConfig{
-						Name: fmt.Sprintf("lease-%s-%d-%d", a, c.limit, keys), Algorithm: a,
-						Limit: c.limit, WindowMs: windowMs, Size: c.size,
-					}
-					children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
-					reports := runAll(t, children, leaseCommand{Op: "run", Keys: keys, DurationMs: 3*windowMs + 200})
-					leaseCheck(t, reports, cfg, a == ratelimit.FixedWindow && c.mustQualify)
-				})
+					t.Run(fmt.Sprintf("%s/limit=%d/keys=%d/penalty=%v", a, c.limit, keys, penalty), func(t *testing.T) {
+						ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+						defer cancel()
+						// Spread over 16 keys, each key gets a 16th of the demand:
+						// longer windows keep a key short of quota on a busy
+						// machine too.
+						windowMs := c.windowMs
+						if keys > 1 {
+							windowMs *= 4
+						}
+						cfg := leaseChildConfig{
+							Name: fmt.Sprintf("lease-%s-%d-%d-%v", a, c.limit, keys, penalty), Algorithm: a,
+							Limit: c.limit, WindowMs: windowMs, Size: c.size, Penalty: penalty,
+						}
+						children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
+						reports := runAll(t, children, leaseCommand{Op: "run", Keys: keys, DurationMs: 3*windowMs + 200})
+						leaseCheck(t, reports, cfg, a == ratelimit.FixedWindow && c.mustQualify)
+					})
+				}
 			}
 		}
 	}
@@ -329,10 +336,11 @@ func leaseCheck(t *testing.T, reports []leaseReport, cfg leaseChildConfig, mustQ
 		full := w.win >= from && w.win+windowUs <= to
 		// The lower bound applies to a full window where the key was
 		// short of quota: demand of twice the limit, or any check denied.
-		// A check of one unit is denied only when PostgreSQL granted its
-		// slice's ask nothing (UpTo grants any unit left), so at that
-		// instant every unit of the window was counted: admitted, or held
-		// in slices, at most one of Size per process. On a busy machine
+		// A check of one unit is denied only when PostgreSQL had nothing
+		// left for its slice, so at that instant every unit of the window
+		// was counted: admitted, or held in slices, at most one of Size per
+		// process (under Penalty, denied checks count too, but only once
+		// nothing is left). On a busy machine
 		// the children may not reach twice the limit in a window, but
 		// they run until denied.
 		if full && (s.Checks >= 2*cfg.Limit || s.Checks > s.Admitted) && cfg.Algorithm == ratelimit.FixedWindow {
