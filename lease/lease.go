@@ -103,18 +103,21 @@ type Stats struct {
 	OtherDecisions int64
 }
 
-// Limiter answers checks of a *ratelimit.Limiter's keys from slices of
-// their quota counted in PostgreSQL ahead of use. It is safe for
-// concurrent use. Make one with New and Close it.
+// Limiter answers checks of a *ratelimit.Limiter's keys, or a stored
+// policy's, from slices of their quota counted in PostgreSQL ahead of use.
+// It is safe for concurrent use. Make one with New or NewPolicy and Close
+// it.
 type Limiter struct {
-	l        *ratelimit.Limiter
-	cfg      ratelimit.Config
-	opts     Options
-	now      func() time.Time
-	stored   string // the name the counter rows are stored under
-	windowUs int64
-	seed     maphash.Seed
-	shards   [shardCount]shard
+	c    ratelimit.Checker // what Peek, Reset and Config answer from
+	name string
+	// source returns the limiter that decides key's checks now: always
+	// the same for New; for NewPolicy, the policy's as its Cache holds it,
+	// which a change of the policy or of the key's override replaces.
+	source func(key string) (*source, error)
+	opts   Options
+	now    func() time.Time
+	seed   maphash.Seed
+	shards [shardCount]shard
 
 	closed    atomic.Bool
 	stop      chan struct{}
@@ -137,6 +140,33 @@ type shard struct {
 	m  map[string]*entry
 }
 
+// source is a limiter slices are taken from, with what the lease derives
+// from its configuration.
+type source struct {
+	l        *ratelimit.Limiter
+	cfg      ratelimit.Config
+	windowUs int64
+	stored   string // the name the counter rows are stored under
+}
+
+// newSource checks that l can be leased and derives what the lease needs.
+func newSource(l *ratelimit.Limiter) (*source, error) {
+	cfg := l.Config()
+	switch {
+	case cfg.Algorithm == ratelimit.TokenBucket:
+		return nil, fmt.Errorf("%w: %q is a token bucket, which refills while units are out on lease; a lease would need them counted against its capacity (a later version). Use a fixed or sliding window, or check the token bucket directly", ErrUnsupported, cfg.Name)
+	case cfg.Spread > 1:
+		return nil, fmt.Errorf("%w: %q has Spread %d; a slice is taken from one row. Use Spread 1 with a lease: a lease already takes most checks off the row", ErrUnsupported, cfg.Name, cfg.Spread)
+	case cfg.Policy != "":
+		return nil, fmt.Errorf("%w: %q reads stored policy %q in each statement, but a slice counts at the figures it was taken at. Lease the policy with NewPolicy and policy.Options.FromCache", ErrUnsupported, cfg.Name, cfg.Policy)
+	}
+	stored := cfg.Name
+	if cfg.KeyByWindow {
+		stored = ratelimit.RateName(cfg.Name, cfg.Window)
+	}
+	return &source{l: l, cfg: cfg, windowUs: cfg.Window.Microseconds(), stored: stored}, nil
+}
+
 // entry is one key's lease. Its fields are guarded by lock, a channel of
 // one slot, so that a goroutine waiting for another's slice can give up
 // when its context ends.
@@ -145,6 +175,7 @@ type entry struct {
 	lock chan struct{}
 	dead bool // removed from its shard; look the key up again
 
+	src       *source   // where the slice was taken; nil before the first
 	left      int64     // units of the slice not yet given to a check
 	expires   time.Time // local instant the slice's window ends
 	local     time.Time // local instant taken before the slice's statement
@@ -162,46 +193,44 @@ func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	if l == nil {
 		return nil, ErrNilLimiter
 	}
-	cfg := l.Config()
-	switch {
-	case cfg.Algorithm == ratelimit.TokenBucket:
-		return nil, fmt.Errorf("%w: %q is a token bucket, which refills while units are out on lease; a lease would need them counted against its capacity (a later version). Use a fixed or sliding window, or check the token bucket directly", ErrUnsupported, cfg.Name)
-	case cfg.Spread > 1:
-		return nil, fmt.Errorf("%w: %q has Spread %d; a slice is taken from one row. Use Spread 1 with a lease: a lease already takes most checks off the row", ErrUnsupported, cfg.Name, cfg.Spread)
-	case cfg.Policy != "":
-		return nil, fmt.Errorf("%w: %q reads stored policy %q, but a slice's ask (a partial grant) counts at the limiter's own figures, not the policy's. Lease a limiter without Policy", ErrUnsupported, cfg.Name, cfg.Policy)
+	src, err := newSource(l)
+	if err != nil {
+		return nil, err
 	}
-	if opts.Size < 1 || opts.Size > cfg.Limit {
-		return nil, fmt.Errorf("%w: %d for %q; set Options.Size between 1 and the limit %d (a slice never exceeds the limit), such as %d", ErrInvalidSize, opts.Size, cfg.Name, cfg.Limit, max(cfg.Limit/100, 1))
+	if opts.Size < 1 || opts.Size > src.cfg.Limit {
+		return nil, fmt.Errorf("%w: %d for %q; set Options.Size between 1 and the limit %d (a slice never exceeds the limit), such as %d", ErrInvalidSize, opts.Size, src.cfg.Name, src.cfg.Limit, max(src.cfg.Limit/100, 1))
+	}
+	return start(l, src.cfg.Name, func(string) (*source, error) { return src, nil }, opts)
+}
+
+// start validates opts and starts a lease limiter.
+func start(c ratelimit.Checker, name string, src func(string) (*source, error), opts Options) (*Limiter, error) {
+	if opts.Size < 1 {
+		return nil, fmt.Errorf("%w: %d for %q; set Options.Size to at least 1 (and at most the limit), such as a hundredth of the limit", ErrInvalidSize, opts.Size, name)
 	}
 	if opts.Share < 0 {
-		return nil, fmt.Errorf("%w: %d for %q; use 1 or more (0 means %d)", ErrInvalidShare, opts.Share, cfg.Name, DefaultShare)
+		return nil, fmt.Errorf("%w: %d for %q; use 1 or more (0 means %d)", ErrInvalidShare, opts.Share, name, DefaultShare)
 	}
 	if opts.Share == 0 {
 		opts.Share = DefaultShare
 	}
 	if opts.Idle < 0 || (opts.Idle > 0 && opts.Idle < MinIdle) {
-		return nil, fmt.Errorf("%w: %v for %q; use at least %v (0 means %v)", ErrInvalidIdle, opts.Idle, cfg.Name, MinIdle, DefaultIdle)
+		return nil, fmt.Errorf("%w: %v for %q; use at least %v (0 means %v)", ErrInvalidIdle, opts.Idle, name, MinIdle, DefaultIdle)
 	}
 	if opts.Idle == 0 {
 		opts.Idle = DefaultIdle
 	}
 	if opts.DB != nil {
 		if v := reflect.ValueOf(opts.DB); v.Kind() == reflect.Pointer && v.IsNil() {
-			return nil, fmt.Errorf("%w: Options.DB for %q is a nil %T; pass the pool the limiter's Database was made on, or leave DB nil (units are then never returned)", ErrInvalidDB, cfg.Name, opts.DB)
+			return nil, fmt.Errorf("%w: Options.DB for %q is a nil %T; pass the pool the limiter's Database was made on, or leave DB nil (units are then never returned)", ErrInvalidDB, name, opts.DB)
 		}
 	}
 	now := opts.Now
 	if now == nil {
 		now = time.Now
 	}
-	stored := cfg.Name
-	if cfg.KeyByWindow {
-		stored = ratelimit.RateName(cfg.Name, cfg.Window)
-	}
 	lim := &Limiter{
-		l: l, cfg: cfg, opts: opts, now: now, stored: stored,
-		windowUs: cfg.Window.Microseconds(), seed: maphash.MakeSeed(),
+		c: c, name: name, source: src, opts: opts, now: now, seed: maphash.MakeSeed(),
 		stop: make(chan struct{}), done: make(chan struct{}),
 	}
 	for i := range lim.shards {
@@ -211,8 +240,9 @@ func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	return lim, nil
 }
 
-// Config is the leased limiter's configuration.
-func (x *Limiter) Config() ratelimit.Config { return x.cfg }
+// Config is the leased limiter's configuration (for NewPolicy, the
+// policy's as the limiter applies it now).
+func (x *Limiter) Config() ratelimit.Config { return x.c.Config() }
 
 // Stats reports what the limiter did since New.
 func (x *Limiter) Stats() Stats {
@@ -238,24 +268,21 @@ func (x *Limiter) options(opts []ratelimit.Option, counts bool) (ask, error) {
 		switch {
 		case v.Sized:
 			if !counts {
-				return a, fmt.Errorf("%w: Cost or UpTo for %q where nothing is counted; Peek and Reset take no option on a lease limiter", ratelimit.ErrInvalidOption, x.cfg.Name)
+				return a, fmt.Errorf("%w: Cost or UpTo for %q where nothing is counted; Peek and Reset take no option on a lease limiter", ratelimit.ErrInvalidOption, x.name)
 			}
 			if sized {
-				return a, fmt.Errorf("%w: Cost or UpTo given twice for %q; give one of them, once", ratelimit.ErrInvalidOption, x.cfg.Name)
+				return a, fmt.Errorf("%w: Cost or UpTo given twice for %q; give one of them, once", ratelimit.ErrInvalidOption, x.name)
 			}
 			sized = true
 			a = ask{n: v.Units, upTo: v.UpTo}
 		case v.Rated:
-			return a, fmt.Errorf("%w: AtRate for %q, a lease limiter, whose slices are counted at the limiter's own rate; lease one limiter per rate, or check other rates with the *ratelimit.Limiter", ratelimit.ErrInvalidOption, x.cfg.Name)
+			return a, fmt.Errorf("%w: AtRate for %q, a lease limiter, whose slices are counted at the limiter's own rate; lease one limiter per rate, or check other rates with the *ratelimit.Limiter", ratelimit.ErrInvalidOption, x.name)
 		default:
-			return a, fmt.Errorf("%w: the zero Option for %q; use Cost or UpTo", ratelimit.ErrInvalidOption, x.cfg.Name)
+			return a, fmt.Errorf("%w: the zero Option for %q; use Cost or UpTo", ratelimit.ErrInvalidOption, x.name)
 		}
 	}
 	if a.n <= 0 {
-		return a, fmt.Errorf("%w: %d for %q; a check asks for at least 1 unit", ratelimit.ErrInvalidCost, a.n, x.cfg.Name)
-	}
-	if !a.upTo && a.n > x.cfg.Limit {
-		return a, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, x.cfg.Name, x.cfg.Limit)
+		return a, fmt.Errorf("%w: %d for %q; a check asks for at least 1 unit", ratelimit.ErrInvalidCost, a.n, x.name)
 	}
 	return a, nil
 }
@@ -302,6 +329,23 @@ func (x *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Optio
 
 // check decides one check with e held.
 func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.Option) (ratelimit.Decision, error) {
+	src, err := x.source(e.key)
+	if err != nil {
+		return ratelimit.Decision{}, err
+	}
+	if e.src != src {
+		// The policy or the key's override changed since the slice was
+		// taken (NewPolicy): the slice ends, its units go back.
+		if e.left > 0 {
+			call, cancel := context.WithTimeout(ctx, ratelimit.DefaultTimeout)
+			_ = x.giveBack(call, e) // what is not returned expires with its window
+			cancel()
+		}
+		e.src, e.dbNow, e.expires = src, time.Time{}, time.Time{}
+	}
+	if !a.upTo && a.n > src.cfg.Limit {
+		return ratelimit.Decision{}, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, src.cfg.Name, src.cfg.Limit)
+	}
 	now := x.now()
 	e.lastUse = now
 	if e.left > 0 && !now.Before(e.expires) {
@@ -315,15 +359,15 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		x.local.Add(1)
 		return x.localDecision(e, now, a.n), nil
 	}
-	if x.l.BreakerOpen() {
+	if src.l.BreakerOpen() {
 		// The failure policy answers: the caller's own check, so that the
 		// memory tier counts what the caller asked, not a slice.
-		d, err := x.l.Allow(ctx, e.key, opts...)
+		d, err := src.l.Allow(ctx, e.key, opts...)
 		x.count(d, err)
 		return d, err
 	}
 	start := now
-	d, err := x.l.Allow(ctx, e.key, x.slice(e, a, live))
+	d, err := src.l.Allow(ctx, e.key, x.slice(e, a, live))
 	x.count(d, err)
 	if err != nil {
 		return d, err
@@ -335,12 +379,12 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		x.slices.Add(1)
 		x.leased.Add(d.Granted)
 	}
-	end := windowEnd(d.Now, x.windowUs)
-	if x.cfg.Algorithm == ratelimit.FixedWindow && d.ResetAt.Before(end) {
+	end := windowEnd(d.Now, src.windowUs)
+	if src.cfg.Algorithm == ratelimit.FixedWindow && d.ResetAt.Before(end) {
 		end = d.ResetAt
 	}
 	expires := start.Add(end.Sub(d.Now))
-	if e.left > 0 && !windowEnd(e.dbNow, x.windowUs).Equal(windowEnd(d.Now, x.windowUs)) {
+	if e.left > 0 && !windowEnd(e.dbNow, src.windowUs).Equal(windowEnd(d.Now, src.windowUs)) {
 		// The leftover was counted in an earlier window than this grant
 		// (the local clock has not reached that window's end yet, the
 		// database's has): it may not be used in this one.
@@ -355,7 +399,7 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		take = min(a.n, e.left)
 	}
 	if take == 0 || e.left < take {
-		if x.cfg.Penalty {
+		if src.cfg.Penalty {
 			// Every attempt counts its whole cost: the statement counted
 			// what the held units did not cover, and the held units pay
 			// the rest.
@@ -398,8 +442,9 @@ func (x *Limiter) slice(e *entry, a ask, live bool) ratelimit.Option {
 	if a.upTo {
 		need = 1
 	}
-	need = min(need, x.cfg.Limit)
-	return ratelimit.Slice(need, max(x.opts.Size, min(a.n-held, x.cfg.Limit)), int64(x.opts.Share))
+	limit := e.src.cfg.Limit
+	need = min(need, limit)
+	return ratelimit.Slice(need, max(x.opts.Size, min(a.n-held, limit)), int64(x.opts.Share))
 }
 
 // localDecision is the answer of a slice that gave n units.
@@ -408,7 +453,7 @@ func (x *Limiter) localDecision(e *entry, now time.Time, n int64) ratelimit.Deci
 	return ratelimit.Decision{
 		Allowed:   true,
 		Granted:   n,
-		Limit:     x.cfg.Limit,
+		Limit:     e.src.cfg.Limit,
 		Used:      max(e.used-e.left, 0),
 		Remaining: e.remaining + e.left,
 		ResetAt:   e.resetAt,
@@ -425,9 +470,9 @@ func (x *Limiter) denied(e *entry, d ratelimit.Decision) ratelimit.Decision {
 	out.Allowed, out.Granted = false, 0
 	out.Used, out.Remaining = max(d.Used-e.left, 0), d.Remaining+e.left
 	if out.RetryAfter <= 0 {
-		out.RetryAfter = max(windowEnd(d.Now, x.windowUs).Sub(d.Now), time.Microsecond)
+		out.RetryAfter = max(windowEnd(d.Now, e.src.windowUs).Sub(d.Now), time.Microsecond)
 	}
-	if d.ShadowDenied || x.cfg.Shadow {
+	if d.ShadowDenied || e.src.cfg.Shadow {
 		out.Allowed, out.ShadowDenied = true, true
 	}
 	return out
@@ -466,7 +511,7 @@ func (x *Limiter) Peek(ctx context.Context, key string, opts ...ratelimit.Option
 	if x.closed.Load() {
 		return ratelimit.Decision{}, ErrClosed
 	}
-	return x.l.Peek(ctx, key)
+	return x.c.Peek(ctx, key)
 }
 
 // Reset drops this process's slice of key (its units are not returned:
@@ -491,7 +536,7 @@ func (x *Limiter) Reset(ctx context.Context, key string, opts ...ratelimit.Optio
 		}
 		x.dropped.Add(e.left)
 		e.left, e.dbNow, e.expires = 0, time.Time{}, time.Time{}
-		err := x.l.Reset(ctx, key)
+		err := x.c.Reset(ctx, key)
 		e.release()
 		return err
 	}
@@ -646,15 +691,16 @@ func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
 		x.dropped.Add(n)
 		return nil
 	}
-	k := ratelimit.StoredKey(x.cfg.KeyMode, x.stored, e.key)
-	if x.cfg.Algorithm == ratelimit.SlidingWindow {
+	src := e.src
+	k := ratelimit.StoredKey(src.cfg.KeyMode, src.stored, e.key)
+	if src.cfg.Algorithm == ratelimit.SlidingWindow {
 		rows, err := sqlops.New().SlidingWindowReturnSlice(ctx, x.opts.DB, sqlops.SlidingWindowReturnSliceParams{
-			Key: k, N: n, WindowStartUs: windowEnd(e.dbNow, x.windowUs).UnixMicro() - x.windowUs, WindowUs: x.windowUs,
+			Key: k, N: n, WindowStartUs: windowEnd(e.dbNow, src.windowUs).UnixMicro() - src.windowUs, WindowUs: src.windowUs,
 		})
 		switch {
 		case err != nil:
 			x.dropped.Add(n)
-			return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, x.cfg.Name, err)
+			return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, src.cfg.Name, err)
 		case rows == 0: // the row has moved two windows on, or was reset
 			x.dropped.Add(n)
 		default:
@@ -664,11 +710,11 @@ func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
 	}
 	at := e.dbNow
 	r, err := queries.FixedWindowTake(ctx, x.opts.DB, gen.FixedWindowTakeParams{
-		Key: k, At: &at, WindowUs: x.windowUs, Cost: -n, MaxCount: math.MaxInt64, Penalty: true,
+		Key: k, At: &at, WindowUs: src.windowUs, Cost: -n, MaxCount: math.MaxInt64, Penalty: true,
 	})
 	if err != nil {
 		x.dropped.Add(n)
-		return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, x.cfg.Name, err)
+		return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, src.cfg.Name, err)
 	}
 	x.returned.Add(n)
 	if r.Count < 0 {
@@ -676,9 +722,9 @@ func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
 		// counted before the reset: the count may not go below zero, which
 		// would admit more than the limit after the reset.
 		if _, err := queries.FixedWindowTake(ctx, x.opts.DB, gen.FixedWindowTakeParams{
-			Key: k, At: &at, WindowUs: x.windowUs, Cost: -r.Count, MaxCount: math.MaxInt64, Penalty: true,
+			Key: k, At: &at, WindowUs: src.windowUs, Cost: -r.Count, MaxCount: math.MaxInt64, Penalty: true,
 		}); err != nil {
-			return fmt.Errorf("pgrl lease: restoring the count of %q after a reset: %w", x.cfg.Name, err)
+			return fmt.Errorf("pgrl lease: restoring the count of %q after a reset: %w", src.cfg.Name, err)
 		}
 	}
 	return nil
