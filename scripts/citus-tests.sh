@@ -47,7 +47,7 @@ group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
 # statements beside other work they did not always), AllowUpTo, AllowAll of one algorithm and of
 # several (AllOrNothing runs in a transaction of its own there), the …Tx
 # forms.
-group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowAllOrNothing|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL)$' "$@"
+group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowAllOrNothing|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL|TestSlice.*)$' "$@"
 group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
 # Policies and overrides: written through package policy and in plain SQL
 # (the policy tables stay ordinary tables of the coordinator, where their
@@ -55,12 +55,16 @@ group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
 # which on Citus check with the cached policy (a check that reads its policy
 # in the statement does not run there).
 group policy ./policy/ '^(TestCitus.*|TestApplicationRoleReadsOnly|TestPermissionNamesTheGrant|TestSetGetListDelete|TestBadInputRefused|TestConfigRulesAreTheTablesRules|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestKeyModeChangeWithOverridesRefused|TestKeyModeChangeWithOverridesRefusedInSQL)$' "$@"
+# Quota leases: slices sized by the statement, returns to their window,
+# penalty, stored policies; across OS processes, never over the limit,
+# and a holder killed with SIGKILL.
+group lease ./lease/ '.' "$@"
 # Both cleanup modes.
 group cleanup ./cleanup/ '^(TestCitus.*|TestDryRunCountsAndDeletesNothing|TestPartitionDryRunDropsNothing|TestSecondRunIsSkippedWhileFirstHoldsTheLock)$' "$@"
 # Several OS processes on one key of a distributed table: exactly the limit
 # admitted (4 processes × 50 calls, limit 20, every algorithm), and every
 # attempt counted under penalty.
-group multiprocess ./tests/ '^(TestMultiprocessExactlyTheLimit|TestMultiprocessPenaltyCountsEveryAttempt|TestMultiSingleAlgorithmConsumes|TestMultiBadInputsConsumeNothing)$' "$@"
+group multiprocess ./tests/ '^(TestMultiprocessExactlyTheLimit|TestMultiprocessPenaltyCountsEveryAttempt|TestMultiSingleAlgorithmConsumes|TestMultiBadInputsConsumeNothing|TestLeaseMultiprocess.*)$' "$@"
 
 if [[ ${#failed[@]} -gt 0 ]]; then
 	pgrl_log "Citus: failed: ${failed[*]}"

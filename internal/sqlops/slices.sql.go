@@ -66,13 +66,13 @@ func (q *Queries) FixedWindowTakeSlice(ctx context.Context, db DBTX, arg FixedWi
 
 const slidingWindowReturnSlice = `-- name: SlidingWindowReturnSlice :execrows
 UPDATE pgrl_sliding_window AS t
-   SET count = CASE WHEN t.window_start = pgrl_from_epoch_us($1::bigint)
+   SET count = CASE WHEN t.window_start = pgrl_ts($1::bigint)
                     THEN greatest(t.count - $2::bigint, 0) ELSE t.count END,
-       prev_count = CASE WHEN t.window_start = pgrl_from_epoch_us($1::bigint + $3::bigint)
+       prev_count = CASE WHEN t.window_start = pgrl_ts($1::bigint + $3::bigint)
                          THEN greatest(t.prev_count - $2::bigint, 0) ELSE t.prev_count END
  WHERE t.key = $4::bytea
-   AND t.window_start IN (pgrl_from_epoch_us($1::bigint),
-                          pgrl_from_epoch_us($1::bigint + $3::bigint))
+   AND t.window_start IN (pgrl_ts($1::bigint),
+                          pgrl_ts($1::bigint + $3::bigint))
 `
 
 type SlidingWindowReturnSliceParams struct {
@@ -87,6 +87,7 @@ type SlidingWindowReturnSliceParams struct {
 // row is in that window, from its prev_count once it has moved one window
 // on (there they weigh on the current window's estimate, as units never
 // counted would not), never below 0. A row further on has forgotten them.
+// Only IMMUTABLE functions in SET, as a distributed PostgreSQL requires.
 func (q *Queries) SlidingWindowReturnSlice(ctx context.Context, db DBTX, arg SlidingWindowReturnSliceParams) (int64, error) {
 	result, err := db.Exec(ctx, slidingWindowReturnSlice,
 		arg.WindowStartUs,
