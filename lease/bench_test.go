@@ -22,7 +22,7 @@ func BenchmarkLocalCheck(b *testing.B) {
 	b.Run("lease", func(b *testing.B) {
 		pool, _ := dbtest.Pool(b)
 		l := testkit.NewLimiter(b, pool, cfg)
-		x, err := New(l, Options{Size: 1 << 40, Idle: time.Hour})
+		x, err := New(l, Options{Eager: true, Size: 1 << 40, Idle: time.Hour})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -69,6 +69,13 @@ type Options struct {
 	// limiter's ratelimit.Database was made on (a *pgxpool.Pool). Nil:
 	// units are never returned; they expire with their window.
 	DB ratelimit.DB
+	// Eager takes a slice at a key's first check. By default a key's
+	// first check, and its first after it went idle, is sent as the
+	// check itself (coalesced with other checks, as without a lease), and
+	// slices start with its next check within Idle: keys checked once, of
+	// a large key space, then cost no more than without a lease, and hold
+	// no units.
+	Eager bool
 	// Now is the local clock a slice's expiry and idle time are measured
 	// on, for tests (with ratelimit.DatabaseOptions.Now pinned to the same
 	// clock). Defaults to time.Now, whose monotonic reading is what makes
@@ -347,6 +354,7 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		return ratelimit.Decision{}, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, src.cfg.Name, src.cfg.Limit)
 	}
 	now := x.now()
+	cold := e.lastUse.IsZero() || now.Sub(e.lastUse) >= x.opts.Idle
 	e.lastUse = now
 	if e.left > 0 && !now.Before(e.expires) {
 		x.dropped.Add(e.left)
@@ -359,8 +367,11 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		x.local.Add(1)
 		return x.localDecision(e, now, a.n), nil
 	}
-	if src.l.BreakerOpen() {
-		// The failure policy answers: the caller's own check, so that the
+	if cold && !x.opts.Eager || src.l.BreakerOpen() {
+		// A key's first check (or its first after it went idle) is the
+		// caller's own, coalesced with other checks: a key checked once
+		// costs what it costs without a lease. With the breaker open, the
+		// failure policy answers the caller's own check too, so that the
 		// memory tier counts what the caller asked, not a slice.
 		d, err := src.l.Allow(ctx, e.key, opts...)
 		x.count(d, err)

@@ -50,25 +50,25 @@ func TestLeaseOptionsValidated(t *testing.T) {
 	t.Parallel()
 	l, _ := setup(t, ratelimit.Config{Name: "opts", Limit: 100, Window: time.Minute}, nil)
 
-	_, err := New(nil, Options{Size: 1})
+	_, err := New(nil, Options{Eager: true, Size: 1})
 	require.ErrorIs(t, err, ErrNilLimiter)
 
 	for _, size := range []int64{0, -1, math.MinInt64, 101, math.MaxInt64} {
-		_, err := New(l, Options{Size: size})
+		_, err := New(l, Options{Eager: true, Size: size})
 		require.ErrorIs(t, err, ErrInvalidSize, "size %d", size)
 		require.Contains(t, err.Error(), "set Options.Size between 1 and the limit 100")
 	}
 	for _, share := range []int{-1, math.MinInt} {
-		_, err := New(l, Options{Size: 10, Share: share})
+		_, err := New(l, Options{Eager: true, Size: 10, Share: share})
 		require.ErrorIs(t, err, ErrInvalidShare, "share %d", share)
 		require.Contains(t, err.Error(), "use 1 or more")
 	}
 	for _, idle := range []time.Duration{-1, time.Nanosecond, MinIdle - 1, math.MinInt64} {
-		_, err := New(l, Options{Size: 10, Idle: idle})
+		_, err := New(l, Options{Eager: true, Size: 10, Idle: idle})
 		require.ErrorIs(t, err, ErrInvalidIdle, "idle %v", idle)
 		require.Contains(t, err.Error(), "use at least 1ms")
 	}
-	_, err = New(l, Options{Size: 10, DB: (*pgxpool.Pool)(nil)})
+	_, err = New(l, Options{Eager: true, Size: 10, DB: (*pgxpool.Pool)(nil)})
 	require.ErrorIs(t, err, ErrInvalidDB)
 	require.Contains(t, err.Error(), "or leave DB nil")
 	// The extremes that are valid.
@@ -79,7 +79,7 @@ func TestLeaseOptionsValidated(t *testing.T) {
 		require.NoError(t, err, "%+v", o)
 		require.NoError(t, x.Close(context.Background()))
 	}
-	x := newLease(t, l, Options{Size: 10})
+	x := newLease(t, l, Options{Eager: true, Size: 10})
 	require.Equal(t, DefaultShare, x.opts.Share)
 	require.Equal(t, DefaultIdle, x.opts.Idle)
 	require.Equal(t, l.Config(), x.Config())
@@ -97,12 +97,12 @@ func TestLeaseRefusesWhatItCannotLease(t *testing.T) {
 		{ratelimit.Config{Name: "spread", Limit: 10, Window: time.Minute, Spread: 2}, "Spread 2"},
 		{ratelimit.Config{Name: "pol", Limit: 10, Window: time.Minute, Policy: "p"}, "stored policy"},
 	} {
-		_, err := New(testkit.Limiter(t, d, c.cfg), Options{Size: 1})
+		_, err := New(testkit.Limiter(t, d, c.cfg), Options{Eager: true, Size: 1})
 		require.ErrorIs(t, err, ErrUnsupported, c.cfg.Name)
 		require.Contains(t, err.Error(), c.want)
 	}
 
-	x := newLease(t, testkit.Limiter(t, d, ratelimit.Config{Name: "ok", Limit: 10, Window: time.Minute}), Options{Size: 5})
+	x := newLease(t, testkit.Limiter(t, d, ratelimit.Config{Name: "ok", Limit: 10, Window: time.Minute}), Options{Eager: true, Size: 5})
 	ctx := context.Background()
 	at := ratelimit.AtRate(ratelimit.Rate{Limit: 5, Window: time.Second})
 	_, err := x.Allow(ctx, "k", at)
@@ -132,7 +132,7 @@ func TestLeaseAnswersFromTheSlice(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	l, _ := setup(t, ratelimit.Config{Name: "local", Limit: 100, Window: time.Minute}, c)
-	x := newLease(t, l, Options{Size: 10, Now: c.Now})
+	x := newLease(t, l, Options{Eager: true, Size: 10, Now: c.Now})
 	ctx := context.Background()
 
 	d, err := x.Allow(ctx, "k")
@@ -179,7 +179,7 @@ func TestLeaseSlicesShrinkNearTheLimit(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	l, _ := setup(t, ratelimit.Config{Name: "share", Limit: 100, Window: time.Minute}, c)
-	x := newLease(t, l, Options{Size: 50, Share: 4, Now: c.Now})
+	x := newLease(t, l, Options{Eager: true, Size: 50, Share: 4, Now: c.Now})
 	ctx := context.Background()
 
 	var counted []int64
@@ -218,7 +218,7 @@ func TestLeasePenaltyCountsEveryAttempt(t *testing.T) {
 			plain, _ := setup(t, cfg, c)
 			cfg.Name = "pen-lease"
 			leased, _ := setup(t, cfg, c)
-			x := newLease(t, leased, Options{Size: 4, Share: 1, Now: c.Now})
+			x := newLease(t, leased, Options{Eager: true, Size: 4, Share: 1, Now: c.Now})
 			ctx := context.Background()
 			var got, want []bool
 			for _, cost := range []int64{3, 3, 3, 3, 1, 2} {
@@ -241,7 +241,7 @@ func TestLeaseDenialTakesNothing(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	l, _ := setup(t, ratelimit.Config{Name: "deny", Limit: 10, Window: time.Minute}, c)
-	x := newLease(t, l, Options{Size: 4, Now: c.Now})
+	x := newLease(t, l, Options{Eager: true, Size: 4, Now: c.Now})
 	ctx := context.Background()
 	// Another process takes 7.
 	d, err := l.Allow(ctx, "k", ratelimit.Cost(7))
@@ -277,7 +277,7 @@ func TestLeaseExpiresAtTheWindowEnd(t *testing.T) {
 			t.Parallel()
 			c := testkit.NewClock(base.Add(50 * time.Second))
 			l, _ := setup(t, ratelimit.Config{Name: "exp", Algorithm: a, Limit: 100, Window: time.Minute}, c)
-			x := newLease(t, l, Options{Size: 10, Now: c.Now, Idle: time.Hour})
+			x := newLease(t, l, Options{Eager: true, Size: 10, Now: c.Now, Idle: time.Hour})
 			ctx := context.Background()
 
 			d, err := x.Allow(ctx, "k")
@@ -300,7 +300,7 @@ func TestLeaseExpiresAtTheWindowEnd(t *testing.T) {
 func TestLeaseCloseReturnsUnits(t *testing.T) {
 	t.Parallel()
 	l, pool := setup(t, ratelimit.Config{Name: "close", Limit: 1000, Window: time.Hour}, nil)
-	x, err := New(l, Options{Size: 100, DB: pool, Idle: time.Hour})
+	x, err := New(l, Options{Eager: true, Size: 100, DB: pool, Idle: time.Hour})
 	require.NoError(t, err)
 	ctx := context.Background()
 	for _, k := range []string{"a", "b"} {
@@ -340,7 +340,7 @@ func TestLeaseSlidingWindowUnitsAreReturned(t *testing.T) {
 		return cur, prev
 	}
 
-	x, err := New(l, Options{Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
+	x, err := New(l, Options{Eager: true, Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
 	require.NoError(t, err)
 	_, err = x.Allow(ctx, "same")
 	require.NoError(t, err)
@@ -351,7 +351,7 @@ func TestLeaseSlidingWindowUnitsAreReturned(t *testing.T) {
 
 	// The database's clock is already in the next window, where another
 	// process checks: the units go to the previous count.
-	x, err = New(l, Options{Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
+	x, err = New(l, Options{Eager: true, Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
 	require.NoError(t, err)
 	_, err = x.Allow(ctx, "next")
 	require.NoError(t, err)
@@ -364,7 +364,7 @@ func TestLeaseSlidingWindowUnitsAreReturned(t *testing.T) {
 
 	// Two windows on, the row has forgotten them: nothing changes.
 	db.Set(base.Add(50 * time.Second))
-	x, err = New(l, Options{Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
+	x, err = New(l, Options{Eager: true, Size: 100, DB: pool, Now: local.Now, Idle: time.Hour})
 	require.NoError(t, err)
 	_, err = x.Allow(ctx, "far")
 	require.NoError(t, err)
@@ -382,7 +382,7 @@ func TestLeaseIdleSliceReturned(t *testing.T) {
 	t.Run("background", func(t *testing.T) {
 		t.Parallel()
 		l, pool := setup(t, ratelimit.Config{Name: "idlebg", Limit: 100_000, Window: time.Hour}, nil)
-		x, err := New(l, Options{Size: 10, DB: pool, Idle: 20 * time.Millisecond})
+		x, err := New(l, Options{Eager: true, Size: 10, DB: pool, Idle: 20 * time.Millisecond})
 		require.NoError(t, err)
 		swept := make(chan struct{}, 1)
 		f := func() {
@@ -414,7 +414,7 @@ func TestLeaseSweepReturnsOnlyIdleKeys(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	l, pool := setup(t, ratelimit.Config{Name: "sweep", Limit: 100, Window: time.Minute}, c)
-	x := newLease(t, l, Options{Size: 10, DB: pool, Now: c.Now, Idle: 5 * time.Second})
+	x := newLease(t, l, Options{Eager: true, Size: 10, DB: pool, Now: c.Now, Idle: 5 * time.Second})
 	ctx := context.Background()
 	_, err := x.Allow(ctx, "old")
 	require.NoError(t, err)
@@ -437,7 +437,7 @@ func TestLeaseResetDropsTheSlice(t *testing.T) {
 	t.Parallel()
 	c := testkit.NewClock(base.Add(10 * time.Second))
 	l, pool := setup(t, ratelimit.Config{Name: "reset", Limit: 100, Window: time.Minute}, c)
-	x := newLease(t, l, Options{Size: 10, DB: pool, Now: c.Now, Idle: time.Hour})
+	x := newLease(t, l, Options{Eager: true, Size: 10, DB: pool, Now: c.Now, Idle: time.Hour})
 	ctx := context.Background()
 	_, err := x.Allow(ctx, "k")
 	require.NoError(t, err)
@@ -465,7 +465,7 @@ func TestLeaseConcurrentChecksExact(t *testing.T) {
 		t.Run(string(a), func(t *testing.T) {
 			t.Parallel()
 			l, _ := setup(t, ratelimit.Config{Name: "conc", Algorithm: a, Limit: 1000, Window: time.Hour}, nil)
-			x := newLease(t, l, Options{Size: 50, Idle: time.Hour})
+			x := newLease(t, l, Options{Eager: true, Size: 50, Idle: time.Hour})
 			var admitted atomic.Int64
 			var wg sync.WaitGroup
 			for range 64 {
@@ -501,7 +501,7 @@ func TestLeaseWritesPerCheck(t *testing.T) {
 	db := &testkit.CountingDB{Pool: pool}
 	c := testkit.NewClock(base.Add(time.Second))
 	l := testkit.NewLimiter(t, db, ratelimit.Config{Name: "writes", Limit: 10_000, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
-	x := newLease(t, l, Options{Size: 500, Now: c.Now, Idle: time.Hour})
+	x := newLease(t, l, Options{Eager: true, Size: 500, Now: c.Now, Idle: time.Hour})
 	var admitted, checks atomic.Int64
 	var wg sync.WaitGroup
 	for range 64 {
@@ -530,7 +530,7 @@ func TestLeaseWritesPerCheck(t *testing.T) {
 func TestLeasePassesThroughTheFailurePolicy(t *testing.T) {
 	t.Parallel()
 	l := testkit.NewLimiter(t, testkit.DeadPool(t), ratelimit.Config{Name: "dead", Limit: 100, Window: time.Minute, OnFailure: ratelimit.FailOpen}, ratelimit.DatabaseOptions{Timeout: time.Second})
-	x := newLease(t, l, Options{Size: 10})
+	x := newLease(t, l, Options{Eager: true, Size: 10})
 	ctx := context.Background()
 	for range 3 {
 		d, err := x.Allow(ctx, "k", ratelimit.Cost(2))
@@ -559,7 +559,7 @@ func TestLeaseReturnLandsInItsWindow(t *testing.T) {
 	db := testkit.NewClock(base.Add(50 * time.Second))
 	local := testkit.NewClock(base.Add(50 * time.Second))
 	l, pool := setup(t, ratelimit.Config{Name: "pin", Limit: 100, Window: time.Minute}, db)
-	x, err := New(l, Options{Size: 10, DB: pool, Now: local.Now, Idle: time.Hour})
+	x, err := New(l, Options{Eager: true, Size: 10, DB: pool, Now: local.Now, Idle: time.Hour})
 	require.NoError(t, err)
 	ctx := context.Background()
 	_, err = x.Allow(ctx, "k")
@@ -583,7 +583,7 @@ func TestLeaseReturnLandsInItsWindow(t *testing.T) {
 func TestLeaseReturnsUnderLoad(t *testing.T) {
 	t.Parallel()
 	l, pool := setup(t, ratelimit.Config{Name: "load", Limit: 1_000_000, Window: time.Hour}, nil)
-	x, err := New(l, Options{Size: 100, DB: pool, Idle: MinIdle})
+	x, err := New(l, Options{Eager: true, Size: 100, DB: pool, Idle: MinIdle})
 	require.NoError(t, err)
 	ctx := context.Background()
 	keys := []string{"a", "b", "c", "d", "e", "f", "g", "h"}
@@ -625,4 +625,43 @@ func TestLeaseReturnsUnderLoad(t *testing.T) {
 	require.Equal(t, s.Leased, s.UsedLocally+s.Returned)
 	require.Zero(t, s.Dropped)
 	require.Positive(t, s.Returned)
+}
+
+// By default a key's first check, and its first after it went idle, is the
+// caller's own check (coalesced as without a lease); its next check within
+// Idle takes a slice. A key checked once holds nothing.
+func TestLeaseStartsAtTheSecondCheck(t *testing.T) {
+	t.Parallel()
+	c := testkit.NewClock(base.Add(10 * time.Second))
+	l, pool := setup(t, ratelimit.Config{Name: "lazy", Limit: 100, Window: time.Minute}, c)
+	x := newLease(t, l, Options{Size: 10, DB: pool, Now: c.Now, Idle: 5 * time.Second})
+	ctx := context.Background()
+
+	d, err := x.Allow(ctx, "once", ratelimit.Cost(2))
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+	require.Equal(t, int64(2), d.Granted)
+	require.Equal(t, int64(2), peekUsed(t, l, "once"), "the check itself, no slice")
+	require.Zero(t, x.Stats().Slices)
+
+	d, err = x.Allow(ctx, "once")
+	require.NoError(t, err)
+	require.Equal(t, int64(1), x.Stats().Slices, "the second check takes a slice")
+	require.Equal(t, int64(12), peekUsed(t, l, "once"))
+	d, err = x.Allow(ctx, "once")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.StoreLease, d.Store)
+
+	// Idle for longer than Idle: the next check is the caller's own again
+	// (the slice, not swept here, is used first while it lasts).
+	c.Add(6 * time.Second)
+	x.sweep(ctx)
+	require.Equal(t, int64(4), peekUsed(t, l, "once"), "the idle slice went back")
+	d, err = x.Allow(ctx, "once")
+	require.NoError(t, err)
+	require.Equal(t, ratelimit.StorePostgres, d.Store)
+	require.Equal(t, int64(5), peekUsed(t, l, "once"))
+	require.Equal(t, int64(1), x.Stats().Slices)
+	require.Equal(t, Stats{Slices: 1, Leased: 10, UsedLocally: 2, Returned: 8, LocalDecisions: 1, DatabaseDecisions: 3}, x.Stats())
 }

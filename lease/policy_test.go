@@ -28,7 +28,7 @@ func TestLeasePolicyChangeEndsTheSlice(t *testing.T) {
 	require.NoError(t, cache.Reload(ctx))
 	pl, err := policy.NewLimiter(ctx, pool, "leased", policy.Options{FromCache: true, Cache: cache, Database: db})
 	require.NoError(t, err)
-	x, err := NewPolicy(pl, Options{Size: 10, DB: pool, Now: c.Now, Idle: time.Hour})
+	x, err := NewPolicy(pl, Options{Eager: true, Size: 10, DB: pool, Now: c.Now, Idle: time.Hour})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = x.Close(ctx) })
 	require.Equal(t, int64(100), x.Config().Limit)
@@ -90,23 +90,23 @@ func TestLeasePolicyRefusals(t *testing.T) {
 	_, err = policy.Set(ctx, pool, policy.Policy{Name: "bucket", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Minute})
 	require.NoError(t, err)
 
-	_, err = NewPolicy(nil, Options{Size: 1})
+	_, err = NewPolicy(nil, Options{Eager: true, Size: 1})
 	require.ErrorIs(t, err, ErrNilLimiter)
 	var citus bool
 	require.NoError(t, pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')").Scan(&citus))
 	if !citus { // on Citus every policy limiter checks from its cache
 		pl, err := policy.NewLimiter(ctx, pool, "stmt", policy.Options{Database: db})
 		require.NoError(t, err)
-		_, err = NewPolicy(pl, Options{Size: 1})
+		_, err = NewPolicy(pl, Options{Eager: true, Size: 1})
 		require.ErrorIs(t, err, ErrUnsupported)
 		require.Contains(t, err.Error(), "FromCache")
 	}
 	pl, err := policy.NewLimiter(ctx, pool, "bucket", policy.Options{Database: db, FromCache: true})
 	require.NoError(t, err)
-	_, err = NewPolicy(pl, Options{Size: 1})
+	_, err = NewPolicy(pl, Options{Eager: true, Size: 1})
 	require.ErrorIs(t, err, ErrUnsupported)
 	pl, err = policy.NewLimiter(ctx, pool, "stmt", policy.Options{Database: db, FromCache: true})
 	require.NoError(t, err)
-	_, err = NewPolicy(pl, Options{Size: 0})
+	_, err = NewPolicy(pl, Options{Eager: true, Size: 0})
 	require.ErrorIs(t, err, ErrInvalidSize)
 }

@@ -729,8 +729,8 @@ var appReadTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_pol
 // named-arithmetic functions of migration 000005, which the planner inlines
 // only for a user who may execute them (without EXECUTE a check fails with
 // 42501), the check-queue functions of migration 000006, the steps of
-// migration 000012, the check functions of migration 000014 and the slice
-// functions of migration 000015.
+// migration 000012, the check functions of migration 000014 and those of
+// migration 000015, which take slices too.
 // TestEveryFunctionGranted holds every function of the migrations to this
 // list or to the operations' own.
 var appFunctions = []string{
@@ -769,8 +769,8 @@ var appFunctions = []string{
 	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
 	"pgrl_slice_probe(bigint, bigint)",
 	"pgrl_slice_ask(bigint, bigint, bigint, bigint)",
-	"pgrl_fixed_window_take_slice(bytea, bigint, bigint, bigint, bigint, bigint, boolean, timestamptz)",
-	"pgrl_sliding_window_take_slice(bytea, bigint, bigint, bigint, bigint, bigint, boolean, timestamptz)",
+	"pgrl_fixed_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
+	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
 }
 
 // grantStatements returns the GRANT statements that give role the

@@ -41,7 +41,7 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 // limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
-		if l.coalescer != nil && !a.slice {
+		if l.coalescer != nil {
 			return l.coalescer.take(ctx, l, key, a)
 		}
 		return l.take(ctx, l.st.db, key, a)
@@ -78,9 +78,6 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision,
 		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
 		return l.spreadDecision(d), err
 	}
-	if a.slice {
-		return l.alg.takeSlice(ctx, l, db, l.key(key), l.cfg.ceiling(a))
-	}
 	if l.cfg.Policy != "" && !a.upTo {
 		k := l.key(key)
 		return l.alg.takePolicy(ctx, l, db, k, l.policyKey(key, k), a.n)
@@ -100,6 +97,14 @@ func (l *Limiter) policyKey(key string, k []byte) []byte {
 
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
+	if a.slice {
+		// Slices are decided by the check statements: a statement of one.
+		decs, err := l.alg.takeQueue(ctx, db, newCheckQueue([]*pendingCheck{{l: l, skey: k, ask: a}}))
+		if err != nil {
+			return Decision{}, err
+		}
+		return decs[0], nil
+	}
 	if a.upTo {
 		// l may be one row of a spread limit, whose capacity is its share.
 		return l.alg.takeUpTo(ctx, l, db, k, l.cfg.ceiling(a).n)

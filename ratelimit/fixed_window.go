@@ -62,17 +62,6 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
 }
 
-func (fixedWindow) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
-	r, err := sqlops.New().FixedWindowTakeSlice(ctx, db, sqlops.FixedWindowTakeSliceParams{
-		Key: k, N: a.n, Min: a.min, Share: a.share, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit,
-		Penalty: l.cfg.Penalty,
-	})
-	if err != nil {
-		return Decision{}, err
-	}
-	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
-}
-
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().FixedWindowTakeChecks(ctx, db, sqlops.FixedWindowTakeChecksParams{
 		Keys:      q.keys,
@@ -80,7 +69,7 @@ func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
-		At: q.clock(),
+		Mins: q.mins, Shares: q.shares, At: q.clock(),
 	})
 	return inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex },
 		func(l *Limiter, r sqlops.FixedWindowTakeChecksRow, _ ask) Decision {

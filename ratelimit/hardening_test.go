@@ -394,7 +394,9 @@ func TestPermissionErrors(t *testing.T) {
 	require.NoError(t, err)
 	// A multi-limit decision of one algorithm is one call of its check
 	// function; a single check is not.
-	_, err = admin.Exec(ctx, "REVOKE EXECUTE ON FUNCTION "+ident+".pgrl_fixed_window_take_checks FROM "+role)
+	_, err = admin.Exec(ctx, "REVOKE EXECUTE ON FUNCTION "+ident+".pgrl_fixed_window_take_checks"+
+		"(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)"+
+		" FROM "+role)
 	require.NoError(t, err)
 	d, err := l.Allow(ctx, "k")
 	require.NoError(t, err)

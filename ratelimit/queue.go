@@ -83,6 +83,8 @@ type checkQueue struct {
 	costs    []int64
 	upTo     []bool
 	vetoes   []bool
+	mins     []int64 // a slice's min, 0 for any other check
+	shares   []int64 // a slice's share, 0 for any other check
 	at       []int
 }
 
@@ -107,7 +109,7 @@ func (l *Limiter) figures() figures {
 func newCheckQueue(checks []*pendingCheck) *checkQueue {
 	n := len(checks)
 	q := &checkQueue{rows: make([]int32, n), costs: make([]int64, n), upTo: make([]bool, n), vetoes: make([]bool, n),
-		at: make([]int, 0, n)}
+		mins: make([]int64, n), shares: make([]int64, n), at: make([]int, 0, n)}
 	byKey := make(map[string]int32, n)
 	for _, r := range checks {
 		if _, ok := byKey[string(r.skey)]; !ok {
@@ -164,12 +166,17 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 		// A partial grant asks for at most its row's capacity (a spread
 		// row's is its share).
 		q.costs[j], q.upTo[j], q.vetoes[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo, !r.l.cfg.Shadow
+		if r.ask.slice {
+			q.mins[j], q.shares[j] = r.ask.min, r.ask.share
+		}
 	}
 	return q
 }
 
 // ask is the j-th check of the queue.
-func (q *checkQueue) ask(j int) ask { return ask{n: q.costs[j], upTo: q.upTo[j]} }
+func (q *checkQueue) ask(j int) ask {
+	return ask{n: q.costs[j], upTo: q.upTo[j], slice: q.shares[j] > 0, min: q.mins[j], share: q.shares[j]}
+}
 
 // limiterOf is the limiter of the j-th check.
 func (q *checkQueue) limiterOf(j int) *Limiter { return q.limiters[q.rows[j]-1] }

@@ -261,15 +261,16 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 	}
 }
 
-// TestQueueFunctionMissingFallsBack: against a schema whose queue function
-// is missing (migrated to 13, or revoked), a batch holding a key twice is
+// TestQueueFunctionMissingFallsBack: against a schema whose check function
+// is missing (migrated to 14, or revoked), a batch holding a key twice is
 // decided one check at a time, correctly, and the limiter logs once what to
 // run.
 func TestQueueFunctionMissingFallsBack(t *testing.T) {
 	t.Parallel()
 	pool, schemaName := dbtest.Pool(t)
 	ctx := context.Background()
-	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_checks"}.Sanitize())
+	_, err := dbtest.Admin(t).Exec(ctx, "DROP FUNCTION "+pgx.Identifier{schemaName, "pgrl_fixed_window_take_checks"}.Sanitize()+
+		"(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)")
 	require.NoError(t, err)
 	var logs testkit.LogBuffer
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "no-queue", Limit: 3, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil)), Now: testkit.Pinned(base)})

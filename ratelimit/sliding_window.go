@@ -65,18 +65,6 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), 1).granting(r.Granted), nil
 }
 
-func (slidingWindow) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
-	r, err := sqlops.New().SlidingWindowTakeSlice(ctx, db, sqlops.SlidingWindowTakeSliceParams{
-		Key: k, N: a.n, Min: a.min, Share: a.share, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit,
-		Penalty: l.cfg.Penalty,
-	})
-	if err != nil {
-		return Decision{}, err
-	}
-	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.min).
-		granting(r.Granted), nil
-}
-
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().SlidingWindowTakeChecks(ctx, db, sqlops.SlidingWindowTakeChecksParams{
 		Keys:      q.keys,
@@ -84,7 +72,7 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
-		At: q.clock(),
+		Mins: q.mins, Shares: q.shares, At: q.clock(),
 	})
 	return inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },
 		func(l *Limiter, r sqlops.SlidingWindowTakeChecksRow, a ask) Decision {

@@ -2,7 +2,6 @@ package ratelimit
 
 import (
 	"context"
-	"errors"
 	"math"
 	"math/big"
 	"time"
@@ -94,12 +93,6 @@ func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byt
 		func(row sqlops.TokenBucketTakeManyRow, i int) Decision {
 			return l.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), costs[i])
 		})
-}
-
-// takeSlice is refused before it is sent (Config.checkSlice): the token
-// bucket cannot be leased yet.
-func (tokenBucket) takeSlice(context.Context, *Limiter, DB, []byte, ask) (Decision, error) {
-	return Decision{}, errors.New("ratelimit: the token bucket takes no slice")
 }
 
 func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {

@@ -16,8 +16,8 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.co
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_checks($1::bytea[], $2::bigint[], $3::bigint[],
                                      $4::boolean[], $5::integer[], $6::integer[], $7::integer[],
-                                     $8::bigint[], $9::boolean[], $10::boolean[],
-                                     $11::timestamptz) AS q
+                                     $8::bigint[], $9::boolean[], $10::boolean[], $11::bigint[],
+                                     $12::bigint[], $13::timestamptz) AS q
 `
 
 type FixedWindowTakeChecksParams struct {
@@ -31,6 +31,8 @@ type FixedWindowTakeChecksParams struct {
 	Costs     []int64
 	UpTo      []bool
 	Vetoes    []bool
+	Mins      []int64
+	Shares    []int64
 	At        *time.Time
 }
 
@@ -51,7 +53,9 @@ type FixedWindowTakeChecksRow struct {
 // (runs[g] 0), applied together or not at all (migration 000014). ends[g]
 // is the 1-based position of run g's last check, rows[j] check j's 1-based
 // row; a check without a veto (a limit in shadow mode) does not stop its
-// group. check_index is the check's 1-based position.
+// group. check_index is the check's 1-based position. The fixed and sliding
+// windows' take slices too (ratelimit.Slice, migration 000015): mins and
+// shares per check, 0 for any other check.
 func (q *Queries) FixedWindowTakeChecks(ctx context.Context, db DBTX, arg FixedWindowTakeChecksParams) ([]FixedWindowTakeChecksRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeChecks,
 		arg.Keys,
@@ -64,6 +68,8 @@ func (q *Queries) FixedWindowTakeChecks(ctx context.Context, db DBTX, arg FixedW
 		arg.Costs,
 		arg.UpTo,
 		arg.Vetoes,
+		arg.Mins,
+		arg.Shares,
 		arg.At,
 	)
 	if err != nil {
@@ -97,8 +103,8 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_checks($1::bytea[], $2::bigint[], $3::bigint[],
                                        $4::boolean[], $5::integer[], $6::integer[], $7::integer[],
-                                       $8::bigint[], $9::boolean[], $10::boolean[],
-                                       $11::timestamptz) AS q
+                                       $8::bigint[], $9::boolean[], $10::boolean[], $11::bigint[],
+                                       $12::bigint[], $13::timestamptz) AS q
 `
 
 type SlidingWindowTakeChecksParams struct {
@@ -112,6 +118,8 @@ type SlidingWindowTakeChecksParams struct {
 	Costs     []int64
 	UpTo      []bool
 	Vetoes    []bool
+	Mins      []int64
+	Shares    []int64
 	At        *time.Time
 }
 
@@ -137,6 +145,8 @@ func (q *Queries) SlidingWindowTakeChecks(ctx context.Context, db DBTX, arg Slid
 		arg.Costs,
 		arg.UpTo,
 		arg.Vetoes,
+		arg.Mins,
+		arg.Shares,
 		arg.At,
 	)
 	if err != nil {

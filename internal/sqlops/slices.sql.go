@@ -7,64 +7,10 @@ package sqlops
 
 import (
 	"context"
-	"time"
 )
 
-const fixedWindowTakeSlice = `-- name: FixedWindowTakeSlice :one
-
-SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
-       q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
-  FROM pgrl_fixed_window_take_slice($1::bytea, $2::bigint, $3::bigint, $4::bigint, $5::bigint,
-                                    $6::bigint, $7::boolean, $8::timestamptz) AS q
-`
-
-type FixedWindowTakeSliceParams struct {
-	Key      []byte
-	N        int64
-	Min      int64
-	Share    int64
-	MaxCount int64
-	WindowUs int64
-	Penalty  bool
-	At       *time.Time
-}
-
-type FixedWindowTakeSliceRow struct {
-	Granted     int64
-	Count       int64
-	Allowed     bool
-	ExpiresAtUs int64
-	NowUs       int64
-}
-
-// The statements that take and give back a lease's slices (package lease,
-// through ratelimit.Slice): a partial grant sized by the row, fair to the
-// other holders (migration 000015), and the return of a slice's unused
-// units. The fixed window's return is gen's FixedWindowTake with a negative
-// cost, pinned to the slice's instant.
-func (q *Queries) FixedWindowTakeSlice(ctx context.Context, db DBTX, arg FixedWindowTakeSliceParams) (FixedWindowTakeSliceRow, error) {
-	row := db.QueryRow(ctx, fixedWindowTakeSlice,
-		arg.Key,
-		arg.N,
-		arg.Min,
-		arg.Share,
-		arg.MaxCount,
-		arg.WindowUs,
-		arg.Penalty,
-		arg.At,
-	)
-	var i FixedWindowTakeSliceRow
-	err := row.Scan(
-		&i.Granted,
-		&i.Count,
-		&i.Allowed,
-		&i.ExpiresAtUs,
-		&i.NowUs,
-	)
-	return i, err
-}
-
 const slidingWindowReturnSlice = `-- name: SlidingWindowReturnSlice :execrows
+
 UPDATE pgrl_sliding_window AS t
    SET count = CASE WHEN t.window_start = pgrl_ts($1::bigint)
                     THEN greatest(t.count - $2::bigint, 0) ELSE t.count END,
@@ -82,6 +28,10 @@ type SlidingWindowReturnSliceParams struct {
 	Key           []byte
 }
 
+// The return of a lease's unused units (package lease). Slices are taken
+// by the check statements (checks.sql, migration 000015); the fixed
+// window's units go back by gen's FixedWindowTake with a negative cost,
+// pinned to the slice's instant.
 // SlidingWindowReturnSlice gives back n unused units of a slice counted in
 // the window starting at window_start_us: from the row's count while the
 // row is in that window, from its prev_count once it has moved one window
@@ -99,54 +49,4 @@ func (q *Queries) SlidingWindowReturnSlice(ctx context.Context, db DBTX, arg Sli
 		return 0, err
 	}
 	return result.RowsAffected(), nil
-}
-
-const slidingWindowTakeSlice = `-- name: SlidingWindowTakeSlice :one
-SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
-       q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
-  FROM pgrl_sliding_window_take_slice($1::bytea, $2::bigint, $3::bigint, $4::bigint, $5::bigint,
-                                      $6::bigint, $7::boolean, $8::timestamptz) AS q
-`
-
-type SlidingWindowTakeSliceParams struct {
-	Key      []byte
-	N        int64
-	Min      int64
-	Share    int64
-	MaxCount int64
-	WindowUs int64
-	Penalty  bool
-	At       *time.Time
-}
-
-type SlidingWindowTakeSliceRow struct {
-	Granted       int64
-	WindowStartUs int64
-	Count         int64
-	PrevCount     int64
-	Allowed       bool
-	NowUs         int64
-}
-
-func (q *Queries) SlidingWindowTakeSlice(ctx context.Context, db DBTX, arg SlidingWindowTakeSliceParams) (SlidingWindowTakeSliceRow, error) {
-	row := db.QueryRow(ctx, slidingWindowTakeSlice,
-		arg.Key,
-		arg.N,
-		arg.Min,
-		arg.Share,
-		arg.MaxCount,
-		arg.WindowUs,
-		arg.Penalty,
-		arg.At,
-	)
-	var i SlidingWindowTakeSliceRow
-	err := row.Scan(
-		&i.Granted,
-		&i.WindowStartUs,
-		&i.Count,
-		&i.PrevCount,
-		&i.Allowed,
-		&i.NowUs,
-	)
-	return i, err
 }

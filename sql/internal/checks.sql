@@ -6,15 +6,17 @@
 -- (runs[g] 0), applied together or not at all (migration 000014). ends[g]
 -- is the 1-based position of run g's last check, rows[j] check j's 1-based
 -- row; a check without a veto (a limit in shadow mode) does not stop its
--- group. check_index is the check's 1-based position.
+-- group. check_index is the check's 1-based position. The fixed and sliding
+-- windows' take slices too (ratelimit.Slice, migration 000015): mins and
+-- shares per check, 0 for any other check.
 
 -- name: FixedWindowTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
        q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM pgrl_fixed_window_take_checks(@keys::bytea[], @max_counts::bigint[], @windows_us::bigint[],
                                      @penalties::boolean[], @runs::integer[], @ends::integer[], @rows::integer[],
-                                     @costs::bigint[], @up_to::boolean[], @vetoes::boolean[],
-                                     sqlc.narg(at)::timestamptz) AS q;
+                                     @costs::bigint[], @up_to::boolean[], @vetoes::boolean[], @mins::bigint[],
+                                     @shares::bigint[], sqlc.narg(at)::timestamptz) AS q;
 
 -- name: TokenBucketTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
@@ -30,5 +32,5 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM pgrl_sliding_window_take_checks(@keys::bytea[], @max_counts::bigint[], @windows_us::bigint[],
                                        @penalties::boolean[], @runs::integer[], @ends::integer[], @rows::integer[],
-                                       @costs::bigint[], @up_to::boolean[], @vetoes::boolean[],
-                                       sqlc.narg(at)::timestamptz) AS q;
+                                       @costs::bigint[], @up_to::boolean[], @vetoes::boolean[], @mins::bigint[],
+                                       @shares::bigint[], sqlc.narg(at)::timestamptz) AS q;

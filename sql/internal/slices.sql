@@ -1,20 +1,7 @@
--- The statements that take and give back a lease's slices (package lease,
--- through ratelimit.Slice): a partial grant sized by the row, fair to the
--- other holders (migration 000015), and the return of a slice's unused
--- units. The fixed window's return is gen's FixedWindowTake with a negative
--- cost, pinned to the slice's instant.
-
--- name: FixedWindowTakeSlice :one
-SELECT q.granted::bigint AS granted, q.count::bigint AS count, q.allowed::boolean AS allowed,
-       q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
-  FROM pgrl_fixed_window_take_slice(@key::bytea, @n::bigint, @min::bigint, @share::bigint, @max_count::bigint,
-                                    @window_us::bigint, @penalty::boolean, sqlc.narg(at)::timestamptz) AS q;
-
--- name: SlidingWindowTakeSlice :one
-SELECT q.granted::bigint AS granted, q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
-       q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
-  FROM pgrl_sliding_window_take_slice(@key::bytea, @n::bigint, @min::bigint, @share::bigint, @max_count::bigint,
-                                      @window_us::bigint, @penalty::boolean, sqlc.narg(at)::timestamptz) AS q;
+-- The return of a lease's unused units (package lease). Slices are taken
+-- by the check statements (checks.sql, migration 000015); the fixed
+-- window's units go back by gen's FixedWindowTake with a negative cost,
+-- pinned to the slice's instant.
 
 -- name: SlidingWindowReturnSlice :execrows
 -- SlidingWindowReturnSlice gives back n unused units of a slice counted in

@@ -600,6 +600,8 @@ func benchmark(ctx context.Context, o options, log io.Writer) (Report, error) {
 		Algorithm:        string(algorithmOf(o)),
 		Limit:            fmt.Sprintf("%d/s, burst %d", benchRate, benchBurst),
 		LeaseSize:        o.leaseSize,
+		LeaseShare:       o.leaseShare,
+		LeaseIdle:        o.leaseIdle.String(),
 		DurationSeconds:  o.duration.Seconds(),
 		WarmupSeconds:    o.warmup.Seconds(),
 		MaxBatch:         o.maxBatch,

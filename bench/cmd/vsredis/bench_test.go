@@ -147,7 +147,7 @@ func TestLeasedEndToEnd(t *testing.T) {
 	if err := printText(&text, rep); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"leased (package lease, Size 50): vsredis, contact", "not leased: login-email-ip", "lease, 4 callers, 10 keys:", "lease, mix, 4 callers:", "never over the limit: held"} {
+	for _, want := range []string{"leased (package lease, Size 50, Share 1, Idle 1m0s): vsredis, contact", "not leased: login-email-ip", "lease, 4 callers, 10 keys:", "lease, mix, 4 callers:", "never over the limit: held"} {
 		if !bytes.Contains(text.Bytes(), []byte(want)) {
 			t.Errorf("text report lacks %q:\n%s", want, text.String())
 		}

@@ -79,7 +79,7 @@ type leaseSet struct {
 // wrap leases lim's quota in slices of o.leaseSize, returning unused
 // fixed-window units on db.
 func (s *leaseSet) wrap(lim *ratelimit.Limiter, o options, db ratelimit.DB) (*leasedLimit, error) {
-	x, err := lease.New(lim, lease.Options{Size: o.leaseSize, DB: db})
+	x, err := lease.New(lim, lease.Options{Size: o.leaseSize, Share: o.leaseShare, Idle: o.leaseIdle, DB: db})
 	if err != nil {
 		return nil, fmt.Errorf("lease %s: %w", lim.Config().Name, err)
 	}

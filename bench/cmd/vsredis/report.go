@@ -27,10 +27,13 @@ type Report struct {
 	// LeaseSize is --lease-size (0: no leases); Leased names the limits
 	// whose checks pgrl answered through package lease, and Unleased
 	// those it left unleased in a leased run, with why.
-	LeaseSize int64    `json:"lease_size,omitempty"`
-	Leased    []string `json:"leased,omitempty"`
-	Unleased  []string `json:"unleased,omitempty"`
-	Cases     []Case   `json:"cases"`
+	LeaseSize int64 `json:"lease_size,omitempty"`
+	// LeaseShare and LeaseIdle are --lease-share and --lease-idle.
+	LeaseShare int      `json:"lease_share,omitempty"`
+	LeaseIdle  string   `json:"lease_idle,omitempty"`
+	Leased     []string `json:"leased,omitempty"`
+	Unleased   []string `json:"unleased,omitempty"`
+	Cases      []Case   `json:"cases"`
 	// Mix describes the application mix, and MixCases are its cases, with
 	// --mix app.
 	Mix          *MixInfo  `json:"mix,omitempty"`
@@ -278,7 +281,7 @@ func printText(w io.Writer, rep Report) error {
 		m.GOOS, m.GOARCH, m.NumCPU, m.CPUModel, m.GoVersion, m.PostgresVersion, m.WalWriterFlushAfter, m.SynchronousCommit, m.RedisVersion)
 	fmt.Fprintf(w, "%s, %s, %gs per path per case\n", rep.Algorithm, rep.Limit, rep.DurationSeconds)
 	if rep.LeaseSize > 0 {
-		fmt.Fprintf(w, "leased (package lease, Size %d): %s\n", rep.LeaseSize, strings.Join(rep.Leased, ", "))
+		fmt.Fprintf(w, "leased (package lease, Size %d, Share %d, Idle %s): %s\n", rep.LeaseSize, rep.LeaseShare, rep.LeaseIdle, strings.Join(rep.Leased, ", "))
 		if len(rep.Unleased) > 0 {
 			fmt.Fprintf(w, "not leased: %s\n", strings.Join(rep.Unleased, "; "))
 		}

@@ -44,6 +44,9 @@ type options struct {
 	algorithm ratelimit.Algorithm
 	// leaseSize is lease.Options.Size for the leased path; 0: off.
 	leaseSize int64
+	// leaseShare and leaseIdle are lease.Options.Share and Idle.
+	leaseShare int
+	leaseIdle  time.Duration
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -74,6 +77,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	algorithm := fs.String("algorithm", string(ratelimit.TokenBucket), "pgrl's algorithm in the key-space cases and the mix: token_bucket (the closest to redis_rate's GCRA), or fixed_window or sliding_window with each limit's burst as the limit per window (rate period; 1s for the key spaces)")
 	fs.Int64Var(&o.leaseSize, "lease-size", 0, "lease pgrl's limiters in the key-space cases and the mix with package lease, in slices of this many units (lease.Options.Size); 0: off. Needs --algorithm fixed_window or sliding_window, and at most "+strconv.Itoa(maxLeaseSize)+" (the smallest limit of the mix)")
+	fs.IntVar(&o.leaseShare, "lease-share", 1, "lease.Options.Share of the leased path: each slice is ceil(left/share) of what a key has left, at most --lease-size. 1 (the default) suits the benchmark's one process; a deployment sets it near its number of processes")
+	fs.DurationVar(&o.leaseIdle, "lease-idle", time.Minute, "lease.Options.Idle of the leased path: a key's unused units are returned after this long without a check (one statement each)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file, for go tool pprof")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: vsredis [flags]\n\nCompares pgrl's limiter on PostgreSQL with go-redis/redis_rate on Redis:\nops/s, p50 and p99 per number of callers and key space, and requests/s\nand checks/s of an application's mix of limits.\n\nFlags:\n")
@@ -108,6 +113,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--algorithm %q: use token_bucket, fixed_window or sliding_window", *algorithm)
 	}
 	switch {
+	case o.leaseShare < 1:
+		return o, fmt.Errorf("--lease-share %d: at least 1", o.leaseShare)
+	case o.leaseIdle < time.Millisecond:
+		return o, fmt.Errorf("--lease-idle %v: at least 1ms", o.leaseIdle)
 	case o.leaseSize < 0:
 		return o, fmt.Errorf("--lease-size %d: must not be negative (0 turns leases off)", o.leaseSize)
 	case o.leaseSize > 0 && o.algorithm == ratelimit.TokenBucket:
