@@ -501,7 +501,7 @@ func TestLeaseWritesPerCheck(t *testing.T) {
 	db := &testkit.CountingDB{Pool: pool}
 	c := testkit.NewClock(base.Add(time.Second))
 	l := testkit.NewLimiter(t, db, ratelimit.Config{Name: "writes", Limit: 10_000, Window: time.Minute}, ratelimit.DatabaseOptions{Now: c.Now})
-	x := newLease(t, l, Options{Eager: true, Size: 500, Now: c.Now, Idle: time.Hour})
+	x := newLease(t, l, Options{Size: 500, Now: c.Now, Idle: time.Hour})
 	var admitted, checks atomic.Int64
 	var wg sync.WaitGroup
 	for range 64 {

@@ -76,10 +76,11 @@ type leaseSet struct {
 	limits []*leasedLimit
 }
 
-// wrap leases lim's quota in slices of o.leaseSize, returning unused
-// fixed-window units on db.
+// wrap leases lim's quota in slices of o.leaseSize (at most lim's limit),
+// returning unused units on db.
 func (s *leaseSet) wrap(lim *ratelimit.Limiter, o options, db ratelimit.DB) (*leasedLimit, error) {
-	x, err := lease.New(lim, lease.Options{Size: o.leaseSize, Share: o.leaseShare, Idle: o.leaseIdle, DB: db})
+	size := min(o.leaseSize, lim.Config().Limit)
+	x, err := lease.New(lim, lease.Options{Size: size, Share: o.leaseShare, Idle: o.leaseIdle, DB: db})
 	if err != nil {
 		return nil, fmt.Errorf("lease %s: %w", lim.Config().Name, err)
 	}
