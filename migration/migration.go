@@ -769,7 +769,6 @@ var appFunctions = []string{
 	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], timestamptz)",
 	"pgrl_token_bucket_lease_us(bigint)",
 	"pgrl_token_bucket_lease_epoch_us(bigint)",
-	"pgrl_token_bucket_lease_age(bigint, bigint)",
 	"pgrl_token_bucket_leased(bigint, bigint, bigint, bigint)",
 	"pgrl_token_bucket_lease_roll(bigint, bigint, bigint, bigint, boolean)",
 	"pgrl_token_bucket_lease_over_at(bigint, bigint, bigint)",

@@ -162,7 +162,6 @@ DROP FUNCTION pgrl_token_bucket_lease_returnable(bigint, bigint, bigint, bigint,
 DROP FUNCTION pgrl_token_bucket_lease_over_at(bigint, bigint, bigint);
 DROP FUNCTION pgrl_token_bucket_lease_roll(bigint, bigint, bigint, bigint, boolean);
 DROP FUNCTION pgrl_token_bucket_leased(bigint, bigint, bigint, bigint);
-DROP FUNCTION pgrl_token_bucket_lease_age(bigint, bigint);
 DROP FUNCTION pgrl_token_bucket_lease_epoch_us(bigint);
 DROP FUNCTION pgrl_token_bucket_lease_us(bigint);
 

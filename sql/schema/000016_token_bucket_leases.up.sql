@@ -64,23 +64,20 @@ CREATE FUNCTION pgrl_token_bucket_lease_epoch_us(now_us bigint) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$ SELECT pgrl_window_start_us(now_us, pgrl_token_bucket_lease_us(now_us)) $$;
 
--- pgrl_token_bucket_lease_age is how many epochs the instant now_us is past
--- the lease epoch starting at lease_epoch_us: 0 while in it, or before it.
-CREATE FUNCTION pgrl_token_bucket_lease_age(lease_epoch_us bigint, now_us bigint) RETURNS bigint
-LANGUAGE sql IMMUTABLE PARALLEL SAFE
-AS $$ SELECT greatest((now_us - lease_epoch_us) / pgrl_token_bucket_lease_us(now_us), 0) $$;
-
 -- pgrl_token_bucket_leased is how many units a row's leases may still have
 -- out at now_us: leased + leased_prev in the row's lease epoch (or before
 -- it), leased in the next epoch, none after (and none for NULLs). The bucket
--- refills up to its capacity less that.
+-- refills up to its capacity less that. (No CASE x WHEN v here: Citus sends
+-- the inlined statement to its workers as SQL, and deparsed, that form can
+-- come back as x = (condition).)
 CREATE FUNCTION pgrl_token_bucket_leased(lease_epoch_us bigint, leased bigint, leased_prev bigint, now_us bigint)
 RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT CASE pgrl_token_bucket_lease_age(lease_epoch_us, now_us)
-                WHEN 0 THEN coalesce(leased, 0) + coalesce(leased_prev, 0)
-                WHEN 1 THEN coalesce(leased, 0)
+    SELECT CASE WHEN now_us < lease_epoch_us + pgrl_token_bucket_lease_us(now_us)
+                THEN coalesce(leased, 0) + coalesce(leased_prev, 0)
+                WHEN now_us < lease_epoch_us + 2 * pgrl_token_bucket_lease_us(now_us)
+                THEN coalesce(leased, 0)
                 ELSE 0 END
 $$;
 
@@ -94,9 +91,10 @@ CREATE FUNCTION pgrl_token_bucket_lease_roll(lease_epoch_us bigint, leased bigin
 RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT CASE pgrl_token_bucket_lease_age(lease_epoch_us, now_us)
-                WHEN 0 THEN coalesce(CASE WHEN previous THEN leased_prev ELSE leased END, 0)
-                WHEN 1 THEN CASE WHEN previous THEN coalesce(leased, 0) ELSE 0 END
+    SELECT CASE WHEN now_us < lease_epoch_us + pgrl_token_bucket_lease_us(now_us)
+                THEN coalesce(CASE WHEN previous THEN leased_prev ELSE leased END, 0)
+                WHEN now_us < lease_epoch_us + 2 * pgrl_token_bucket_lease_us(now_us) AND previous
+                THEN coalesce(leased, 0)
                 ELSE 0 END
 $$;
 
@@ -123,7 +121,7 @@ CREATE FUNCTION pgrl_token_bucket_lease_returnable(lease_epoch_us bigint, leased
 RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT CASE WHEN pgrl_token_bucket_lease_age(pgrl_token_bucket_lease_epoch_us(at_us), now_us) > 1 THEN 0
+    SELECT CASE WHEN now_us >= pgrl_token_bucket_lease_epoch_us(at_us) + 2 * pgrl_token_bucket_lease_us(at_us) THEN 0
                 WHEN previous AND lease_epoch_us - pgrl_token_bucket_lease_epoch_us(at_us)
                                   = pgrl_token_bucket_lease_us(at_us)
                 THEN coalesce(leased_prev, 0)
