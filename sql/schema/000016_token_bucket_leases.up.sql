@@ -48,7 +48,10 @@ COMMENT ON COLUMN pgrl_token_bucket.leased_prev IS 'units leased in the epoch be
 -- The helpers are LANGUAGE sql functions of one expression, IMMUTABLE, so
 -- that the planner inlines them and a distributed PostgreSQL (Citus)
 -- accepts them in an upsert's update arm and in RETURNING (migrations 000005
--- and 000012 say how). gen's TestHelpersAreInlined checks them too.
+-- and 000012 say how). gen's TestHelpersAreInlined checks them too. On
+-- Citus, rl-migrate pins those a statement sends to the workers
+-- (migration.StepFunctions), as it pins the steps: their bodies call
+-- pgrl_token_bucket_lease_us, which a worker's session would not find.
 
 -- pgrl_token_bucket_lease_us is tau: how long a lease taken at now_us may be
 -- used, 1 second whatever the instant. It takes an instant only to be
