@@ -480,4 +480,3 @@ func TestTokenBucketReturnSlice(t *testing.T) {
 		require.Equal(t, int64(0), give("e", lease, 3, 600*time.Millisecond))
 	})
 }
-
