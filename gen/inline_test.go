@@ -19,8 +19,10 @@ import (
 )
 
 // helperMigrations are the migrations that add the inlinable helpers: the
-// named arithmetic (000005) and each algorithm's step (000012).
-var helperMigrations = []string{"000005_named_arithmetic.up.sql", "000012_algorithm_steps.up.sql"}
+// named arithmetic (000005), each algorithm's step (000012) and the token
+// bucket's lease helpers (000016).
+var helperMigrations = []string{"000005_named_arithmetic.up.sql", "000012_algorithm_steps.up.sql",
+	"000016_token_bucket_leases.up.sql"}
 
 // helperNames lists the LANGUAGE sql functions helperMigrations create,
 // read from the files themselves so that a helper added there is checked
@@ -35,7 +37,7 @@ func helperNames(t *testing.T) []string {
 			names = append(names, m[1])
 		}
 	}
-	require.GreaterOrEqual(t, len(names), 18, "helpers not found in %v", helperMigrations)
+	require.GreaterOrEqual(t, len(names), 25, "helpers not found in %v", helperMigrations)
 	return names
 }
 
@@ -77,9 +79,12 @@ type errRow struct{}
 func (errRow) Scan(...any) error { return errRecorded }
 
 // everyQuery sends every query that computes with the helpers (each
-// algorithm's take, batch take and peek, and the internal query that
-// computes a fixed window) to db, twice: the second take of a key runs the
-// UPDATE arm of its upsert.
+// algorithm's take, batch take and peek, the token bucket's take of a
+// stored policy (policy "tb", which TestHelpersAreInlined stores), a lease's
+// slice and its return, and the internal query that computes a fixed
+// window) to db, twice: the second take of a key runs the UPDATE arm of its
+// upsert. The slice and the return are PL/pgSQL functions: the helpers must
+// be inlined into their expressions.
 func everyQuery(ctx context.Context, db DBTX) {
 	q, ops := New(), sqlops.New()
 	at := time.Date(2024, 5, 6, 7, 8, 9, 123456000, time.UTC)
@@ -93,6 +98,9 @@ func everyQuery(ctx context.Context, db DBTX) {
 		_, _ = q.TokenBucketTake(ctx, db, TokenBucketTakeParams{Key: keys[0], Cost: 1, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = ops.TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = ops.TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{Key: keys[1], Cost: 1, At: &ts, Policy: "tb", OverrideKey: keys[1], KeyMode: "hashed"})
+		_, _ = ops.TokenBucketTakeSlice(ctx, db, sqlops.TokenBucketTakeSliceParams{Key: keys[0], N: 3, Min: 1, Share: 2, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = ops.TokenBucketReturnSlice(ctx, db, sqlops.TokenBucketReturnSliceParams{Key: keys[0], At: ts, N: 1, Capacity: 5, RefillPerUs: 1e-6, Now: &ts})
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = ops.SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
@@ -101,7 +109,7 @@ func everyQuery(ctx context.Context, db DBTX) {
 }
 
 // TestHelpersAreInlined proves that the planner inlines every helper of
-// migration 000005 into every query that uses it: EXPLAIN (VERBOSE) of each
+// helperMigrations into every query that uses it: EXPLAIN (VERBOSE) of each
 // query names none of them, and running each query, under custom and
 // generic plans, calls none of them (track_functions counts every call of a
 // function that was not inlined). A control function that cannot be inlined
@@ -112,12 +120,16 @@ func TestHelpersAreInlined(t *testing.T) {
 	pool, schemaName := dbtest.Pool(t, dbtest.WithExecMode(pgx.QueryExecModeCacheStatement))
 	helpers := helperNames(t)
 
+	_, err := pool.Exec(ctx, `INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
+		VALUES ('tb', 'token_bucket', 5, interval '5 seconds', 5)`)
+	require.NoError(t, err)
+
 	var calls []call
 	everyQuery(ctx, recorder{&calls})
-	require.Len(t, calls, 20)
+	require.Len(t, calls, 26)
 
 	// The control: a copy of a helper that cannot be inlined.
-	_, err := pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
+	_, err = pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
 		LANGUAGE sql IMMUTABLE SET search_path FROM CURRENT
 		AS $$ SELECT pgrl_window_end_us(now_us, window_us) $$`)
 	require.NoError(t, err)
@@ -139,7 +151,9 @@ func TestHelpersAreInlined(t *testing.T) {
 		for _, c := range calls {
 			plan := explain(tx, c.sql, c.args...)
 			for _, h := range helpers {
-				require.NotContains(t, plan, h, "%s: %s is not inlined:\n%s", c.name, h, plan)
+				// A whole name: pgrl_token_bucket_take_slice, a function
+				// the statement calls, is not the step.
+				require.NotRegexp(t, `\b`+h+`\b`, plan, "%s: %s is not inlined:\n%s", c.name, h, plan)
 			}
 		}
 	})
@@ -179,7 +193,7 @@ func TestHelpersAreInlined(t *testing.T) {
 			var ran []call
 			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
 			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
-			require.Len(t, ran, 40)
+			require.Len(t, ran, 52)
 			got := called()
 			for _, h := range helpers {
 				require.Zero(t, got[h], "%s was called %d times instead of inlined (%s)", h, got[h], mode)

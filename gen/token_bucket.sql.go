@@ -17,7 +17,10 @@ WITH clock AS (
 )
 SELECT pgrl_float8_bits(coalesce(
            (SELECT pgrl_token_bucket_refill(t.tokens, pgrl_elapsed_us(t.updated_at, clock.ts),
-                                            $1::float8, $2::float8)
+                                            $1::float8
+                                            - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                       clock.now_us),
+                                            $2::float8)
               FROM pgrl_token_bucket AS t
              WHERE t.key = $3::bytea),
            $1::float8)::float8) AS tokens_bits,
@@ -37,9 +40,10 @@ type TokenBucketPeekRow struct {
 	NowUs      int64
 }
 
-// TokenBucketPeek reports the key's balance now, refilled, without spending.
-// A key never seen has a full bucket. Returned as TokenBucketTake returns
-// them: the balance's float8 bits and the instant in microseconds.
+// TokenBucketPeek reports the key's balance now, refilled (up to capacity
+// less the units out on lease), without spending. A key never seen has a
+// full bucket. Returned as TokenBucketTake returns them: the balance's
+// float8 bits and the instant in microseconds.
 func (q *Queries) TokenBucketPeek(ctx context.Context, db DBTX, arg TokenBucketPeekParams) (TokenBucketPeekRow, error) {
 	row := db.QueryRow(ctx, tokenBucketPeek,
 		arg.Capacity,
@@ -66,7 +70,7 @@ func (q *Queries) TokenBucketReset(ctx context.Context, db DBTX, key []byte) (in
 }
 
 const tokenBucketTake = `-- name: TokenBucketTake :one
-INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 VALUES ($1::bytea,
         (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
                                 pgrl_now_us($3::timestamptz), $4::bigint,
@@ -83,21 +87,33 @@ VALUES ($1::bytea,
         (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
                                 pgrl_now_us($3::timestamptz), $4::bigint,
                                 $2::float8, $5::float8,
-                                $6::boolean, false)).allowed)
+                                $6::boolean, false)).allowed,
+        pgrl_token_bucket_lease_epoch_us(pgrl_now_us($3::timestamptz)))
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                        $4::bigint, $2::float8,
+                                        $4::bigint,
+                                        $2::float8
+                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                   excluded.lease_epoch_us),
                                         $5::float8, $6::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_refilled_at(
-                     greatest(t.updated_at, excluded.updated_at),
-                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                             pgrl_us(excluded.updated_at), $4::bigint,
-                                             $2::float8, $5::float8,
-                                             $6::boolean, false)).tokens,
-                     $2::float8, $5::float8),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                      pgrl_us(excluded.updated_at), $4::bigint,
+                                                      $2::float8
+                                                      - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                 t.leased_prev,
+                                                                                 excluded.lease_epoch_us),
+                                                      $5::float8,
+                                                      $6::boolean, false)).tokens,
+                              $2::float8, $5::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
        allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                         $4::bigint, $2::float8,
+                                         $4::bigint,
+                                         $2::float8
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us),
                                          $5::float8, $6::boolean,
                                          false)).allowed
 RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
@@ -127,17 +143,19 @@ type TokenBucketTakeRow struct {
 // a first check inserts a full bucket less what the check spends, every later
 // one is the UPDATE arm of the same upsert. The token bucket's step
 // (pgrl_token_bucket_take, migration 000012) decides: the balance never
-// exceeds capacity; a denied check spends nothing, unless penalty is set:
-// then it is charged anyway and the balance may fall as low as -capacity,
-// never lower. refill_per_us is tokens per microsecond. The balance is
-// returned as the bits of its float8 (tokens_bits; math.Float64frombits in
-// Go) and instants as microseconds since the Unix epoch: exact, and shaped by
-// no session setting (extra_float_digits, DateStyle, TimeZone). The update
-// arm reads the check's instant from the proposed row (excluded.updated_at)
-// and calls only IMMUTABLE functions, as a distributed PostgreSQL (Citus)
-// requires. Elapsed time is clamped at zero, so a check that waited on the
-// row lock and sees a newer updated_at than its own clock never refills
-// backwards. at pins the clock for tests; production leaves it nil.
+// exceeds capacity less the units out on lease (migration 000016); a denied
+// check spends nothing, unless penalty is set: then it is charged anyway and
+// the balance may fall as low as -capacity, never lower. refill_per_us is
+// tokens per microsecond. The balance is returned as the bits of its float8
+// (tokens_bits; math.Float64frombits in Go) and instants as microseconds
+// since the Unix epoch: exact, and shaped by no session setting
+// (extra_float_digits, DateStyle, TimeZone). The update arm reads the
+// check's instant from the proposed row (excluded.updated_at), and its lease
+// epoch (excluded.lease_epoch_us), and calls only IMMUTABLE functions, as a
+// distributed PostgreSQL (Citus) requires. Elapsed time is clamped at zero,
+// so a check that waited on the row lock and sees a newer updated_at than
+// its own clock never refills backwards. full_at is not before the row's
+// leases are over. at pins the clock for tests; production leaves it nil.
 func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketTakeParams) (TokenBucketTakeRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTake,
 		arg.Key,
@@ -187,7 +205,8 @@ type TokenBucketTakeUpToRow struct {
 // the refilled bucket holds whole (possibly none, which is a denial) and
 // returns that number as granted. n is a ceiling, not a cost: an n above
 // capacity is taken as capacity (migration 000010). Under penalty the ask
-// (n, at most capacity) is charged, the balance stopping at -capacity.
+// (n, at most capacity) is charged, the balance stopping at -capacity. The
+// units out on lease count against the capacity (migration 000016).
 func (q *Queries) TokenBucketTakeUpTo(ctx context.Context, db DBTX, arg TokenBucketTakeUpToParams) (TokenBucketTakeUpToRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTakeUpTo,
 		arg.Key,

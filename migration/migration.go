@@ -730,7 +730,8 @@ var appReadTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_pol
 // only for a user who may execute them (without EXECUTE a check fails with
 // 42501), the check-queue functions of migration 000006, the steps of
 // migration 000012, the check functions of migration 000014 and those of
-// migration 000015, which take slices too.
+// migration 000015, which take slices too, and the token bucket's lease
+// helpers and slice functions of migration 000016.
 // TestEveryFunctionGranted holds every function of the migrations to this
 // list or to the operations' own.
 var appFunctions = []string{
@@ -771,6 +772,15 @@ var appFunctions = []string{
 	"pgrl_slice_ask(bigint, bigint, bigint, bigint)",
 	"pgrl_fixed_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
 	"pgrl_sliding_window_take_checks(bytea[], bigint[], bigint[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
+	"pgrl_token_bucket_lease_us(bigint)",
+	"pgrl_token_bucket_lease_epoch_us(bigint)",
+	"pgrl_token_bucket_leased(bigint, bigint, bigint, bigint)",
+	"pgrl_token_bucket_lease_roll(bigint, bigint, bigint, bigint, boolean)",
+	"pgrl_token_bucket_lease_over_at(bigint, bigint, bigint)",
+	"pgrl_token_bucket_lease_returnable(bigint, bigint, bigint, bigint, bigint, boolean)",
+	"pgrl_token_bucket_slice(float8, bigint, bigint, bigint, bigint, bigint, float8, float8, boolean)",
+	"pgrl_token_bucket_take_slice(bytea, bigint, bigint, bigint, float8, float8, boolean, timestamptz)",
+	"pgrl_token_bucket_return_slice(bytea, timestamptz, bigint, float8, float8, timestamptz)",
 }
 
 // grantStatements returns the GRANT statements that give role the

@@ -19,6 +19,16 @@ type tokenBucket struct{}
 // and the memory tier keep it, counts every single token exactly.
 const MaxTokens = 1 << 53
 
+// TokenBucketLeaseTime is how long a lease's slice of a token bucket may be
+// used after the instant it was taken at (the now_us the slice statement
+// returns; its lease_expires_us is that plus this). PostgreSQL counts the
+// units of a slice against the bucket's capacity until the end of the lease
+// epoch after the one it was taken in (epochs of this length, aligned on
+// multiples of it since the Unix epoch), so the capacity is lowered by at
+// most the units leased in the current and the previous epoch. It is
+// pgrl_token_bucket_lease_us in migration 000016.
+const TokenBucketLeaseTime = time.Second
+
 // maxRefillUs is the longest an empty token bucket may take to refill:
 // 1,000 years, in microseconds. Refill instants (twice that under penalty)
 // then stay far inside PostgreSQL's interval and timestamp ranges.

@@ -10,11 +10,48 @@ import (
 	"time"
 )
 
+const tokenBucketReturnSlice = `-- name: TokenBucketReturnSlice :one
+SELECT pgrl_token_bucket_return_slice($1::bytea, $2::timestamptz, $3::bigint,
+                                      $4::float8, $5::float8,
+                                      $6::timestamptz)::bigint AS returned
+`
+
+type TokenBucketReturnSliceParams struct {
+	Key         []byte
+	At          time.Time
+	N           int64
+	Capacity    float64
+	RefillPerUs float64
+	Now         *time.Time
+}
+
+// TokenBucketReturnSlice gives back n unused units of a slice taken at at
+// (the now_us TokenBucketTakeSlice returned): they stop counting against
+// the capacity and are tokens again, the bucket refilled to the real
+// instant (now pins it for tests; production leaves it nil). It returns how
+// many units it gave back: 0 for a key without a row, and once the lease is
+// over (the bucket has refilled past its units) or the row's lease counts
+// have moved two epochs on; at most what the count of at's epoch holds.
+func (q *Queries) TokenBucketReturnSlice(ctx context.Context, db DBTX, arg TokenBucketReturnSliceParams) (int64, error) {
+	row := db.QueryRow(ctx, tokenBucketReturnSlice,
+		arg.Key,
+		arg.At,
+		arg.N,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Now,
+	)
+	var returned int64
+	err := row.Scan(&returned)
+	return returned, err
+}
+
 const tokenBucketTakeMany = `-- name: TokenBucketTakeMany :many
 
-INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 SELECT ($1::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
-       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed
+       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed,
+       pgrl_token_bucket_lease_epoch_us(p.now_us) AS lease_epoch_us
   FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us,
                $3::float8 AS capacity, $4::float8 AS refill_per_us,
                $5::boolean AS penalty
@@ -27,25 +64,35 @@ ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                         CASE WHEN excluded.allowed OR $5::boolean
                                              THEN ($3::float8 - excluded.tokens)::bigint
-                                                 ELSE floor($3::float8)::bigint + 1 END,
-                                        $3::float8, $4::float8,
-                                        $5::boolean, false)).tokens,
+                                             ELSE floor($3::float8)::bigint + 1 END,
+                                        $3::float8
+                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                   excluded.lease_epoch_us),
+                                        $4::float8, $5::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_refilled_at(
-                     greatest(t.updated_at, excluded.updated_at),
-                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                             CASE WHEN excluded.allowed OR $5::boolean
-                                                  THEN ($3::float8 - excluded.tokens)::bigint
-                                                 ELSE floor($3::float8)::bigint + 1 END,
-                                             $3::float8, $4::float8,
-                                             $5::boolean, false)).tokens,
-                     $3::float8, $4::float8),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                                      CASE WHEN excluded.allowed OR $5::boolean
+                                                           THEN ($3::float8 - excluded.tokens)::bigint
+                                                           ELSE floor($3::float8)::bigint + 1 END,
+                                                      $3::float8
+                                                      - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                 t.leased_prev,
+                                                                                 excluded.lease_epoch_us),
+                                                      $4::float8,
+                                                      $5::boolean, false)).tokens,
+                              $3::float8, $4::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
        allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                          CASE WHEN excluded.allowed OR $5::boolean
                                               THEN ($3::float8 - excluded.tokens)::bigint
-                                                 ELSE floor($3::float8)::bigint + 1 END,
-                                         $3::float8, $4::float8,
-                                         $5::boolean, false)).allowed
+                                              ELSE floor($3::float8)::bigint + 1 END,
+                                         $3::float8
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us),
+                                         $4::float8, $5::boolean,
+                                         false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_us(updated_at) AS updated_at_us,
@@ -72,15 +119,17 @@ type TokenBucketTakeManyRow struct {
 
 // The token bucket statements the library sends that are not part of
 // package gen: the set-based batch of single checks (coalesced checks of
-// distinct keys) and the take that reads its stored policy in the statement.
+// distinct keys), the take that reads its stored policy in the statement,
+// and a lease's slice and its return (migration 000016).
 // TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
 // rules of FixedWindowTakeMany. The update arm reads the check's instant from
 // the proposed row's updated_at and its cost as capacity less the proposed
 // balance (exact for integer costs below 2^53), unless the cost alone is
 // over the capacity (then allowed is false, and any such cost decides the
-// same). The balance and instants are returned as in TokenBucketTake. Its
-// figures sit in an unflattened one-row subquery, as FixedWindowTakeMany's
-// do.
+// same). The balance and instants are returned as in TokenBucketTake, and
+// the units out on lease count as they do there (the proposed row carries
+// the check's lease epoch). Its figures sit in an unflattened one-row
+// subquery, as FixedWindowTakeMany's do.
 func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeMany,
 		arg.Keys,
@@ -116,7 +165,7 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 
 const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
-                                    policy_limit, policy_window_us, policy_burst, policy_penalty)
+                                    policy_limit, policy_window_us, policy_burst, policy_penalty, lease_epoch_us)
 SELECT $1::bytea,
        (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
                                f.refill_per_us, f.penalty, false)).tokens,
@@ -128,7 +177,7 @@ SELECT $1::bytea,
            f.capacity, f.refill_per_us),
        (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, $2::bigint, f.capacity,
                                f.refill_per_us, f.penalty, false)).allowed,
-       f."limit", f.window_us, f.burst, f.penalty
+       f."limit", f.window_us, f.burst, f.penalty, pgrl_token_bucket_lease_epoch_us(f.now_us)
   FROM (SELECT r."limit", r.window_us, r.burst, r.penalty, r.ts, r.now_us, r.burst::float8 AS capacity, r."limit"::float8 / r.window_us::float8 AS refill_per_us
           FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
                round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
@@ -148,21 +197,32 @@ SELECT $1::bytea,
            AND p.key_mode = $6::text) AS r) AS f
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                        $2::bigint, excluded.policy_burst::float8,
+                                        $2::bigint,
+                                        (excluded.policy_burst
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us))::float8,
                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
                                         excluded.policy_penalty, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_refilled_at(
-                     greatest(t.updated_at, excluded.updated_at),
-                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                             pgrl_us(excluded.updated_at), $2::bigint,
-                                             excluded.policy_burst::float8,
-                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
-                                             excluded.policy_penalty, false)).tokens,
-                     excluded.policy_burst::float8,
-                     excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                      pgrl_us(excluded.updated_at), $2::bigint,
+                                                      (excluded.policy_burst
+                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                  t.leased_prev,
+                                                                                  excluded.lease_epoch_us))::float8,
+                                                      excluded.policy_limit::float8
+                                                      / excluded.policy_window_us::float8,
+                                                      excluded.policy_penalty, false)).tokens,
+                              excluded.policy_burst::float8,
+                              excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
        allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                         $2::bigint, excluded.policy_burst::float8,
+                                         $2::bigint,
+                                         (excluded.policy_burst
+                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                     excluded.lease_epoch_us))::float8,
                                          excluded.policy_limit::float8 / excluded.policy_window_us::float8,
                                          excluded.policy_penalty, false)).allowed,
        policy_limit = excluded.policy_limit,
@@ -213,6 +273,7 @@ type TokenBucketTakePolicyRow struct {
 // The rate read in the insert arm reaches the update arm in the proposed
 // row (excluded.policy_limit and the rest; migration 000013): capacity is
 // the burst and refill_per_us is limit / window_us, as the library has them.
+// The units out on lease count as they do in TokenBucketTake.
 func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenBucketTakePolicyParams) (TokenBucketTakePolicyRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTakePolicy,
 		arg.Key,
@@ -231,6 +292,71 @@ func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenB
 		&i.Limit,
 		&i.WindowUs,
 		&i.Burst,
+	)
+	return i, err
+}
+
+const tokenBucketTakeSlice = `-- name: TokenBucketTakeSlice :one
+SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
+       q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us,
+       q.lease_expires_us::bigint AS lease_expires_us
+  FROM pgrl_token_bucket_take_slice($1::bytea, $2::bigint, $3::bigint,
+                                    $4::bigint, $5::float8,
+                                    $6::float8, $7::boolean,
+                                    $8::timestamptz) AS q
+`
+
+type TokenBucketTakeSliceParams struct {
+	Key         []byte
+	N           int64
+	Min         int64
+	Share       int64
+	Capacity    float64
+	RefillPerUs float64
+	Penalty     bool
+	At          *time.Time
+}
+
+type TokenBucketTakeSliceRow struct {
+	Granted        int64
+	TokensBits     int64
+	UpdatedAtUs    int64
+	FullAtUs       int64
+	Allowed        bool
+	NowUs          int64
+	LeaseExpiresUs int64
+}
+
+// TokenBucketTakeSlice takes a slice of the key's bucket for a lease
+// (pgrl_token_bucket_take_slice, migration 000016): a partial grant of at
+// most n units, ceil(what is left / share) when that is less, never fewer
+// than min (the check's cost; 1 <= min <= n <= capacity, share >= 1). When
+// fewer than min are left it is the check of min: a denial, charged min
+// under penalty, and nothing is leased. The units granted count against the
+// capacity until the lease is over. It returns what TokenBucketTakeUpTo
+// returns, the check's instant (now_us: TokenBucketReturnSlice takes it back
+// as at) and the instant the slice must not be used after (lease_expires_us,
+// now_us plus one lease time). at pins the clock for tests.
+func (q *Queries) TokenBucketTakeSlice(ctx context.Context, db DBTX, arg TokenBucketTakeSliceParams) (TokenBucketTakeSliceRow, error) {
+	row := db.QueryRow(ctx, tokenBucketTakeSlice,
+		arg.Key,
+		arg.N,
+		arg.Min,
+		arg.Share,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Penalty,
+		arg.At,
+	)
+	var i TokenBucketTakeSliceRow
+	err := row.Scan(
+		&i.Granted,
+		&i.TokensBits,
+		&i.UpdatedAtUs,
+		&i.FullAtUs,
+		&i.Allowed,
+		&i.NowUs,
+		&i.LeaseExpiresUs,
 	)
 	return i, err
 }

@@ -1,6 +1,7 @@
 -- The token bucket statements the library sends that are not part of
 -- package gen: the set-based batch of single checks (coalesced checks of
--- distinct keys) and the take that reads its stored policy in the statement.
+-- distinct keys), the take that reads its stored policy in the statement,
+-- and a lease's slice and its return (migration 000016).
 
 -- name: TokenBucketTakeMany :many
 -- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
@@ -8,12 +9,14 @@
 -- the proposed row's updated_at and its cost as capacity less the proposed
 -- balance (exact for integer costs below 2^53), unless the cost alone is
 -- over the capacity (then allowed is false, and any such cost decides the
--- same). The balance and instants are returned as in TokenBucketTake. Its
--- figures sit in an unflattened one-row subquery, as FixedWindowTakeMany's
--- do.
-INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+-- same). The balance and instants are returned as in TokenBucketTake, and
+-- the units out on lease count as they do there (the proposed row carries
+-- the check's lease epoch). Its figures sit in an unflattened one-row
+-- subquery, as FixedWindowTakeMany's do.
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
-       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed
+       pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed,
+       pgrl_token_bucket_lease_epoch_us(p.now_us) AS lease_epoch_us
   FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
                sqlc.arg(capacity)::float8 AS capacity, sqlc.arg(refill_per_us)::float8 AS refill_per_us,
                sqlc.arg(penalty)::boolean AS penalty
@@ -26,25 +29,35 @@ ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
                                              THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
-                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
-                                        sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                        sqlc.arg(penalty)::boolean, false)).tokens,
+                                             ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                        sqlc.arg(capacity)::float8
+                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                   excluded.lease_epoch_us),
+                                        sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_refilled_at(
-                     greatest(t.updated_at, excluded.updated_at),
-                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                             CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
-                                                  THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
-                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
-                                             sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                             sqlc.arg(penalty)::boolean, false)).tokens,
-                     sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                                      CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
+                                                           THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
+                                                           ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                                      sqlc.arg(capacity)::float8
+                                                      - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                 t.leased_prev,
+                                                                                 excluded.lease_epoch_us),
+                                                      sqlc.arg(refill_per_us)::float8,
+                                                      sqlc.arg(penalty)::boolean, false)).tokens,
+                              sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
        allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                          CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
                                               THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
-                                                 ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
-                                         sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
-                                         sqlc.arg(penalty)::boolean, false)).allowed
+                                              ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                         sqlc.arg(capacity)::float8
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us),
+                                         sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                         false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_us(updated_at) AS updated_at_us,
@@ -68,8 +81,9 @@ RETURNING encode(key, 'hex') AS key_hex,
 -- The rate read in the insert arm reaches the update arm in the proposed
 -- row (excluded.policy_limit and the rest; migration 000013): capacity is
 -- the burst and refill_per_us is limit / window_us, as the library has them.
+-- The units out on lease count as they do in TokenBucketTake.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
-                                    policy_limit, policy_window_us, policy_burst, policy_penalty)
+                                    policy_limit, policy_window_us, policy_burst, policy_penalty, lease_epoch_us)
 SELECT sqlc.arg(key)::bytea,
        (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
                                f.refill_per_us, f.penalty, false)).tokens,
@@ -81,7 +95,7 @@ SELECT sqlc.arg(key)::bytea,
            f.capacity, f.refill_per_us),
        (pgrl_token_bucket_take(f.capacity, f.now_us, f.now_us, sqlc.arg(cost)::bigint, f.capacity,
                                f.refill_per_us, f.penalty, false)).allowed,
-       f."limit", f.window_us, f.burst, f.penalty
+       f."limit", f.window_us, f.burst, f.penalty, pgrl_token_bucket_lease_epoch_us(f.now_us)
   FROM (SELECT r.*, r.burst::float8 AS capacity, r."limit"::float8 / r.window_us::float8 AS refill_per_us
           FROM (SELECT coalesce(o."limit", p."limit") AS "limit",
                round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
@@ -101,21 +115,32 @@ SELECT sqlc.arg(key)::bytea,
            AND p.key_mode = sqlc.arg(key_mode)::text) AS r) AS f
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                        sqlc.arg(cost)::bigint, excluded.policy_burst::float8,
+                                        sqlc.arg(cost)::bigint,
+                                        (excluded.policy_burst
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us))::float8,
                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
                                         excluded.policy_penalty, false)).tokens,
        updated_at = greatest(t.updated_at, excluded.updated_at),
-       full_at = pgrl_token_bucket_refilled_at(
-                     greatest(t.updated_at, excluded.updated_at),
-                     (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                             pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
-                                             excluded.policy_burst::float8,
-                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
-                                             excluded.policy_penalty, false)).tokens,
-                     excluded.policy_burst::float8,
-                     excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                      pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                                                      (excluded.policy_burst
+                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                  t.leased_prev,
+                                                                                  excluded.lease_epoch_us))::float8,
+                                                      excluded.policy_limit::float8
+                                                      / excluded.policy_window_us::float8,
+                                                      excluded.policy_penalty, false)).tokens,
+                              excluded.policy_burst::float8,
+                              excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
        allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                         sqlc.arg(cost)::bigint, excluded.policy_burst::float8,
+                                         sqlc.arg(cost)::bigint,
+                                         (excluded.policy_burst
+                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                     excluded.lease_epoch_us))::float8,
                                          excluded.policy_limit::float8 / excluded.policy_window_us::float8,
                                          excluded.policy_penalty, false)).allowed,
        policy_limit = excluded.policy_limit,
@@ -129,3 +154,34 @@ RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
           policy_limit::bigint AS "limit",
           policy_window_us::bigint AS window_us,
           policy_burst::bigint AS burst;
+
+-- name: TokenBucketTakeSlice :one
+-- TokenBucketTakeSlice takes a slice of the key's bucket for a lease
+-- (pgrl_token_bucket_take_slice, migration 000016): a partial grant of at
+-- most n units, ceil(what is left / share) when that is less, never fewer
+-- than min (the check's cost; 1 <= min <= n <= capacity, share >= 1). When
+-- fewer than min are left it is the check of min: a denial, charged min
+-- under penalty, and nothing is leased. The units granted count against the
+-- capacity until the lease is over. It returns what TokenBucketTakeUpTo
+-- returns, the check's instant (now_us: TokenBucketReturnSlice takes it back
+-- as at) and the instant the slice must not be used after (lease_expires_us,
+-- now_us plus one lease time). at pins the clock for tests.
+SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
+       q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us,
+       q.lease_expires_us::bigint AS lease_expires_us
+  FROM pgrl_token_bucket_take_slice(sqlc.arg(key)::bytea, sqlc.arg(n)::bigint, sqlc.arg(min)::bigint,
+                                    sqlc.arg(share)::bigint, sqlc.arg(capacity)::float8,
+                                    sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                    sqlc.narg(at)::timestamptz) AS q;
+
+-- name: TokenBucketReturnSlice :one
+-- TokenBucketReturnSlice gives back n unused units of a slice taken at at
+-- (the now_us TokenBucketTakeSlice returned): they stop counting against
+-- the capacity and are tokens again, the bucket refilled to the real
+-- instant (now pins it for tests; production leaves it nil). It returns how
+-- many units it gave back: 0 for a key without a row, and once the lease is
+-- over (the bucket has refilled past its units) or the row's lease counts
+-- have moved two epochs on; at most what the count of at's epoch holds.
+SELECT pgrl_token_bucket_return_slice(sqlc.arg(key)::bytea, sqlc.arg(at)::timestamptz, sqlc.arg(n)::bigint,
+                                      sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                      sqlc.narg(now)::timestamptz)::bigint AS returned;
