@@ -154,14 +154,32 @@ type source struct {
 	cfg      ratelimit.Config
 	windowUs int64
 	stored   string // the name the counter rows are stored under
+	bucket   bool   // a token bucket
+	capacity int64  // the most one check can take: Limit, or a bucket's Burst
+}
+
+// expiry is the local instant a slice taken with the local instant start
+// before its statement, and answered by d, may be used until. The
+// statement ran after start, so the slice never outlives, on any clock,
+// what PostgreSQL counted its units for: the window they were counted in,
+// or a token bucket's ratelimit.TokenBucketLeaseTime.
+func (src *source) expiry(start time.Time, d ratelimit.Decision) time.Time {
+	if src.bucket {
+		return start.Add(ratelimit.TokenBucketLeaseTime)
+	}
+	end := windowEnd(d.Now, src.windowUs)
+	if src.cfg.Algorithm == ratelimit.FixedWindow && d.ResetAt.Before(end) {
+		end = d.ResetAt
+	}
+	return start.Add(end.Sub(d.Now))
 }
 
 // newSource checks that l can be leased and derives what the lease needs.
 func newSource(l *ratelimit.Limiter) (*source, error) {
 	cfg := l.Config()
 	switch {
-	case cfg.Algorithm == ratelimit.TokenBucket:
-		return nil, fmt.Errorf("%w: %q is a token bucket, which refills while units are out on lease; a lease would need them counted against its capacity (a later version). Use a fixed or sliding window, or check the token bucket directly", ErrUnsupported, cfg.Name)
+	case cfg.Algorithm == ratelimit.TokenBucket && cfg.Penalty:
+		return nil, fmt.Errorf("%w: %q is a token bucket with Penalty: while units are out on lease the bucket's debt is bounded by the capacity less those units, so denied attempts would be charged less than without a lease. Check it directly, or lease it without Penalty", ErrUnsupported, cfg.Name)
 	case cfg.Spread > 1:
 		return nil, fmt.Errorf("%w: %q has Spread %d; a slice is taken from one row. Use Spread 1 with a lease: a lease already takes most checks off the row", ErrUnsupported, cfg.Name, cfg.Spread)
 	case cfg.Policy != "":
@@ -171,7 +189,11 @@ func newSource(l *ratelimit.Limiter) (*source, error) {
 	if cfg.KeyByWindow {
 		stored = ratelimit.RateName(cfg.Name, cfg.Window)
 	}
-	return &source{l: l, cfg: cfg, windowUs: cfg.Window.Microseconds(), stored: stored}, nil
+	src := &source{l: l, cfg: cfg, windowUs: cfg.Window.Microseconds(), stored: stored, capacity: cfg.Limit}
+	if cfg.Algorithm == ratelimit.TokenBucket {
+		src.bucket, src.capacity = true, cfg.Burst
+	}
+	return src, nil
 }
 
 // entry is one key's lease. Its fields are guarded by lock, a channel of
@@ -204,8 +226,8 @@ func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	if err != nil {
 		return nil, err
 	}
-	if opts.Size < 1 || opts.Size > src.cfg.Limit {
-		return nil, fmt.Errorf("%w: %d for %q; set Options.Size between 1 and the limit %d (a slice never exceeds the limit), such as %d", ErrInvalidSize, opts.Size, src.cfg.Name, src.cfg.Limit, max(src.cfg.Limit/100, 1))
+	if opts.Size < 1 || opts.Size > src.capacity {
+		return nil, fmt.Errorf("%w: %d for %q; set Options.Size between 1 and the limit %d (a slice never exceeds the limit; a token bucket's is its Burst), such as %d", ErrInvalidSize, opts.Size, src.cfg.Name, src.capacity, max(src.capacity/100, 1))
 	}
 	return start(l, src.cfg.Name, func(string) (*source, error) { return src, nil }, opts)
 }
@@ -350,8 +372,8 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		}
 		e.src, e.dbNow, e.expires = src, time.Time{}, time.Time{}
 	}
-	if !a.upTo && a.n > src.cfg.Limit {
-		return ratelimit.Decision{}, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, src.cfg.Name, src.cfg.Limit)
+	if !a.upTo && a.n > src.capacity {
+		return ratelimit.Decision{}, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, src.cfg.Name, src.capacity)
 	}
 	now := x.now()
 	cold := e.lastUse.IsZero() || now.Sub(e.lastUse) >= x.opts.Idle
@@ -390,12 +412,15 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		x.slices.Add(1)
 		x.leased.Add(d.Granted)
 	}
-	end := windowEnd(d.Now, src.windowUs)
-	if src.cfg.Algorithm == ratelimit.FixedWindow && d.ResetAt.Before(end) {
-		end = d.ResetAt
-	}
-	expires := start.Add(end.Sub(d.Now))
-	if e.left > 0 && !windowEnd(e.dbNow, src.windowUs).Equal(windowEnd(d.Now, src.windowUs)) {
+	expires := src.expiry(start, d)
+	if src.bucket {
+		// A token bucket's units are out on lease for a fixed time from
+		// the instant they were taken: units left of an earlier slice
+		// keep their earlier end, and so do the new ones with them.
+		if e.left > 0 && e.expires.Before(expires) {
+			expires = e.expires
+		}
+	} else if e.left > 0 && !windowEnd(e.dbNow, src.windowUs).Equal(windowEnd(d.Now, src.windowUs)) {
 		// The leftover was counted in an earlier window than this grant
 		// (the local clock has not reached that window's end yet, the
 		// database's has): it may not be used in this one.
@@ -453,7 +478,7 @@ func (x *Limiter) slice(e *entry, a ask, live bool) ratelimit.Option {
 	if a.upTo {
 		need = 1
 	}
-	limit := e.src.cfg.Limit
+	limit := e.src.capacity
 	need = min(need, limit)
 	return ratelimit.Slice(need, max(x.opts.Size, min(a.n-held, limit)), int64(x.opts.Share))
 }
@@ -464,7 +489,7 @@ func (x *Limiter) localDecision(e *entry, now time.Time, n int64) ratelimit.Deci
 	return ratelimit.Decision{
 		Allowed:   true,
 		Granted:   n,
-		Limit:     e.src.cfg.Limit,
+		Limit:     e.src.capacity,
 		Used:      max(e.used-e.left, 0),
 		Remaining: e.remaining + e.left,
 		ResetAt:   e.resetAt,
@@ -704,6 +729,24 @@ func (x *Limiter) giveBack(ctx context.Context, e *entry) error {
 	}
 	src := e.src
 	k := ratelimit.StoredKey(src.cfg.KeyMode, src.stored, e.key)
+	if src.bucket {
+		// Given back to the lease epoch of the slice's instant: what the
+		// statement gives back stops counting against the capacity and is
+		// tokens again (units of an earlier slice merged into this one
+		// stay counted until their lease is over).
+		back, err := sqlops.New().TokenBucketReturnSlice(ctx, x.opts.DB, sqlops.TokenBucketReturnSliceParams{
+			Key: k, At: e.dbNow, N: n, Capacity: float64(src.capacity),
+			RefillPerUs: float64(src.cfg.Limit) / float64(src.windowUs),
+		})
+		if err != nil {
+			x.dropped.Add(n)
+			return fmt.Errorf("pgrl lease: returning %d units of %q: %w", n, src.cfg.Name, err)
+		}
+		back = max(min(back, n), 0)
+		x.returned.Add(back)
+		x.dropped.Add(n - back)
+		return nil
+	}
 	if src.cfg.Algorithm == ratelimit.SlidingWindow {
 		rows, err := sqlops.New().SlidingWindowReturnSlice(ctx, x.opts.DB, sqlops.SlidingWindowReturnSliceParams{
 			Key: k, N: n, WindowStartUs: windowEnd(e.dbNow, src.windowUs).UnixMicro() - src.windowUs, WindowUs: src.windowUs,

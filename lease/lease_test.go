@@ -93,7 +93,7 @@ func TestLeaseRefusesWhatItCannotLease(t *testing.T) {
 		cfg  ratelimit.Config
 		want string
 	}{
-		{ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute}, "token bucket"},
+		{ratelimit.Config{Name: "tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Minute, Penalty: true}, "token bucket with Penalty"},
 		{ratelimit.Config{Name: "spread", Limit: 10, Window: time.Minute, Spread: 2}, "Spread 2"},
 		{ratelimit.Config{Name: "pol", Limit: 10, Window: time.Minute, Policy: "p"}, "stored policy"},
 	} {
@@ -664,4 +664,97 @@ func TestLeaseStartsAtTheSecondCheck(t *testing.T) {
 	require.Equal(t, int64(5), peekUsed(t, l, "once"))
 	require.Equal(t, int64(1), x.Stats().Slices)
 	require.Equal(t, Stats{Slices: 1, Leased: 10, UsedLocally: 2, Returned: 8, LocalDecisions: 1, DatabaseDecisions: 3}, x.Stats())
+}
+
+// A token bucket's slices: never more than the bucket admits without a
+// lease (a slow refill, so the burst is what there is), the units out on
+// lease counted against the capacity while the bucket refills, unused
+// units returned at Close, and a slice ending TokenBucketLeaseTime after it
+// was taken.
+func TestLeaseTokenBucket(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	t.Run("never over", func(t *testing.T) {
+		t.Parallel()
+		c := testkit.NewClock(base.Add(10 * time.Second))
+		l, pool := setup(t, ratelimit.Config{Name: "tb-over", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour}, c)
+		x := newLease(t, l, Options{Size: 10, DB: pool, Now: c.Now, Idle: time.Hour})
+		admitted := 0
+		for range 300 {
+			d, err := x.Allow(ctx, "k")
+			require.NoError(t, err)
+			if d.Allowed {
+				admitted++
+			}
+		}
+		require.Equal(t, 100, admitted, "the burst, and nothing more")
+		require.Positive(t, x.Stats().LocalDecisions)
+	})
+	t.Run("leased units count against the capacity", func(t *testing.T) {
+		t.Parallel()
+		c := testkit.NewClock(base.Add(10 * time.Second))
+		// Refills 10 a second, burst 20.
+		l, pool := setup(t, ratelimit.Config{Name: "tb-cap", Algorithm: ratelimit.TokenBucket, Limit: 10, Burst: 20, Window: time.Second}, c)
+		x := newLease(t, l, Options{Eager: true, Size: 10, Share: 1, DB: pool, Now: c.Now, Idle: time.Hour})
+		d, err := x.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		require.Equal(t, int64(1), x.Stats().Slices)
+		// 10 out on lease (9 unused); another process empties the rest.
+		n := 0
+		for {
+			d, err := l.Allow(ctx, "k")
+			require.NoError(t, err)
+			if !d.Allowed {
+				break
+			}
+			n++
+		}
+		require.Equal(t, 10, n)
+		// 1.5 s later 15 have refilled, but the bucket holds only 10: the
+		// capacity less the 10 still out on lease (the lease was taken in
+		// the previous epoch of TokenBucketLeaseTime, which still counts).
+		// Without that, 15 tokens and the lease's 9 unused units could be
+		// taken at once: 24, more than the burst of 20.
+		c.Add(1500 * time.Millisecond)
+		p, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, int64(10), p.Remaining)
+		// Once the lease is over, the bucket refills to its capacity.
+		c.Add(time.Second)
+		p, err = l.Peek(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, int64(20), p.Remaining)
+	})
+	t.Run("returned and expired", func(t *testing.T) {
+		t.Parallel()
+		c := testkit.NewClock(base.Add(10 * time.Second))
+		l, pool := setup(t, ratelimit.Config{Name: "tb-back", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Hour}, c)
+		x, err := New(l, Options{Eager: true, Size: 10, Share: 1, DB: pool, Now: c.Now, Idle: time.Hour})
+		require.NoError(t, err)
+		_, err = x.Allow(ctx, "k")
+		require.NoError(t, err)
+		p, err := l.Peek(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, int64(90), p.Remaining)
+		require.NoError(t, x.Close(ctx))
+		require.Equal(t, int64(9), x.Stats().Returned)
+		p, err = l.Peek(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, int64(99), p.Remaining, "the unused units are tokens again")
+
+		y := newLease(t, l, Options{Eager: true, Size: 10, Share: 1, DB: pool, Now: c.Now, Idle: time.Hour})
+		d, err := y.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, ratelimit.StorePostgres, d.Store)
+		c.Add(ratelimit.TokenBucketLeaseTime - time.Microsecond)
+		d, err = y.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, ratelimit.StoreLease, d.Store)
+		c.Add(time.Microsecond)
+		d, err = y.Allow(ctx, "k")
+		require.NoError(t, err)
+		require.Equal(t, ratelimit.StorePostgres, d.Store, "the slice ended with its lease time")
+		require.Equal(t, int64(8), y.Stats().Dropped)
+	})
 }

@@ -408,8 +408,8 @@ func (c Config) checkSlice(a ask) error {
 		return invalid(ErrInvalidOption, "Slice for %q, which has Spread %d; a slice is taken from one row: use Spread 1", c.Name, c.Spread)
 	case c.Policy != "":
 		return invalid(ErrInvalidOption, "Slice for %q, which reads stored policy %q; a slice counts at the limiter's own figures: use a limiter without Policy", c.Name, c.Policy)
-	case c.Algorithm == TokenBucket:
-		return invalid(ErrInvalidOption, "Slice for %q, a token bucket, which this version cannot lease; use a fixed or sliding window", c.Name)
+	case c.Algorithm == TokenBucket && c.Penalty:
+		return invalid(ErrInvalidOption, "Slice for %q, a token bucket with Penalty: while units are out on lease the bucket's debt is bounded by the capacity less those units, so denied attempts would be charged less than without slices; check it with Cost or UpTo", c.Name)
 	}
 	return nil
 }

@@ -41,7 +41,7 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 // limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
-		if l.coalescer != nil {
+		if l.coalescer != nil && (!a.slice || l.alg.queuesSlices()) {
 			return l.coalescer.take(ctx, l, key, a)
 		}
 		return l.take(ctx, l.st.db, key, a)
@@ -95,15 +95,20 @@ func (l *Limiter) policyKey(key string, k []byte) []byte {
 	return StoredKey(l.cfg.KeyMode, l.cfg.Policy, key)
 }
 
+// sliceInQueue is takeSlice for the algorithms whose check statements
+// decide slices: a statement of one check.
+func sliceInQueue(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
+	decs, err := l.alg.takeQueue(ctx, db, newCheckQueue([]*pendingCheck{{l: l, skey: k, ask: a}}))
+	if err != nil {
+		return Decision{}, err
+	}
+	return decs[0], nil
+}
+
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
 	if a.slice {
-		// Slices are decided by the check statements: a statement of one.
-		decs, err := l.alg.takeQueue(ctx, db, newCheckQueue([]*pendingCheck{{l: l, skey: k, ask: a}}))
-		if err != nil {
-			return Decision{}, err
-		}
-		return decs[0], nil
+		return l.alg.takeSlice(ctx, l, db, k, a)
 	}
 	if a.upTo {
 		// l may be one row of a spread limit, whose capacity is its share.

@@ -21,7 +21,7 @@ func TestSliceIsAFairShareOfWhatIsLeft(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+	for _, alg := range ratelimit.Algorithms {
 		t.Run(string(alg), func(t *testing.T) {
 			t.Parallel()
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "slice", Algorithm: alg, Limit: 100,
@@ -70,6 +70,9 @@ func TestSliceIsAFairShareOfWhatIsLeft(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, int64(3), d.Granted)
 		})
+		if alg == ratelimit.TokenBucket {
+			continue // a penalised token bucket takes no slice: TestSliceRefusals
+		}
 		t.Run(string(alg)+"/penalty", func(t *testing.T) {
 			t.Parallel()
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "slice-penalty", Algorithm: alg, Limit: 100,
@@ -101,7 +104,7 @@ func TestSliceConcurrentNeverOverGrants(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow} {
+	for _, alg := range ratelimit.Algorithms {
 		t.Run(string(alg), func(t *testing.T) {
 			t.Parallel()
 			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "slice-race", Algorithm: alg, Limit: 1000,
@@ -165,8 +168,8 @@ func TestSliceRefusals(t *testing.T) {
 	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
 
 	for _, cfg := range []ratelimit.Config{
-		{Name: "slice-tb", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Hour},
 		{Name: "slice-spread", Limit: 10, Window: time.Hour, Spread: 2},
+		{Name: "slice-tb-penalty", Algorithm: ratelimit.TokenBucket, Limit: 10, Window: time.Hour, Penalty: true},
 		{Name: "slice-policy", Limit: 10, Window: time.Hour, Policy: "p"},
 	} {
 		l := testkit.NewLimiter(t, pool, cfg)

@@ -115,6 +115,23 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), 1).granting(r.Granted), nil
 }
 
+// takeSlice takes the slice with its own statement: it also counts the
+// units against the bucket's capacity while they are out on lease
+// (migration 000016), which the check statements do not.
+func (tokenBucket) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
+	r, err := sqlops.New().TokenBucketTakeSlice(ctx, db, sqlops.TokenBucketTakeSliceParams{
+		Key: k, N: a.n, Min: a.min, Share: a.share, At: l.at(), Capacity: float64(l.cfg.Burst),
+		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.min).
+		granting(r.Granted), nil
+}
+
+func (tokenBucket) queuesSlices() bool { return false }
+
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
 		Keys:         q.keys,

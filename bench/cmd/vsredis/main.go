@@ -30,9 +30,9 @@
 // and checks/s of both sides, and pgrl's checks per statement and
 // statements per round trip.
 //
-// With --lease-size N (off by default) and --algorithm fixed_window or
-// sliding_window, pgrl's limiter in the key-space cases and the mix's
-// limits checked alone are wrapped with package lease (Options.Size N);
+// With --lease-size N (off by default), pgrl's limiter in the key-space
+// cases and the mix's limits checked alone are wrapped with package lease
+// (Options.Size N, at most each limit; --lease-share, --lease-idle);
 // the report names the leased limits, sums their lease.Stats per case, and
 // checks that none admitted over its limit.
 //

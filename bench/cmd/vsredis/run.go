@@ -17,7 +17,6 @@ import (
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
-
 // options are the parsed command line.
 type options struct {
 	databaseURL       string
@@ -73,7 +72,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	})
 	fs.StringVar(&o.output, "output", "text", "output format: text or json")
 	algorithm := fs.String("algorithm", string(ratelimit.TokenBucket), "pgrl's algorithm in the key-space cases and the mix: token_bucket (the closest to redis_rate's GCRA), or fixed_window or sliding_window with each limit's burst as the limit per window (rate period; 1s for the key spaces)")
-	fs.Int64Var(&o.leaseSize, "lease-size", 0, "lease pgrl's limiters in the key-space cases and the mix with package lease, in slices of at most this many units (lease.Options.Size, or the limit when that is smaller); 0: off. Needs --algorithm fixed_window or sliding_window")
+	fs.Int64Var(&o.leaseSize, "lease-size", 0, "lease pgrl's limiters in the key-space cases and the mix with package lease, in slices of at most this many units (lease.Options.Size, or the limit when that is smaller); 0: off.")
 	fs.IntVar(&o.leaseShare, "lease-share", 1, "lease.Options.Share of the leased path: each slice is ceil(left/share) of what a key has left, at most --lease-size. 1 (the default) suits the benchmark's one process; a deployment sets it near its number of processes")
 	fs.DurationVar(&o.leaseIdle, "lease-idle", time.Minute, "lease.Options.Idle of the leased path: a key's unused units are returned after this long without a check (one statement each)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the whole run to this file, for go tool pprof")
@@ -116,8 +115,6 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--lease-idle %v: at least 1ms", o.leaseIdle)
 	case o.leaseSize < 0:
 		return o, fmt.Errorf("--lease-size %d: must not be negative (0 turns leases off)", o.leaseSize)
-	case o.leaseSize > 0 && o.algorithm == ratelimit.TokenBucket:
-		return o, fmt.Errorf("--lease-size %d with --algorithm token_bucket: package lease refuses the token bucket; add --algorithm fixed_window or --algorithm sliding_window", o.leaseSize)
 	}
 	if len(o.keys) == 0 && o.mix == "" {
 		return o, errors.New("--keys none and --mix none: nothing to run; give a key space or a mix")

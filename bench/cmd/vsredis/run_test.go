@@ -5,6 +5,7 @@ import (
 	"context"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/ratelimit"
@@ -42,9 +43,8 @@ func TestUsageErrors(t *testing.T) {
 		{"extra"},
 		{"--algorithm", "gcra"},
 		{"--lease-size", "-1", "--algorithm", "fixed_window"},
-		{"--lease-size", "10"}, // the token bucket, which lease refuses
-		{"--lease-size", "10", "--algorithm", "token_bucket"},
-		{"--lease-size", "1000001", "--algorithm", "fixed_window"},
+		{"--lease-size", "10", "--lease-share", "0"},
+		{"--lease-size", "10", "--lease-idle", "0s"},
 	} {
 		var stderr bytes.Buffer
 		if code := run(context.Background(), args, &bytes.Buffer{}, &stderr); code != cli.ExitUsage {
@@ -62,10 +62,9 @@ func TestLeaseFlags(t *testing.T) {
 	if err != nil || o.leaseSize != 0 || o.algorithm != ratelimit.TokenBucket {
 		t.Fatalf("defaults: got lease size %d, algorithm %q, %v; want no leases and the token bucket", o.leaseSize, o.algorithm, err)
 	}
-	var stderr bytes.Buffer
-	run(context.Background(), []string{"--lease-size", "10"}, &bytes.Buffer{}, &stderr)
-	if !strings.Contains(stderr.String(), "--algorithm fixed_window") {
-		t.Errorf("--lease-size with the token bucket: %q does not say which --algorithm to use", stderr.String())
+	o, err = parseFlags([]string{"--lease-size", "10"}, &bytes.Buffer{})
+	if err != nil || o.leaseSize != 10 || o.algorithm != ratelimit.TokenBucket || o.leaseShare != 1 || o.leaseIdle != time.Minute {
+		t.Fatalf("a leased token bucket: got %+v, %v", o, err)
 	}
 	leased, unleased := leasedMixLimits()
 	if strings.Join(leased, ",") != "contact,confirmation-email,admin-writes,uploads,public-api" || len(unleased) != 2 {
