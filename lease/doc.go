@@ -20,17 +20,22 @@
 // while holding units loses them until the window ends. docs/LEASES.md
 // gives the bound and how to choose Size, Share and Idle.
 //
-// A slice is used only within the window its units were counted in: its
-// expiry is a local monotonic instant taken before the statement was sent
-// plus the time the database's answer gave until that window's end, so it
-// never outlives the window, whatever the clocks. Unused units are
-// returned (Options.DB) when the key goes idle and at Close, by one
-// statement, to the window they were counted in.
+// A slice is used only within the window its units were counted in (a
+// token bucket's: within its lease time): its expiry is a local monotonic
+// instant taken before the statement was sent plus the time the database's
+// answer gave until that window's end, so it never outlives the window,
+// whatever the clocks. Unused units are returned (Options.DB) when the key
+// goes idle and at Close, by one statement, to the window (or lease epoch)
+// they were counted in.
 //
-// Under Penalty every attempt is charged its whole cost, as without a
-// lease. The token bucket, Spread and stored policies are refused
-// (ErrUnsupported), as are AtRate and checks in a transaction (a Limiter
-// has no …Tx methods).
+// All three algorithms can be leased. A token bucket's leased units count
+// against its capacity for ratelimit.TokenBucketLeaseTime, so that it does
+// not refill behind them. Under Penalty every attempt is charged its whole
+// cost, as without a lease (a penalised token bucket is refused). Spread
+// above 1 and limiters that read their policy in each statement are
+// refused (ErrUnsupported): lease a stored policy with NewPolicy. AtRate is
+// refused, and there are no checks in a transaction (a Limiter has no …Tx
+// methods).
 //
 // Limiter.Stats counts slices, units and decisions; package metrics exports
 // them to Prometheus (metrics.NewLeaseCollector).

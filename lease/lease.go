@@ -39,9 +39,9 @@ var (
 	ErrInvalidDB = errors.New("pgrl lease: invalid database")
 	// ErrInvalidIdle: Options.Idle is negative or below MinIdle.
 	ErrInvalidIdle = errors.New("pgrl lease: invalid idle time")
-	// ErrUnsupported: the limiter's configuration cannot be leased in this
-	// version: the token bucket, Spread above 1, or a stored Policy. The
-	// text says why and what to use instead.
+	// ErrUnsupported: the limiter's configuration cannot be leased: a
+	// token bucket with Penalty, Spread above 1, or a stored Policy read in
+	// each statement. The text says why and what to use instead.
 	ErrUnsupported = errors.New("pgrl lease: limit not supported by leases")
 	// ErrClosed: a check made after Close.
 	ErrClosed = errors.New("pgrl lease: limiter closed; make a new one with lease.New, or check with the *ratelimit.Limiter directly")
@@ -216,8 +216,9 @@ type entry struct {
 }
 
 // New returns a lease limiter on l. It starts a goroutine that returns
-// idle slices; Close stops it. l must be a fixed or sliding window limiter
-// without Spread or Policy (ErrUnsupported says why for each).
+// idle slices; Close stops it. l must not have Spread, a Policy read in
+// each statement, or (a token bucket) Penalty: ErrUnsupported says why for
+// each.
 func New(l *ratelimit.Limiter, opts Options) (*Limiter, error) {
 	if l == nil {
 		return nil, ErrNilLimiter

@@ -17,10 +17,10 @@ import (
 // new figures. So a slice never outlives a change this process has seen;
 // without a Listener, pl's Cache, and so the leases, never see one.
 //
-// The policy must be a fixed or sliding window without Spread
-// (ErrUnsupported otherwise, at the first check of a key once the policy
-// changes to one); Options.Size is at least 1, and a slice is never more
-// than the key's limit.
+// The policy must be one New would lease (ErrUnsupported otherwise, at the
+// first check of a key once the policy changes to one that is not);
+// Options.Size is at least 1, and a slice is never more than the key's
+// limit.
 func NewPolicy(pl *policy.Limiter, opts Options) (*Limiter, error) {
 	if pl == nil {
 		return nil, ErrNilLimiter

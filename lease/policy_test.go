@@ -70,9 +70,10 @@ func TestLeasePolicyChangeEndsTheSlice(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(40), d.Limit)
 
-	// A policy the lease cannot take any more fails the check, and
+	// A policy the lease cannot take any more (a penalised token bucket)
+	// fails the check, and
 	// counts nothing.
-	p.Algorithm, p.Limit = ratelimit.TokenBucket, 40
+	p.Algorithm, p.Limit, p.Penalty = ratelimit.TokenBucket, 40, true
 	_, err = policy.Set(ctx, pool, p)
 	require.NoError(t, err)
 	require.NoError(t, cache.ReloadPolicy(ctx, "leased"))
@@ -87,7 +88,7 @@ func TestLeasePolicyRefusals(t *testing.T) {
 	db := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{})
 	_, err := policy.Set(ctx, pool, policy.Policy{Name: "stmt", Limit: 100, Window: time.Minute})
 	require.NoError(t, err)
-	_, err = policy.Set(ctx, pool, policy.Policy{Name: "bucket", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Minute})
+	_, err = policy.Set(ctx, pool, policy.Policy{Name: "bucket", Algorithm: ratelimit.TokenBucket, Limit: 100, Window: time.Minute, Penalty: true})
 	require.NoError(t, err)
 
 	_, err = NewPolicy(nil, Options{Eager: true, Size: 1})
