@@ -61,7 +61,7 @@ func TestLeaseCollector(t *testing.T) {
 	// answer a slice's ask.
 	lim := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "api", Limit: 100, Window: time.Minute},
 		ratelimit.DatabaseOptions{Timeout: time.Minute, Now: now})
-	x, err := lease.New(lim, lease.Options{Size: 10, DB: pool, Idle: time.Hour, Now: now})
+	x, err := lease.New(lim, lease.Options{Eager: true, Size: 10, DB: pool, Idle: time.Hour, Now: now})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = x.Close(ctx) })
 
@@ -120,7 +120,7 @@ func TestLeaseCollector(t *testing.T) {
 	// name already collected, and nil, are refused.
 	other := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "other", Limit: 50, Window: time.Minute},
 		ratelimit.DatabaseOptions{Timeout: time.Minute, Now: now})
-	y, err := lease.New(other, lease.Options{Size: 5, Now: now})
+	y, err := lease.New(other, lease.Options{Eager: true, Size: 5, Now: now})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = y.Close(ctx) })
 	require.NoError(t, lc.Add(y))
