@@ -3,6 +3,7 @@ package ratelimit_test
 import (
 	"context"
 	"errors"
+	"math"
 	"sync"
 	"testing"
 	"time"
@@ -181,4 +182,27 @@ func TestSliceRefusals(t *testing.T) {
 	_, err = m.Allow(ctx, "k", ratelimit.Slice(1, 5, 2))
 	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
 	require.False(t, errors.Is(err, ratelimit.ErrInvalidCost))
+}
+
+// Huge values saturate, as for UpTo: n is capped at the capacity, the
+// probe at the largest bigint, and a share above what is left grants min.
+func TestSliceHugeValues(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "slice-huge", Algorithm: alg, Limit: 100,
+				Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: testkit.Pinned(base.Add(time.Minute))})
+			d, err := l.Allow(ctx, "k", ratelimit.Slice(1, math.MaxInt64, math.MaxInt64))
+			require.NoError(t, err)
+			require.Equal(t, int64(1), d.Granted, "a share of what is left rounds up to min")
+			d, err = l.Allow(ctx, "k", ratelimit.Slice(2, math.MaxInt64, 1))
+			require.NoError(t, err)
+			require.Equal(t, int64(99), d.Granted, "all that is left")
+			_, err = l.Allow(ctx, "k", ratelimit.Slice(math.MaxInt64, math.MaxInt64, 1))
+			require.ErrorIs(t, err, ratelimit.ErrCostExceedsLimit)
+		})
+	}
 }
