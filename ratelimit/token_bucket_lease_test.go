@@ -273,7 +273,7 @@ func tbCheckers() []tbChecker {
 			rows, err := ops.TokenBucketTakeChecks(ctx, pool, sqlops.TokenBucketTakeChecksParams{
 				Keys: [][]byte{[]byte(key)}, Capacities: []float64{propCapacity}, RefillsPerUs: []float64{propRefill},
 				Penalties: []bool{false}, Runs: []int32{1}, Ends: []int32{1}, Rows: []int32{1}, Costs: []int64{1},
-				UpTo: []bool{false}, Vetoes: []bool{true}, At: at})
+				UpTo: []bool{false}, Vetoes: []bool{true}, Mins: []int64{0}, Shares: []int64{0}, At: at})
 			require.NoError(t, err)
 			require.Len(t, rows, 1)
 			return rows[0].Allowed

@@ -36,8 +36,11 @@
 -- epoch while the row counts leased units: deleting the row earlier would
 -- forget the units still out, and a fresh full bucket would over-admit.
 --
--- A slice is taken by pgrl_token_bucket_take_slice and its unused units
--- are given back by pgrl_token_bucket_return_slice (both below).
+-- A slice is taken by pgrl_token_bucket_take_slice, or, coalesced with
+-- other checks, by the overload of pgrl_token_bucket_take_checks with mins
+-- and shares (the last function below), which decides it the same way and
+-- counts its units the same way; its unused units are given back by
+-- pgrl_token_bucket_return_slice (all below).
 ALTER TABLE pgrl_token_bucket ADD COLUMN lease_epoch_us bigint, ADD COLUMN leased bigint,
                               ADD COLUMN leased_prev bigint;
 
@@ -459,6 +462,156 @@ BEGIN
         fin := greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, cap, refill), over);
         UPDATE pgrl_token_bucket AS t
            SET tokens = b, updated_at = pgrl_from_epoch_us(u), full_at = fin, allowed = ok
+         WHERE t.key = keys[k];
+    END LOOP;
+END
+$$;
+
+-- pgrl_token_bucket_take_checks with mins and shares, as migration 000015
+-- gives the windows' check functions: a lone check with shares[i] > 0 is a
+-- slice, decided as pgrl_token_bucket_take_slice decides it
+-- (pgrl_token_bucket_slice), so that a bucket's slices are coalesced with
+-- other checks. A granted slice's units are added to the leased count of
+-- the lease epoch of the statement's instant (the counts rolled forward
+-- first, as pgrl_token_bucket_take_slice rolls them, even for a denial), and
+-- the row's capacity less the leased units is lowered by them at once: the
+-- row's later checks in the statement count against it, as they would in
+-- later statements. The counts are written back with the row. So the
+-- invariant above holds whether a key's slices and plain checks come in one
+-- statement or several. A slice is always a lone check, never in a group
+-- (runs[g] = 0). The version above stays, for the statements of earlier
+-- versions of pgrl.
+CREATE FUNCTION pgrl_token_bucket_take_checks(
+    keys bytea[], capacities float8[], refills_per_us float8[], penalties boolean[],
+    runs integer[], ends integer[], rows integer[], costs bigint[], up_to boolean[], vetoes boolean[],
+    mins bigint[], shares bigint[], at timestamptz)
+RETURNS TABLE (check_index integer, granted bigint, tokens_bits bigint, updated_at_us bigint,
+               full_at_us bigint, allowed boolean)
+LANGUAGE plpgsql VOLATILE
+AS $$
+#variable_conflict use_column
+DECLARE
+    ts      timestamptz := coalesce(at, now());
+    now_at  bigint := pgrl_epoch_us(coalesce(at, now()));
+    bal     float8[];
+    upd     bigint[];
+    caps    float8[];
+    overs   timestamptz[];
+    eps     bigint[];
+    lcur    bigint[];
+    lprev   bigint[];
+    last    boolean[];
+    bals    float8[];
+    upds    bigint[];
+    verdict boolean[];
+    gave    bigint[];
+    b       float8;
+    u       bigint;
+    ep      bigint;
+    cur     bigint;
+    prev    bigint;
+    cap     float8;
+    refill  float8;
+    over    timestamptz;
+    fin     timestamptz;
+    r       integer;
+    first   integer := 1;
+    ok      boolean;
+    s       pgrl_token_bucket_step;
+BEGIN
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        IF k > 1 AND keys[k] <= keys[k - 1] THEN
+            RAISE EXCEPTION 'pgrl: rows % and % of a check statement are not in ascending key order', k - 1, k
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'give each key once, sorted by its bytes';
+        END IF;
+        SELECT t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
+          INTO b, u, ep, cur, prev
+          FROM pgrl_token_bucket AS t
+         WHERE t.key = keys[k]
+           FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+            VALUES (keys[k], capacities[k], ts, ts, true)
+            ON CONFLICT (key) DO UPDATE SET tokens = t.tokens
+            RETURNING t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
+                 INTO b, u, ep, cur, prev;
+        END IF;
+        bal[k] := b;
+        upd[k] := u;
+        eps[k] := ep; lcur[k] := cur; lprev[k] := prev;
+        caps[k] := capacities[k] - pgrl_token_bucket_leased(ep, cur, prev, now_at);
+        overs[k] := pgrl_token_bucket_lease_over_at(ep, cur, prev);
+    END LOOP;
+    FOR g IN 1 .. coalesce(array_length(runs, 1), 0) LOOP
+        r := runs[g];
+        IF r > 0 THEN
+            b := bal[r];
+            u := upd[r];
+            FOR i IN first .. ends[g] LOOP
+                IF shares[i] > 0 THEN
+                    s := pgrl_token_bucket_slice(b, u, now_at, costs[i], mins[i], shares[i], caps[r],
+                                                 refills_per_us[r], penalties[r]);
+                    -- The counts rolled forward to the statement's epoch,
+                    -- the grant added to its count; the capacity and
+                    -- full_at follow, as in the row a later statement reads.
+                    ep := eps[r]; cur := lcur[r]; prev := lprev[r];
+                    lprev[r] := pgrl_token_bucket_lease_roll(ep, cur, prev, now_at, true);
+                    lcur[r] := pgrl_token_bucket_lease_roll(ep, cur, NULL, now_at, false) + s.granted;
+                    eps[r] := greatest(ep, pgrl_token_bucket_lease_epoch_us(now_at));
+                    caps[r] := capacities[r] - pgrl_token_bucket_leased(eps[r], lcur[r], lprev[r], now_at);
+                    overs[r] := pgrl_token_bucket_lease_over_at(eps[r], lcur[r], lprev[r]);
+                ELSE
+                    s := pgrl_token_bucket_take(b, u, now_at, costs[i], caps[r], refills_per_us[r], penalties[r],
+                                                up_to[i]);
+                END IF;
+                b := s.tokens;
+                u := s.updated_at_us;
+                check_index := i; granted := s.granted; tokens_bits := pgrl_float8_bits(b); updated_at_us := u;
+                full_at_us := pgrl_epoch_us(greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, capacities[r],
+                                                                               refills_per_us[r]), overs[r]));
+                allowed := s.allowed;
+                RETURN NEXT;
+            END LOOP;
+            bal[r] := b;
+            upd[r] := u;
+            last[r] := s.allowed;
+        ELSE
+            -- A group: decided, then applied only if every veto allows. It
+            -- holds no slice.
+            ok := true;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                s := pgrl_token_bucket_take(bal[r], upd[r], now_at, costs[j], caps[r], refills_per_us[r],
+                                            penalties[r], up_to[j]);
+                bals[j] := s.tokens; upds[j] := s.updated_at_us; verdict[j] := s.allowed; gave[j] := s.granted;
+                ok := ok AND (s.allowed OR NOT vetoes[j]);
+            END LOOP;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                IF ok THEN
+                    bal[r] := bals[j];
+                    upd[r] := upds[j];
+                    last[r] := verdict[j];
+                END IF;
+                check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END;
+                tokens_bits := pgrl_float8_bits(bals[j]); updated_at_us := upds[j];
+                full_at_us := pgrl_epoch_us(greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(upds[j]), bals[j],
+                                                                               capacities[r], refills_per_us[r]),
+                                                     overs[r]));
+                allowed := verdict[j];
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+        first := ends[g] + 1;
+    END LOOP;
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        CONTINUE WHEN last[k] IS NULL;
+        b := bal[k]; u := upd[k]; ok := last[k]; cap := capacities[k]; refill := refills_per_us[k]; over := overs[k];
+        ep := eps[k]; cur := lcur[k]; prev := lprev[k];
+        fin := greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, cap, refill), over);
+        UPDATE pgrl_token_bucket AS t
+           SET tokens = b, updated_at = pgrl_from_epoch_us(u), full_at = fin, allowed = ok,
+               lease_epoch_us = ep, leased = cur, leased_prev = prev
          WHERE t.key = keys[k];
     END LOOP;
 END
