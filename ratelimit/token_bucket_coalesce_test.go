@@ -198,11 +198,7 @@ func TestTokenBucketCoalescedSlicesMatchSingleChecks(t *testing.T) {
 				sliceThenPlain++
 			}
 		}
-		ls := make([]*ratelimit.Limiter, n)
-		for i := range ls {
-			ls[i] = batched
-		}
-		got, err := ratelimit.TakeMixedOptions(ctx, ls, keys, opts)
+		got, err := ratelimit.TakeMixedOptions(ctx, repeat(batched, n), keys, opts)
 		require.NoError(t, err, "round %d", round)
 		for i := range n {
 			want, err := single.Allow(ctx, keys[i], opts[i])
