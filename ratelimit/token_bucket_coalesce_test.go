@@ -57,12 +57,24 @@ type tbCheck struct {
 }
 
 // takeTBChecks decides checks of one key in one check statement (a run of
-// the key's row) at instant at.
+// the key's row) at instant at, with the property tests' figures.
 func takeTBChecks(t *testing.T, pool *pgxpool.Pool, key string, at time.Time, penalty bool, checks ...tbCheck) []sqlops.TokenBucketTakeChecksRow {
+	t.Helper()
+	return tbStatement(t, pool, key, at, propCapacity, propRefill, penalty, checks...)
+}
+
+// sliceTB takes a slice of up to n units (min 1, share 1) of key's bucket
+// at instant at, as a lease takes one: a check statement of one slice.
+func sliceTB(t *testing.T, pool *pgxpool.Pool, key string, at time.Time, n int64, capacity, refill float64) sqlops.TokenBucketTakeChecksRow {
+	t.Helper()
+	return tbStatement(t, pool, key, at, capacity, refill, false, tbCheck{cost: n, upTo: true, min: 1, share: 1})[0]
+}
+
+func tbStatement(t *testing.T, pool *pgxpool.Pool, key string, at time.Time, capacity, refill float64, penalty bool, checks ...tbCheck) []sqlops.TokenBucketTakeChecksRow {
 	t.Helper()
 	n := len(checks)
 	p := sqlops.TokenBucketTakeChecksParams{
-		Keys: [][]byte{[]byte(key)}, Capacities: []float64{propCapacity}, RefillsPerUs: []float64{propRefill},
+		Keys: [][]byte{[]byte(key)}, Capacities: []float64{capacity}, RefillsPerUs: []float64{refill},
 		Penalties: []bool{penalty}, Runs: []int32{1}, Ends: []int32{int32(n)}, At: &at,
 	}
 	for _, c := range checks {

@@ -160,7 +160,6 @@ END
 $$;
 
 DROP FUNCTION pgrl_token_bucket_return_slice(bytea, timestamptz, bigint, float8, float8, timestamptz);
-DROP FUNCTION pgrl_token_bucket_take_slice(bytea, bigint, bigint, bigint, float8, float8, boolean, timestamptz);
 DROP FUNCTION pgrl_token_bucket_slice(float8, bigint, bigint, bigint, bigint, bigint, float8, float8, boolean);
 DROP FUNCTION pgrl_token_bucket_lease_returnable(bigint, bigint, bigint, bigint, bigint, boolean);
 DROP FUNCTION pgrl_token_bucket_lease_over_at(bigint, bigint, bigint);

@@ -36,11 +36,10 @@
 -- epoch while the row counts leased units: deleting the row earlier would
 -- forget the units still out, and a fresh full bucket would over-admit.
 --
--- A slice is taken by pgrl_token_bucket_take_slice, or, coalesced with
--- other checks, by the overload of pgrl_token_bucket_take_checks with mins
--- and shares (the last function below), which decides it the same way and
--- counts its units the same way; its unused units are given back by
--- pgrl_token_bucket_return_slice (all below).
+-- A slice is taken in a check statement, coalesced with other checks, by
+-- the overload of pgrl_token_bucket_take_checks with mins and shares (the
+-- last function below), as migration 000015 has the windows' taken; its
+-- unused units are given back by pgrl_token_bucket_return_slice.
 ALTER TABLE pgrl_token_bucket ADD COLUMN lease_epoch_us bigint, ADD COLUMN leased bigint,
                               ADD COLUMN leased_prev bigint;
 
@@ -174,74 +173,9 @@ BEGIN
 END
 $$;
 
--- pgrl_token_bucket_take_slice takes a slice of the key's bucket for a
--- lease: pgrl_token_bucket_slice decides, with the capacity less the units
--- out on lease, and the units granted are added to the leased count of the
--- check's lease epoch (rolled forward first; the row's, when a check that
--- waited on the row lock comes after a later one). It returns what
--- pgrl_token_bucket_take_queue returns for a check, the check's instant
--- (now_us, which pgrl_token_bucket_return_slice takes back as the lease's
--- instant) and the instant the lease must not be used after
--- (lease_expires_us, now_us + tau). A function, in the check queues' style,
--- because an upsert's RETURNING sees only the row written, not the grant,
--- before PostgreSQL 18. The UPDATE reads scalar variables only (migration
--- 000014 says why).
-CREATE FUNCTION pgrl_token_bucket_take_slice(row_key bytea, n bigint, min bigint, share bigint, capacity float8,
-                                             refill_per_us float8, penalty boolean, at timestamptz)
-RETURNS TABLE (granted bigint, tokens_bits bigint, updated_at_us bigint, full_at_us bigint, allowed boolean,
-               now_us bigint, lease_expires_us bigint)
-LANGUAGE plpgsql VOLATILE
-AS $$
-#variable_conflict use_column
-DECLARE
-    ts     timestamptz := coalesce(at, now());
-    now_at bigint := pgrl_epoch_us(coalesce(at, now()));
-    bal    float8;
-    upd    bigint;
-    ep     bigint;
-    cur    bigint;
-    prev   bigint;
-    ok     boolean;
-    fin    timestamptz;
-    s      pgrl_token_bucket_step;
-BEGIN
-    SELECT t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
-      INTO bal, upd, ep, cur, prev
-      FROM pgrl_token_bucket AS t
-     WHERE t.key = row_key
-       FOR UPDATE;
-    IF NOT FOUND THEN
-        INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-        VALUES (row_key, capacity, ts, ts, true)
-        ON CONFLICT (key) DO UPDATE SET tokens = t.tokens
-        RETURNING t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
-             INTO bal, upd, ep, cur, prev;
-    END IF;
-    s := pgrl_token_bucket_slice(bal, upd, now_at, n, min, share,
-                                 capacity - pgrl_token_bucket_leased(ep, cur, prev, now_at), refill_per_us, penalty);
-    bal := s.tokens;
-    upd := s.updated_at_us;
-    ok := s.allowed;
-    -- The counts rolled forward to the check's epoch (the row's epoch when
-    -- that is later), the grant added to the current one.
-    prev := pgrl_token_bucket_lease_roll(ep, cur, prev, now_at, true);
-    cur := pgrl_token_bucket_lease_roll(ep, cur, NULL, now_at, false) + s.granted;
-    ep := greatest(ep, pgrl_token_bucket_lease_epoch_us(now_at));
-    fin := greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(upd), bal, capacity, refill_per_us),
-                    pgrl_token_bucket_lease_over_at(ep, cur, prev));
-    UPDATE pgrl_token_bucket AS t
-       SET tokens = bal, updated_at = pgrl_from_epoch_us(upd), full_at = fin, allowed = ok,
-           lease_epoch_us = ep, leased = cur, leased_prev = prev
-     WHERE t.key = row_key;
-    granted := s.granted; tokens_bits := pgrl_float8_bits(bal); updated_at_us := upd;
-    full_at_us := pgrl_epoch_us(fin); allowed := ok; now_us := now_at;
-    lease_expires_us := now_at + pgrl_token_bucket_lease_us(now_at);
-    RETURN NEXT;
-END
-$$;
-
 -- pgrl_token_bucket_return_slice gives back n unused units of a lease taken
--- at at (the now_us its slice returned): it takes them off the leased count
+-- at at (the updated_at_us its slice's check returned, which is the lease's
+-- instant): it takes them off the leased count
 -- of at's epoch (pgrl_token_bucket_lease_returnable: at most what that
 -- count holds, and nothing once the lease is over or the row has moved two
 -- epochs on), puts them back as tokens, and refills the bucket to the
@@ -468,19 +402,21 @@ END
 $$;
 
 -- pgrl_token_bucket_take_checks with mins and shares, as migration 000015
--- gives the windows' check functions: a lone check with shares[i] > 0 is a
--- slice, decided as pgrl_token_bucket_take_slice decides it
--- (pgrl_token_bucket_slice), so that a bucket's slices are coalesced with
--- other checks. A granted slice's units are added to the leased count of
--- the lease epoch of the statement's instant (the counts rolled forward
--- first, as pgrl_token_bucket_take_slice rolls them, even for a denial), and
--- the row's capacity less the leased units is lowered by them at once: the
--- row's later checks in the statement count against it, as they would in
--- later statements. The counts are written back with the row. So the
--- invariant above holds whether a key's slices and plain checks come in one
--- statement or several. A slice is always a lone check, never in a group
--- (runs[g] = 0). The version above stays, for the statements of earlier
--- versions of pgrl.
+-- gives the windows' check functions, so that a bucket's slices are
+-- coalesced with other checks: a lone check with shares[i] > 0 is a slice
+-- for a lease, decided by pgrl_token_bucket_slice against the capacity less
+-- the units out on lease. The row's lease counts are rolled forward to the
+-- lease epoch of the statement's instant (the row's epoch when that is
+-- later: a statement that waited on the row lock may come after a later
+-- one), even for a denial, and the units granted are added to the current
+-- count. The row's capacity less the leased units is lowered by them at
+-- once, so the row's later checks in the statement count against what a
+-- later statement would read, and the counts are written back with the row:
+-- the invariant above holds whether a key's slices and plain checks come in
+-- one statement or several. A slice is always a lone check, never in a
+-- group (runs[g] = 0). The version above stays, for the statements of
+-- earlier versions of pgrl. The final UPDATE reads scalar variables only
+-- (migration 000014 says why).
 CREATE FUNCTION pgrl_token_bucket_take_checks(
     keys bytea[], capacities float8[], refills_per_us float8[], penalties boolean[],
     runs integer[], ends integer[], rows integer[], costs bigint[], up_to boolean[], vetoes boolean[],
