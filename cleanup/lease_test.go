@@ -30,11 +30,9 @@ func TestTokenBucketRowWithLeasesIsKept(t *testing.T) {
 	at := func(d time.Duration) *time.Time { ts := epoch.Add(d); return &ts }
 	// Capacity 10, 1,000 tokens a second: the tokens are back within 10 ms.
 	const capacity, refill = 10, 1e-3
-	_, err := ops.TokenBucketTakeSlice(ctx, db, sqlops.TokenBucketTakeSliceParams{
-		Key: []byte("leased"), N: 6, Min: 1, Share: 1, Capacity: capacity, RefillPerUs: refill, At: at(300 * time.Millisecond)})
-	require.NoError(t, err)
+	require.NoError(t, takeSlice(ctx, db, "leased", 6, capacity, refill, at(300*time.Millisecond)))
 	// A plain check later in the epoch keeps the row's leases' full_at.
-	_, err = q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
+	_, err := q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
 		Key: []byte("leased"), Cost: 1, Capacity: capacity, RefillPerUs: refill, At: at(900 * time.Millisecond)})
 	require.NoError(t, err)
 	// The same spending without a lease: full again 6 ms later.
@@ -92,9 +90,7 @@ func TestTokenBucketRowWithLeasesIsKept(t *testing.T) {
 	// rl-cleanup's run, on the database clock: a slice taken now keeps its
 	// row (its leases count for at least another second), the unleased
 	// bucket of an hour ago goes.
-	_, err = ops.TokenBucketTakeSlice(ctx, db, sqlops.TokenBucketTakeSliceParams{
-		Key: []byte("leased"), N: 6, Min: 1, Share: 1, Capacity: capacity, RefillPerUs: refill})
-	require.NoError(t, err)
+	require.NoError(t, takeSlice(ctx, db, "leased", 6, capacity, refill, nil))
 	hourAgo := time.Now().Add(-time.Hour)
 	_, err = q.TokenBucketTake(ctx, db, gen.TokenBucketTakeParams{
 		Key: []byte("plain"), Cost: 6, Capacity: capacity, RefillPerUs: refill, At: &hourAgo})
@@ -103,4 +99,14 @@ func TestTokenBucketRowWithLeasesIsKept(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(1), res.Tables.TokenBucket.Deleted)
 	require.Equal(t, []string{"leased"}, rows())
+}
+
+// takeSlice takes a slice of up to n units of key's bucket at instant at
+// (nil: now), as a lease takes one: a check statement of one slice.
+func takeSlice(ctx context.Context, db sqlops.DBTX, key string, n int64, capacity, refill float64, at *time.Time) error {
+	_, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
+		Keys: [][]byte{[]byte(key)}, Capacities: []float64{capacity}, RefillsPerUs: []float64{refill},
+		Penalties: []bool{false}, Runs: []int32{1}, Ends: []int32{1}, Rows: []int32{1}, Costs: []int64{n},
+		UpTo: []bool{true}, Vetoes: []bool{true}, Mins: []int64{1}, Shares: []int64{1}, At: at})
+	return err
 }

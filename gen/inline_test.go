@@ -81,10 +81,11 @@ func (errRow) Scan(...any) error { return errRecorded }
 // everyQuery sends every query that computes with the helpers (each
 // algorithm's take, batch take and peek, the token bucket's take of a
 // stored policy (policy "tb", which TestHelpersAreInlined stores), a lease's
-// slice and its return, and the internal query that computes a fixed
+// slice (with a plain check after it, in the token bucket's check
+// statement) and its return, and the internal query that computes a fixed
 // window) to db, twice: the second take of a key runs the UPDATE arm of its
-// upsert. The slice and the return are PL/pgSQL functions: the helpers must
-// be inlined into their expressions.
+// upsert. The check statement and the return are PL/pgSQL functions: the
+// helpers must be inlined into their expressions.
 func everyQuery(ctx context.Context, db DBTX) {
 	q, ops := New(), sqlops.New()
 	at := time.Date(2024, 5, 6, 7, 8, 9, 123456000, time.UTC)
@@ -99,7 +100,7 @@ func everyQuery(ctx context.Context, db DBTX) {
 		_, _ = ops.TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = ops.TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{Key: keys[1], Cost: 1, At: &ts, Policy: "tb", OverrideKey: keys[1], KeyMode: "hashed"})
-		_, _ = ops.TokenBucketTakeSlice(ctx, db, sqlops.TokenBucketTakeSliceParams{Key: keys[0], N: 3, Min: 1, Share: 2, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
+		_, _ = ops.TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{Keys: keys[:1], Capacities: []float64{5}, RefillsPerUs: []float64{1e-6}, Penalties: []bool{false}, Runs: []int32{1}, Ends: []int32{2}, Rows: []int32{1, 1}, Costs: []int64{3, 1}, UpTo: []bool{true, false}, Vetoes: []bool{true, true}, Mins: []int64{1, 0}, Shares: []int64{2, 0}, At: &ts})
 		_, _ = ops.TokenBucketReturnSlice(ctx, db, sqlops.TokenBucketReturnSliceParams{Key: keys[0], At: ts, N: 1, Capacity: 5, RefillPerUs: 1e-6, Now: &ts})
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = ops.SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
@@ -151,7 +152,7 @@ func TestHelpersAreInlined(t *testing.T) {
 		for _, c := range calls {
 			plan := explain(tx, c.sql, c.args...)
 			for _, h := range helpers {
-				// A whole name: pgrl_token_bucket_take_slice, a function
+				// A whole name: pgrl_token_bucket_take_checks, a function
 				// the statement calls, is not the step.
 				require.NotRegexp(t, `\b`+h+`\b`, plan, "%s: %s is not inlined:\n%s", c.name, h, plan)
 			}

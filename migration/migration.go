@@ -779,8 +779,8 @@ var appFunctions = []string{
 	"pgrl_token_bucket_lease_over_at(bigint, bigint, bigint)",
 	"pgrl_token_bucket_lease_returnable(bigint, bigint, bigint, bigint, bigint, boolean)",
 	"pgrl_token_bucket_slice(float8, bigint, bigint, bigint, bigint, bigint, float8, float8, boolean)",
-	"pgrl_token_bucket_take_slice(bytea, bigint, bigint, bigint, float8, float8, boolean, timestamptz)",
 	"pgrl_token_bucket_return_slice(bytea, timestamptz, bigint, float8, float8, timestamptz)",
+	"pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
 }
 
 // grantStatements returns the GRANT statements that give role the

@@ -96,6 +96,31 @@ func TakeMixed(ctx context.Context, limiters []*Limiter, keys []string, costs []
 	return ds, nil
 }
 
+// TakeMixedOptions is TakeMixed with each check's Cost, UpTo or Slice
+// option (opts[i] is check i's), so that slices are coalesced with the
+// other checks: the checks of one algorithm and clock go in one statement.
+func TakeMixedOptions(ctx context.Context, limiters []*Limiter, keys []string, opts []Option) ([]Decision, error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		l := limiters[i]
+		a, _, _, err := options(l.cfg.Name, opts[i:i+1], true)
+		if err != nil {
+			return nil, err
+		}
+		skey := l.key(key)
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: l.alg.table() + string(skey), ask: a}
+	}
+	newCoalescer(len(keys), 1).send(batch)
+	ds := make([]Decision, len(batch))
+	for i, r := range batch {
+		if r.err != nil {
+			return nil, r.err
+		}
+		ds[i] = r.ask.settle(r.d)
+	}
+	return ds, nil
+}
+
 // FallbackKeys reports how many keys l's memory tier (the FailToMemory
 // fallback) holds.
 func FallbackKeys(l *Limiter) int { return l.memory.Len() }

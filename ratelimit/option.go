@@ -85,10 +85,10 @@ func UpTo(n int64) Option { return Option{kind: optUpTo, n: n} }
 // otherwise); n above the capacity is the capacity, as for UpTo, and a min
 // above it can never be granted (ErrCostExceedsLimit). A slice is one
 // key's: it is refused with Spread above 1, a stored Policy, a token bucket
-// with Penalty, and by a MemoryLimiter. The windows' slices are coalesced with other checks; a
-// token bucket's goes alone, and its units count against the bucket's
-// capacity until TokenBucketLeaseTime after it was taken, so that the
-// bucket does not refill behind them (migration 000016). The failure
+// with Penalty, and by a MemoryLimiter. Slices are coalesced with other
+// checks; a token bucket's units count against the bucket's capacity until
+// TokenBucketLeaseTime after the slice was taken, so that the bucket does
+// not refill behind them (migration 000016). The failure
 // policy answers a slice as a check of min units: a slice is only ever
 // counted in PostgreSQL.
 func Slice(min, n, share int64) Option {

@@ -24,7 +24,9 @@ import (
 // partial grants; penalty on and off; the clock stepping across window
 // edges) decided as the coalescer decides one batch give exactly the
 // decisions of the same checks made one at a time, in the same order, by
-// single-check statements: every field of every Decision.
+// single-check statements: every field of every Decision. Without
+// penalty (a penalised token bucket takes no slice) some checks are
+// slices, coalesced with the others.
 func TestBatchesMatchSingleChecks(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
@@ -63,8 +65,9 @@ func TestBatchesMatchSingleChecks(t *testing.T) {
 					keys := make([]string, n)
 					costs := make([]int64, n)
 					upTo := make([]bool, n)
+					opts := make([]ratelimit.Option, n)
 					seen := map[string]bool{}
-					dup := false
+					dup, sliced := false, false
 					for i := range n {
 						keys[i] = fmt.Sprintf("k%d", rng.IntN(3))
 						dup = dup || seen[keys[i]]
@@ -75,27 +78,47 @@ func TestBatchesMatchSingleChecks(t *testing.T) {
 						}
 						upTo[i] = rng.IntN(5) == 0
 						dup = dup || upTo[i]
+						switch {
+						case !penalty && rng.IntN(6) == 0:
+							lo := min(costs[i], 1+rng.Int64N(2))
+							opts[i] = ratelimit.Slice(lo, costs[i], 1+rng.Int64N(3))
+							sliced = true
+						case upTo[i]:
+							opts[i] = ratelimit.UpTo(costs[i])
+						default:
+							opts[i] = ratelimit.Cost(costs[i])
+						}
 					}
 					if dup {
 						queues++
 					}
-					got, err := ratelimit.TakeBatch(ctx, batched, keys, costs, upTo)
+					var got []ratelimit.Decision
+					var err error
+					if sliced {
+						got, err = ratelimit.TakeMixedOptions(ctx, repeat(batched, n), keys, opts)
+					} else {
+						got, err = ratelimit.TakeBatch(ctx, batched, keys, costs, upTo)
+					}
 					require.NoError(t, err, "round %d", round)
 					for i := range n {
-						var want ratelimit.Decision
-						if upTo[i] {
-							want, err = single.Allow(ctx, keys[i], ratelimit.UpTo(costs[i]))
-						} else {
-							want, err = single.Allow(ctx, keys[i], ratelimit.Cost(costs[i]))
-						}
+						want, err := single.Allow(ctx, keys[i], opts[i])
 						require.NoError(t, err)
-						require.Equal(t, want, got[i], "round %d check %d of %v %v %v", round, i, keys, costs, upTo)
+						require.Equal(t, want, got[i], "round %d check %d of %v %v", round, i, keys, opts)
 					}
 				}
 				require.Greater(t, queues, 50, "most rounds must exercise the queue statement")
 			})
 		}
 	}
+}
+
+// repeat is n times l.
+func repeat(l *ratelimit.Limiter, n int) []*ratelimit.Limiter {
+	ls := make([]*ratelimit.Limiter, n)
+	for i := range ls {
+		ls[i] = l
+	}
+	return ls
 }
 
 // TestAllowUpToGrantsWhatIsLeft: per algorithm, the units granted never
@@ -201,7 +224,8 @@ func TestAllowUpToConcurrentNeverOverGrants(t *testing.T) {
 // algorithms, different limits, windows and penalty settings) on one pool
 // share one coalescer, and one batch of them, decided one statement per
 // algorithm, gives exactly the decisions of the same checks made one at a
-// time in the same order.
+// time in the same order, slices of the limiters without penalty
+// included.
 func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
@@ -237,24 +261,25 @@ func TestSharedStatementsMatchSingleChecks(t *testing.T) {
 		ls := make([]*ratelimit.Limiter, n)
 		idx := make([]int, n)
 		keys := make([]string, n)
-		costs := make([]int64, n)
-		upTo := make([]bool, n)
+		opts := make([]ratelimit.Option, n)
 		for i := range n {
 			idx[i] = rng.IntN(len(cfgs))
 			ls[i] = shared[idx[i]]
 			keys[i] = fmt.Sprintf("k%d", rng.IntN(2))
-			costs[i] = 1 + rng.Int64N(3)
-			upTo[i] = rng.IntN(6) == 0
+			cost := 1 + rng.Int64N(3)
+			switch r := rng.IntN(6); {
+			case r == 0:
+				opts[i] = ratelimit.UpTo(cost)
+			case r == 1 && !cfgs[idx[i]].Penalty: // a penalised token bucket takes no slice
+				opts[i] = ratelimit.Slice(1, cost, 1+rng.Int64N(2))
+			default:
+				opts[i] = ratelimit.Cost(cost)
+			}
 		}
-		got, err := ratelimit.TakeMixed(ctx, ls, keys, costs, upTo)
+		got, err := ratelimit.TakeMixedOptions(ctx, ls, keys, opts)
 		require.NoError(t, err, "round %d", round)
 		for i := range n {
-			var want ratelimit.Decision
-			if upTo[i] {
-				want, err = single[idx[i]].Allow(ctx, keys[i], ratelimit.UpTo(costs[i]))
-			} else {
-				want, err = single[idx[i]].Allow(ctx, keys[i], ratelimit.Cost(costs[i]))
-			}
+			want, err := single[idx[i]].Allow(ctx, keys[i], opts[i])
 			require.NoError(t, err)
 			require.Equal(t, want, got[i], "round %d check %d (%s)", round, i, cfgs[idx[i]].Name)
 		}

@@ -115,22 +115,14 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), 1).granting(r.Granted), nil
 }
 
-// takeSlice takes the slice with its own statement: it also counts the
-// units against the bucket's capacity while they are out on lease
-// (migration 000016), which the check statements do not.
+// takeSlice is a check statement of one: its slices also count against
+// the bucket's capacity while out on lease (migration 000016), so they are
+// coalesced with other checks like the windows' slices.
 func (tokenBucket) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
-	r, err := sqlops.New().TokenBucketTakeSlice(ctx, db, sqlops.TokenBucketTakeSliceParams{
-		Key: k, N: a.n, Min: a.min, Share: a.share, At: l.at(), Capacity: float64(l.cfg.Burst),
-		RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
-	})
-	if err != nil {
-		return Decision{}, err
-	}
-	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.min).
-		granting(r.Granted), nil
+	return sliceInQueue(ctx, l, db, k, a)
 }
 
-func (tokenBucket) queuesSlices() bool { return false }
+func (tokenBucket) queuesSlices() bool { return true }
 
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
@@ -139,7 +131,7 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
 		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:         q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
-		At: q.clock(),
+		Mins: q.mins, Shares: q.shares, At: q.clock(),
 	})
 	return inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },
 		func(l *Limiter, r sqlops.TokenBucketTakeChecksRow, a ask) Decision {

@@ -198,19 +198,12 @@ func pin(d time.Duration) *time.Time {
 func TestTokenBucketSliceRollsTheLeaseEpochs(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
-	ops := sqlops.New()
 	sec := base.UnixMicro()
-	slice := func(at time.Duration, n int64) sqlops.TokenBucketTakeSliceRow {
+	slice := func(at time.Duration, n int64) sqlops.TokenBucketTakeChecksRow {
 		t.Helper()
-		r, err := ops.TokenBucketTakeSlice(ctx, pool, sqlops.TokenBucketTakeSliceParams{
-			Key: []byte("k"), N: n, Min: 1, Share: 1, Capacity: 100, RefillPerUs: 1e-4, At: pin(at),
-		})
-		require.NoError(t, err)
+		r := sliceTB(t, pool, "k", *pin(at), n, 100, 1e-4)
 		require.True(t, r.Allowed)
 		require.Equal(t, n, r.Granted)
-		require.Equal(t, pin(at).UnixMicro(), r.NowUs)
-		require.Equal(t, pin(at).UnixMicro()+ratelimit.TokenBucketLeaseTime.Microseconds(), r.LeaseExpiresUs)
 		return r
 	}
 	check := func(epochUs, cur, prev int64) {
@@ -273,7 +266,7 @@ func tbCheckers() []tbChecker {
 			rows, err := ops.TokenBucketTakeChecks(ctx, pool, sqlops.TokenBucketTakeChecksParams{
 				Keys: [][]byte{[]byte(key)}, Capacities: []float64{propCapacity}, RefillsPerUs: []float64{propRefill},
 				Penalties: []bool{false}, Runs: []int32{1}, Ends: []int32{1}, Rows: []int32{1}, Costs: []int64{1},
-				UpTo: []bool{false}, Vetoes: []bool{true}, At: at})
+				UpTo: []bool{false}, Vetoes: []bool{true}, Mins: []int64{0}, Shares: []int64{0}, At: at})
 			require.NoError(t, err)
 			require.Len(t, rows, 1)
 			return rows[0].Allowed
@@ -355,9 +348,7 @@ func TestTokenBucketSliceNeverOver(t *testing.T) {
 	for _, c := range tbCheckers() {
 		for name, offsets := range schedules {
 			key := c.name + "/" + name
-			r, err := sqlops.New().TokenBucketTakeSlice(ctx, pool, sqlops.TokenBucketTakeSliceParams{
-				Key: []byte(key), N: s, Min: 1, Share: 1, Capacity: propCapacity, RefillPerUs: propRefill, At: &t0})
-			require.NoError(t, err)
+			r := sliceTB(t, pool, key, t0, s, propCapacity, propRefill)
 			require.Equal(t, int64(s), r.Granted)
 			events := append([]admitted{{atUs: t0.UnixMicro()}}, runSchedule(t, pool, c, key, t0, offsets)...)
 			require.LessOrEqual(t, overBy(events, s), 1e-9, "%s, %s: over the bucket: %v", c.name, name, events)
@@ -382,9 +373,7 @@ func TestTokenBucketPeekCountsLeasedUnits(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
-	_, err := sqlops.New().TokenBucketTakeSlice(ctx, pool, sqlops.TokenBucketTakeSliceParams{
-		Key: []byte("k"), N: 6, Min: 1, Share: 1, Capacity: propCapacity, RefillPerUs: propRefill, At: pin(0)})
-	require.NoError(t, err)
+	sliceTB(t, pool, "k", *pin(0), 6, propCapacity, propRefill)
 	for _, c := range []struct {
 		at   time.Duration
 		want float64
@@ -405,13 +394,14 @@ func TestTokenBucketReturnSlice(t *testing.T) {
 	pool, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	ops := sqlops.New()
+	// slice returns the lease's instant: the statement's, as a lease keeps
+	// it (its decision's Now).
 	slice := func(key string, at time.Duration, n int64) int64 {
 		t.Helper()
-		r, err := ops.TokenBucketTakeSlice(ctx, pool, sqlops.TokenBucketTakeSliceParams{
-			Key: []byte(key), N: n, Min: 1, Share: 1, Capacity: propCapacity, RefillPerUs: propRefill, At: pin(at)})
-		require.NoError(t, err)
+		r := sliceTB(t, pool, key, *pin(at), n, propCapacity, propRefill)
 		require.Equal(t, n, r.Granted)
-		return r.NowUs
+		require.Equal(t, pin(at).UnixMicro(), r.UpdatedAtUs)
+		return r.UpdatedAtUs
 	}
 	give := func(key string, leaseUs int64, n int64, now time.Duration) int64 {
 		t.Helper()

@@ -53,8 +53,9 @@ type FixedWindowTakeChecksRow struct {
 // (runs[g] 0), applied together or not at all (migration 000014). ends[g]
 // is the 1-based position of run g's last check, rows[j] check j's 1-based
 // row; a check without a veto (a limit in shadow mode) does not stop its
-// group. check_index is the check's 1-based position. The fixed and sliding
-// windows' take slices too (ratelimit.Slice, migration 000015): mins and
+// group. check_index is the check's 1-based position. They take slices too
+// (ratelimit.Slice; migration 000015, and 000016 for the token bucket, whose
+// slices also count against its capacity while out on lease): mins and
 // shares per check, 0 for any other check.
 func (q *Queries) FixedWindowTakeChecks(ctx context.Context, db DBTX, arg FixedWindowTakeChecksParams) ([]FixedWindowTakeChecksRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeChecks,
@@ -180,8 +181,8 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.to
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_checks($1::bytea[], $2::float8[], $3::float8[],
                                      $4::boolean[], $5::integer[], $6::integer[], $7::integer[],
-                                     $8::bigint[], $9::boolean[], $10::boolean[],
-                                     $11::timestamptz) AS q
+                                     $8::bigint[], $9::boolean[], $10::boolean[], $11::bigint[],
+                                     $12::bigint[], $13::timestamptz) AS q
 `
 
 type TokenBucketTakeChecksParams struct {
@@ -195,6 +196,8 @@ type TokenBucketTakeChecksParams struct {
 	Costs        []int64
 	UpTo         []bool
 	Vetoes       []bool
+	Mins         []int64
+	Shares       []int64
 	At           *time.Time
 }
 
@@ -219,6 +222,8 @@ func (q *Queries) TokenBucketTakeChecks(ctx context.Context, db DBTX, arg TokenB
 		arg.Costs,
 		arg.UpTo,
 		arg.Vetoes,
+		arg.Mins,
+		arg.Shares,
 		arg.At,
 	)
 	if err != nil {

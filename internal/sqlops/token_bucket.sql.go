@@ -26,7 +26,8 @@ type TokenBucketReturnSliceParams struct {
 }
 
 // TokenBucketReturnSlice gives back n unused units of a slice taken at at
-// (the now_us TokenBucketTakeSlice returned): they stop counting against
+// (the lease's instant: its slice's decision's Now, the updated_at_us
+// TokenBucketTakeChecks returned for it): they stop counting against
 // the capacity and are tokens again, the bucket refilled to the real
 // instant (now pins it for tests; production leaves it nil). It returns how
 // many units it gave back: 0 for a key without a row, and once the lease is
@@ -120,7 +121,7 @@ type TokenBucketTakeManyRow struct {
 // The token bucket statements the library sends that are not part of
 // package gen: the set-based batch of single checks (coalesced checks of
 // distinct keys), the take that reads its stored policy in the statement,
-// and a lease's slice and its return (migration 000016).
+// and the return of a lease's unused units (migration 000016).
 // TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
 // rules of FixedWindowTakeMany. The update arm reads the check's instant from
 // the proposed row's updated_at and its cost as capacity less the proposed
@@ -292,71 +293,6 @@ func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenB
 		&i.Limit,
 		&i.WindowUs,
 		&i.Burst,
-	)
-	return i, err
-}
-
-const tokenBucketTakeSlice = `-- name: TokenBucketTakeSlice :one
-SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
-       q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us,
-       q.lease_expires_us::bigint AS lease_expires_us
-  FROM pgrl_token_bucket_take_slice($1::bytea, $2::bigint, $3::bigint,
-                                    $4::bigint, $5::float8,
-                                    $6::float8, $7::boolean,
-                                    $8::timestamptz) AS q
-`
-
-type TokenBucketTakeSliceParams struct {
-	Key         []byte
-	N           int64
-	Min         int64
-	Share       int64
-	Capacity    float64
-	RefillPerUs float64
-	Penalty     bool
-	At          *time.Time
-}
-
-type TokenBucketTakeSliceRow struct {
-	Granted        int64
-	TokensBits     int64
-	UpdatedAtUs    int64
-	FullAtUs       int64
-	Allowed        bool
-	NowUs          int64
-	LeaseExpiresUs int64
-}
-
-// TokenBucketTakeSlice takes a slice of the key's bucket for a lease
-// (pgrl_token_bucket_take_slice, migration 000016): a partial grant of at
-// most n units, ceil(what is left / share) when that is less, never fewer
-// than min (the check's cost; 1 <= min <= n <= capacity, share >= 1). When
-// fewer than min are left it is the check of min: a denial, charged min
-// under penalty, and nothing is leased. The units granted count against the
-// capacity until the lease is over. It returns what TokenBucketTakeUpTo
-// returns, the check's instant (now_us: TokenBucketReturnSlice takes it back
-// as at) and the instant the slice must not be used after (lease_expires_us,
-// now_us plus one lease time). at pins the clock for tests.
-func (q *Queries) TokenBucketTakeSlice(ctx context.Context, db DBTX, arg TokenBucketTakeSliceParams) (TokenBucketTakeSliceRow, error) {
-	row := db.QueryRow(ctx, tokenBucketTakeSlice,
-		arg.Key,
-		arg.N,
-		arg.Min,
-		arg.Share,
-		arg.Capacity,
-		arg.RefillPerUs,
-		arg.Penalty,
-		arg.At,
-	)
-	var i TokenBucketTakeSliceRow
-	err := row.Scan(
-		&i.Granted,
-		&i.TokensBits,
-		&i.UpdatedAtUs,
-		&i.FullAtUs,
-		&i.Allowed,
-		&i.NowUs,
-		&i.LeaseExpiresUs,
 	)
 	return i, err
 }

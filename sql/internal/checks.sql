@@ -6,8 +6,9 @@
 -- (runs[g] 0), applied together or not at all (migration 000014). ends[g]
 -- is the 1-based position of run g's last check, rows[j] check j's 1-based
 -- row; a check without a veto (a limit in shadow mode) does not stop its
--- group. check_index is the check's 1-based position. The fixed and sliding
--- windows' take slices too (ratelimit.Slice, migration 000015): mins and
+-- group. check_index is the check's 1-based position. They take slices too
+-- (ratelimit.Slice; migration 000015, and 000016 for the token bucket, whose
+-- slices also count against its capacity while out on lease): mins and
 -- shares per check, 0 for any other check.
 
 -- name: FixedWindowTakeChecks :many
@@ -23,8 +24,8 @@ SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.to
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM pgrl_token_bucket_take_checks(@keys::bytea[], @capacities::float8[], @refills_per_us::float8[],
                                      @penalties::boolean[], @runs::integer[], @ends::integer[], @rows::integer[],
-                                     @costs::bigint[], @up_to::boolean[], @vetoes::boolean[],
-                                     sqlc.narg(at)::timestamptz) AS q;
+                                     @costs::bigint[], @up_to::boolean[], @vetoes::boolean[], @mins::bigint[],
+                                     @shares::bigint[], sqlc.narg(at)::timestamptz) AS q;
 
 -- name: SlidingWindowTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,

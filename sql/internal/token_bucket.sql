@@ -1,7 +1,7 @@
 -- The token bucket statements the library sends that are not part of
 -- package gen: the set-based batch of single checks (coalesced checks of
 -- distinct keys), the take that reads its stored policy in the statement,
--- and a lease's slice and its return (migration 000016).
+-- and the return of a lease's unused units (migration 000016).
 
 -- name: TokenBucketTakeMany :many
 -- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
@@ -155,28 +155,10 @@ RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
           policy_window_us::bigint AS window_us,
           policy_burst::bigint AS burst;
 
--- name: TokenBucketTakeSlice :one
--- TokenBucketTakeSlice takes a slice of the key's bucket for a lease
--- (pgrl_token_bucket_take_slice, migration 000016): a partial grant of at
--- most n units, ceil(what is left / share) when that is less, never fewer
--- than min (the check's cost; 1 <= min <= n <= capacity, share >= 1). When
--- fewer than min are left it is the check of min: a denial, charged min
--- under penalty, and nothing is leased. The units granted count against the
--- capacity until the lease is over. It returns what TokenBucketTakeUpTo
--- returns, the check's instant (now_us: TokenBucketReturnSlice takes it back
--- as at) and the instant the slice must not be used after (lease_expires_us,
--- now_us plus one lease time). at pins the clock for tests.
-SELECT q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits, q.updated_at_us::bigint AS updated_at_us,
-       q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us,
-       q.lease_expires_us::bigint AS lease_expires_us
-  FROM pgrl_token_bucket_take_slice(sqlc.arg(key)::bytea, sqlc.arg(n)::bigint, sqlc.arg(min)::bigint,
-                                    sqlc.arg(share)::bigint, sqlc.arg(capacity)::float8,
-                                    sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
-                                    sqlc.narg(at)::timestamptz) AS q;
-
 -- name: TokenBucketReturnSlice :one
 -- TokenBucketReturnSlice gives back n unused units of a slice taken at at
--- (the now_us TokenBucketTakeSlice returned): they stop counting against
+-- (the lease's instant: its slice's decision's Now, the updated_at_us
+-- TokenBucketTakeChecks returned for it): they stop counting against
 -- the capacity and are tokens again, the bucket refilled to the real
 -- instant (now pins it for tests; production leaves it nil). It returns how
 -- many units it gave back: 0 for a key without a row, and once the lease is

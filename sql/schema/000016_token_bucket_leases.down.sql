@@ -1,7 +1,11 @@
--- Restores pgrl_token_bucket_take_queue as migration 000012 made it and
+-- Drops the check function with slices, restores
+-- pgrl_token_bucket_take_queue as migration 000012 made it and
 -- pgrl_token_bucket_take_checks as migration 000014 made it, then drops the
 -- slice functions, the lease helpers and the lease columns: units out on
 -- lease no longer count against the capacity.
+
+DROP FUNCTION pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], integer[], integer[],
+                                            bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz);
 
 CREATE OR REPLACE FUNCTION pgrl_token_bucket_take_queue(
     keys bytea[], costs bigint[], up_to boolean[], ends integer[],
@@ -156,7 +160,6 @@ END
 $$;
 
 DROP FUNCTION pgrl_token_bucket_return_slice(bytea, timestamptz, bigint, float8, float8, timestamptz);
-DROP FUNCTION pgrl_token_bucket_take_slice(bytea, bigint, bigint, bigint, float8, float8, boolean, timestamptz);
 DROP FUNCTION pgrl_token_bucket_slice(float8, bigint, bigint, bigint, bigint, bigint, float8, float8, boolean);
 DROP FUNCTION pgrl_token_bucket_lease_returnable(bigint, bigint, bigint, bigint, bigint, boolean);
 DROP FUNCTION pgrl_token_bucket_lease_over_at(bigint, bigint, bigint);

@@ -36,8 +36,10 @@
 -- epoch while the row counts leased units: deleting the row earlier would
 -- forget the units still out, and a fresh full bucket would over-admit.
 --
--- A slice is taken by pgrl_token_bucket_take_slice and its unused units
--- are given back by pgrl_token_bucket_return_slice (both below).
+-- A slice is taken in a check statement, coalesced with other checks, by
+-- the overload of pgrl_token_bucket_take_checks with mins and shares (the
+-- last function below), as migration 000015 has the windows' taken; its
+-- unused units are given back by pgrl_token_bucket_return_slice.
 ALTER TABLE pgrl_token_bucket ADD COLUMN lease_epoch_us bigint, ADD COLUMN leased bigint,
                               ADD COLUMN leased_prev bigint;
 
@@ -171,74 +173,9 @@ BEGIN
 END
 $$;
 
--- pgrl_token_bucket_take_slice takes a slice of the key's bucket for a
--- lease: pgrl_token_bucket_slice decides, with the capacity less the units
--- out on lease, and the units granted are added to the leased count of the
--- check's lease epoch (rolled forward first; the row's, when a check that
--- waited on the row lock comes after a later one). It returns what
--- pgrl_token_bucket_take_queue returns for a check, the check's instant
--- (now_us, which pgrl_token_bucket_return_slice takes back as the lease's
--- instant) and the instant the lease must not be used after
--- (lease_expires_us, now_us + tau). A function, in the check queues' style,
--- because an upsert's RETURNING sees only the row written, not the grant,
--- before PostgreSQL 18. The UPDATE reads scalar variables only (migration
--- 000014 says why).
-CREATE FUNCTION pgrl_token_bucket_take_slice(row_key bytea, n bigint, min bigint, share bigint, capacity float8,
-                                             refill_per_us float8, penalty boolean, at timestamptz)
-RETURNS TABLE (granted bigint, tokens_bits bigint, updated_at_us bigint, full_at_us bigint, allowed boolean,
-               now_us bigint, lease_expires_us bigint)
-LANGUAGE plpgsql VOLATILE
-AS $$
-#variable_conflict use_column
-DECLARE
-    ts     timestamptz := coalesce(at, now());
-    now_at bigint := pgrl_epoch_us(coalesce(at, now()));
-    bal    float8;
-    upd    bigint;
-    ep     bigint;
-    cur    bigint;
-    prev   bigint;
-    ok     boolean;
-    fin    timestamptz;
-    s      pgrl_token_bucket_step;
-BEGIN
-    SELECT t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
-      INTO bal, upd, ep, cur, prev
-      FROM pgrl_token_bucket AS t
-     WHERE t.key = row_key
-       FOR UPDATE;
-    IF NOT FOUND THEN
-        INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
-        VALUES (row_key, capacity, ts, ts, true)
-        ON CONFLICT (key) DO UPDATE SET tokens = t.tokens
-        RETURNING t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
-             INTO bal, upd, ep, cur, prev;
-    END IF;
-    s := pgrl_token_bucket_slice(bal, upd, now_at, n, min, share,
-                                 capacity - pgrl_token_bucket_leased(ep, cur, prev, now_at), refill_per_us, penalty);
-    bal := s.tokens;
-    upd := s.updated_at_us;
-    ok := s.allowed;
-    -- The counts rolled forward to the check's epoch (the row's epoch when
-    -- that is later), the grant added to the current one.
-    prev := pgrl_token_bucket_lease_roll(ep, cur, prev, now_at, true);
-    cur := pgrl_token_bucket_lease_roll(ep, cur, NULL, now_at, false) + s.granted;
-    ep := greatest(ep, pgrl_token_bucket_lease_epoch_us(now_at));
-    fin := greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(upd), bal, capacity, refill_per_us),
-                    pgrl_token_bucket_lease_over_at(ep, cur, prev));
-    UPDATE pgrl_token_bucket AS t
-       SET tokens = bal, updated_at = pgrl_from_epoch_us(upd), full_at = fin, allowed = ok,
-           lease_epoch_us = ep, leased = cur, leased_prev = prev
-     WHERE t.key = row_key;
-    granted := s.granted; tokens_bits := pgrl_float8_bits(bal); updated_at_us := upd;
-    full_at_us := pgrl_epoch_us(fin); allowed := ok; now_us := now_at;
-    lease_expires_us := now_at + pgrl_token_bucket_lease_us(now_at);
-    RETURN NEXT;
-END
-$$;
-
 -- pgrl_token_bucket_return_slice gives back n unused units of a lease taken
--- at at (the now_us its slice returned): it takes them off the leased count
+-- at at (the updated_at_us its slice's check returned, which is the lease's
+-- instant): it takes them off the leased count
 -- of at's epoch (pgrl_token_bucket_lease_returnable: at most what that
 -- count holds, and nothing once the lease is over or the row has moved two
 -- epochs on), puts them back as tokens, and refills the bucket to the
@@ -459,6 +396,158 @@ BEGIN
         fin := greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, cap, refill), over);
         UPDATE pgrl_token_bucket AS t
            SET tokens = b, updated_at = pgrl_from_epoch_us(u), full_at = fin, allowed = ok
+         WHERE t.key = keys[k];
+    END LOOP;
+END
+$$;
+
+-- pgrl_token_bucket_take_checks with mins and shares, as migration 000015
+-- gives the windows' check functions, so that a bucket's slices are
+-- coalesced with other checks: a lone check with shares[i] > 0 is a slice
+-- for a lease, decided by pgrl_token_bucket_slice against the capacity less
+-- the units out on lease. The row's lease counts are rolled forward to the
+-- lease epoch of the statement's instant (the row's epoch when that is
+-- later: a statement that waited on the row lock may come after a later
+-- one), even for a denial, and the units granted are added to the current
+-- count. The row's capacity less the leased units is lowered by them at
+-- once, so the row's later checks in the statement count against what a
+-- later statement would read, and the counts are written back with the row:
+-- the invariant above holds whether a key's slices and plain checks come in
+-- one statement or several. A slice is always a lone check, never in a
+-- group (runs[g] = 0). The version above stays, for the statements of
+-- earlier versions of pgrl. The final UPDATE reads scalar variables only
+-- (migration 000014 says why).
+CREATE FUNCTION pgrl_token_bucket_take_checks(
+    keys bytea[], capacities float8[], refills_per_us float8[], penalties boolean[],
+    runs integer[], ends integer[], rows integer[], costs bigint[], up_to boolean[], vetoes boolean[],
+    mins bigint[], shares bigint[], at timestamptz)
+RETURNS TABLE (check_index integer, granted bigint, tokens_bits bigint, updated_at_us bigint,
+               full_at_us bigint, allowed boolean)
+LANGUAGE plpgsql VOLATILE
+AS $$
+#variable_conflict use_column
+DECLARE
+    ts      timestamptz := coalesce(at, now());
+    now_at  bigint := pgrl_epoch_us(coalesce(at, now()));
+    bal     float8[];
+    upd     bigint[];
+    caps    float8[];
+    overs   timestamptz[];
+    eps     bigint[];
+    lcur    bigint[];
+    lprev   bigint[];
+    last    boolean[];
+    bals    float8[];
+    upds    bigint[];
+    verdict boolean[];
+    gave    bigint[];
+    b       float8;
+    u       bigint;
+    ep      bigint;
+    cur     bigint;
+    prev    bigint;
+    cap     float8;
+    refill  float8;
+    over    timestamptz;
+    fin     timestamptz;
+    r       integer;
+    first   integer := 1;
+    ok      boolean;
+    s       pgrl_token_bucket_step;
+BEGIN
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        IF k > 1 AND keys[k] <= keys[k - 1] THEN
+            RAISE EXCEPTION 'pgrl: rows % and % of a check statement are not in ascending key order', k - 1, k
+                USING ERRCODE = 'invalid_parameter_value', HINT = 'give each key once, sorted by its bytes';
+        END IF;
+        SELECT t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
+          INTO b, u, ep, cur, prev
+          FROM pgrl_token_bucket AS t
+         WHERE t.key = keys[k]
+           FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed)
+            VALUES (keys[k], capacities[k], ts, ts, true)
+            ON CONFLICT (key) DO UPDATE SET tokens = t.tokens
+            RETURNING t.tokens, pgrl_us(t.updated_at), t.lease_epoch_us, t.leased, t.leased_prev
+                 INTO b, u, ep, cur, prev;
+        END IF;
+        bal[k] := b;
+        upd[k] := u;
+        eps[k] := ep; lcur[k] := cur; lprev[k] := prev;
+        caps[k] := capacities[k] - pgrl_token_bucket_leased(ep, cur, prev, now_at);
+        overs[k] := pgrl_token_bucket_lease_over_at(ep, cur, prev);
+    END LOOP;
+    FOR g IN 1 .. coalesce(array_length(runs, 1), 0) LOOP
+        r := runs[g];
+        IF r > 0 THEN
+            b := bal[r];
+            u := upd[r];
+            FOR i IN first .. ends[g] LOOP
+                IF shares[i] > 0 THEN
+                    s := pgrl_token_bucket_slice(b, u, now_at, costs[i], mins[i], shares[i], caps[r],
+                                                 refills_per_us[r], penalties[r]);
+                    -- The counts rolled forward to the statement's epoch,
+                    -- the grant added to its count; the capacity and
+                    -- full_at follow, as in the row a later statement reads.
+                    ep := eps[r]; cur := lcur[r]; prev := lprev[r];
+                    lprev[r] := pgrl_token_bucket_lease_roll(ep, cur, prev, now_at, true);
+                    lcur[r] := pgrl_token_bucket_lease_roll(ep, cur, NULL, now_at, false) + s.granted;
+                    eps[r] := greatest(ep, pgrl_token_bucket_lease_epoch_us(now_at));
+                    caps[r] := capacities[r] - pgrl_token_bucket_leased(eps[r], lcur[r], lprev[r], now_at);
+                    overs[r] := pgrl_token_bucket_lease_over_at(eps[r], lcur[r], lprev[r]);
+                ELSE
+                    s := pgrl_token_bucket_take(b, u, now_at, costs[i], caps[r], refills_per_us[r], penalties[r],
+                                                up_to[i]);
+                END IF;
+                b := s.tokens;
+                u := s.updated_at_us;
+                check_index := i; granted := s.granted; tokens_bits := pgrl_float8_bits(b); updated_at_us := u;
+                full_at_us := pgrl_epoch_us(greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, capacities[r],
+                                                                               refills_per_us[r]), overs[r]));
+                allowed := s.allowed;
+                RETURN NEXT;
+            END LOOP;
+            bal[r] := b;
+            upd[r] := u;
+            last[r] := s.allowed;
+        ELSE
+            -- A group: decided, then applied only if every veto allows. It
+            -- holds no slice.
+            ok := true;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                s := pgrl_token_bucket_take(bal[r], upd[r], now_at, costs[j], caps[r], refills_per_us[r],
+                                            penalties[r], up_to[j]);
+                bals[j] := s.tokens; upds[j] := s.updated_at_us; verdict[j] := s.allowed; gave[j] := s.granted;
+                ok := ok AND (s.allowed OR NOT vetoes[j]);
+            END LOOP;
+            FOR j IN first .. ends[g] LOOP
+                r := rows[j];
+                IF ok THEN
+                    bal[r] := bals[j];
+                    upd[r] := upds[j];
+                    last[r] := verdict[j];
+                END IF;
+                check_index := j; granted := CASE WHEN ok THEN gave[j] ELSE 0 END;
+                tokens_bits := pgrl_float8_bits(bals[j]); updated_at_us := upds[j];
+                full_at_us := pgrl_epoch_us(greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(upds[j]), bals[j],
+                                                                               capacities[r], refills_per_us[r]),
+                                                     overs[r]));
+                allowed := verdict[j];
+                RETURN NEXT;
+            END LOOP;
+        END IF;
+        first := ends[g] + 1;
+    END LOOP;
+    FOR k IN 1 .. coalesce(array_length(keys, 1), 0) LOOP
+        CONTINUE WHEN last[k] IS NULL;
+        b := bal[k]; u := upd[k]; ok := last[k]; cap := capacities[k]; refill := refills_per_us[k]; over := overs[k];
+        ep := eps[k]; cur := lcur[k]; prev := lprev[k];
+        fin := greatest(pgrl_token_bucket_full_at(pgrl_from_epoch_us(u), b, cap, refill), over);
+        UPDATE pgrl_token_bucket AS t
+           SET tokens = b, updated_at = pgrl_from_epoch_us(u), full_at = fin, allowed = ok,
+               lease_epoch_us = ep, leased = cur, leased_prev = prev
          WHERE t.key = keys[k];
     END LOOP;
 END
