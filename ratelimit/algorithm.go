@@ -47,11 +47,6 @@ type algorithm interface {
 	takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error)
 	// takeUpTo grants k as many of n units as are left, in one statement.
 	takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error)
-	// takeSlice grants k a slice (see Slice), in one statement.
-	takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error)
-	// queuesSlices reports whether takeQueue decides slices, so that the
-	// coalescer may gather them with other checks.
-	queuesSlices() bool
 	// takeQueue decides q's checks, several per key, in one statement,
 	// each key's as if one after another, and returns their decisions in
 	// the caller's order (see checkQueue).

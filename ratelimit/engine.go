@@ -41,7 +41,7 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 // limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
-		if l.coalescer != nil && (!a.slice || l.alg.queuesSlices()) {
+		if l.coalescer != nil {
 			return l.coalescer.take(ctx, l, key, a)
 		}
 		return l.take(ctx, l.st.db, key, a)
@@ -95,9 +95,11 @@ func (l *Limiter) policyKey(key string, k []byte) []byte {
 	return StoredKey(l.cfg.KeyMode, l.cfg.Policy, key)
 }
 
-// sliceInQueue is takeSlice for the algorithms whose check statements
-// decide slices: a statement of one check.
-func sliceInQueue(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
+// takeSlice decides a slice (Slice) of the stored key k on its own: a check
+// statement of one check, the statements that decide slices (migrations
+// 000015 and 000016). Concurrent slices go through the coalescer instead,
+// with other checks.
+func (l *Limiter) takeSlice(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
 	decs, err := l.alg.takeQueue(ctx, db, newCheckQueue([]*pendingCheck{{l: l, skey: k, ask: a}}))
 	if err != nil {
 		return Decision{}, err
@@ -108,7 +110,7 @@ func sliceInQueue(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Deci
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
 	if a.slice {
-		return l.alg.takeSlice(ctx, l, db, k, a)
+		return l.takeSlice(ctx, db, k, a)
 	}
 	if a.upTo {
 		// l may be one row of a spread limit, whose capacity is its share.

@@ -62,12 +62,6 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted), nil
 }
 
-func (fixedWindow) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
-	return sliceInQueue(ctx, l, db, k, a)
-}
-
-func (fixedWindow) queuesSlices() bool { return true }
-
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().FixedWindowTakeChecks(ctx, db, sqlops.FixedWindowTakeChecksParams{
 		Keys:      q.keys,

@@ -65,12 +65,6 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), 1).granting(r.Granted), nil
 }
 
-func (slidingWindow) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
-	return sliceInQueue(ctx, l, db, k, a)
-}
-
-func (slidingWindow) queuesSlices() bool { return true }
-
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().SlidingWindowTakeChecks(ctx, db, sqlops.SlidingWindowTakeChecksParams{
 		Keys:      q.keys,

@@ -115,15 +115,6 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), 1).granting(r.Granted), nil
 }
 
-// takeSlice is a check statement of one: its slices also count against
-// the bucket's capacity while out on lease (migration 000016), so they are
-// coalesced with other checks like the windows' slices.
-func (tokenBucket) takeSlice(ctx context.Context, l *Limiter, db DB, k []byte, a ask) (Decision, error) {
-	return sliceInQueue(ctx, l, db, k, a)
-}
-
-func (tokenBucket) queuesSlices() bool { return true }
-
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	rows, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
 		Keys:         q.keys,
