@@ -122,7 +122,8 @@ SELECT $1::bytea, pgrl_from_epoch_us(f.end_us),
          WHERE p.name = $6::text AND p.algorithm = 'fixed_window'
            AND p.key_mode = $7::text
            AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
-               = $4::bigint) AS f
+               = $4::bigint
+        OFFSET 0) AS f
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $2::bigint,
                                        excluded.policy_limit, excluded.policy_penalty, false)).count,
@@ -166,7 +167,10 @@ type FixedWindowTakePolicyRow struct {
 // policy and check again. max_count is the limit that was applied. The
 // figures read in the insert arm reach the update arm in the proposed row
 // (excluded.policy_limit, excluded.policy_penalty; migration 000013), so the
-// statement reads the policy once.
+// statement reads the policy once. OFFSET 0 keeps the figures a subquery of
+// their own, computed once per statement: pulled up into the outer query, every
+// call of the step would be inlined with the lookups' expressions in place of
+// its arguments, and evaluate them again.
 func (q *Queries) FixedWindowTakePolicy(ctx context.Context, db DBTX, arg FixedWindowTakePolicyParams) (FixedWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, fixedWindowTakePolicy,
 		arg.Key,

@@ -138,7 +138,8 @@ SELECT $1::bytea, pgrl_from_epoch_us(f.start_us),
          WHERE p.name = $6::text AND p.algorithm = 'sliding_window'
            AND p.key_mode = $7::text
            AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
-               = $2::bigint) AS f
+               = $2::bigint
+        OFFSET 0) AS f
 ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), $2::bigint,
@@ -194,7 +195,7 @@ type SlidingWindowTakePolicyRow struct {
 // the policy (with the key's override) no longer has window_us, is no
 // longer a sliding window, no longer stores keys in key_mode, or does not
 // exist. max_count is the limit that was applied. As there, the update arm
-// reads the figures from the proposed row.
+// reads the figures from the proposed row, and OFFSET 0 computes them once.
 func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyParams) (SlidingWindowTakePolicyRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTakePolicy,
 		arg.Key,

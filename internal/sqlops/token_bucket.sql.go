@@ -195,7 +195,8 @@ SELECT $1::bytea,
                * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
                <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
          WHERE p.name = $5::text AND p.algorithm = 'token_bucket'
-           AND p.key_mode = $6::text) AS r) AS f
+           AND p.key_mode = $6::text) AS r
+        OFFSET 0) AS f
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                         $2::bigint,
@@ -274,7 +275,8 @@ type TokenBucketTakePolicyRow struct {
 // The rate read in the insert arm reaches the update arm in the proposed
 // row (excluded.policy_limit and the rest; migration 000013): capacity is
 // the burst and refill_per_us is limit / window_us, as the library has them.
-// The units out on lease count as they do in TokenBucketTake.
+// The units out on lease count as they do in TokenBucketTake. As in
+// FixedWindowTakePolicy, OFFSET 0 computes the rate once.
 func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenBucketTakePolicyParams) (TokenBucketTakePolicyRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTakePolicy,
 		arg.Key,

@@ -58,7 +58,10 @@ RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_a
 -- policy and check again. max_count is the limit that was applied. The
 -- figures read in the insert arm reach the update arm in the proposed row
 -- (excluded.policy_limit, excluded.policy_penalty; migration 000013), so the
--- statement reads the policy once.
+-- statement reads the policy once. OFFSET 0 keeps the figures a subquery of
+-- their own, computed once per statement: pulled up into the outer query, every
+-- call of the step would be inlined with the lookups' expressions in place of
+-- its arguments, and evaluate them again.
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
 SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.end_us),
        (pgrl_fixed_window_take(f.end_us, 0, sqlc.arg(cost)::bigint, f.max_count, f.penalty, false)).count,
@@ -73,7 +76,8 @@ SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.end_us),
          WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'fixed_window'
            AND p.key_mode = sqlc.arg(key_mode)::text
            AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
-               = sqlc.arg(window_us)::bigint) AS f
+               = sqlc.arg(window_us)::bigint
+        OFFSET 0) AS f
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, sqlc.arg(cost)::bigint,
                                        excluded.policy_limit, excluded.policy_penalty, false)).count,

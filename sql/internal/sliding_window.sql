@@ -59,7 +59,7 @@ RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_u
 -- the policy (with the key's override) no longer has window_us, is no
 -- longer a sliding window, no longer stores keys in key_mode, or does not
 -- exist. max_count is the limit that was applied. As there, the update arm
--- reads the figures from the proposed row.
+-- reads the figures from the proposed row, and OFFSET 0 computes them once.
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
                                       policy_limit, policy_penalty)
 SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.start_us),
@@ -80,7 +80,8 @@ SELECT sqlc.arg(key)::bytea, pgrl_from_epoch_us(f.start_us),
          WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window'
            AND p.key_mode = sqlc.arg(key_mode)::text
            AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint
-               = sqlc.arg(window_us)::bigint) AS f
+               = sqlc.arg(window_us)::bigint
+        OFFSET 0) AS f
 ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,

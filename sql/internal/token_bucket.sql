@@ -81,7 +81,8 @@ RETURNING encode(key, 'hex') AS key_hex,
 -- The rate read in the insert arm reaches the update arm in the proposed
 -- row (excluded.policy_limit and the rest; migration 000013): capacity is
 -- the burst and refill_per_us is limit / window_us, as the library has them.
--- The units out on lease count as they do in TokenBucketTake.
+-- The units out on lease count as they do in TokenBucketTake. As in
+-- FixedWindowTakePolicy, OFFSET 0 computes the rate once.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
                                     policy_limit, policy_window_us, policy_burst, policy_penalty, lease_epoch_us)
 SELECT sqlc.arg(key)::bytea,
@@ -112,7 +113,8 @@ SELECT sqlc.arg(key)::bytea,
                * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
                <= coalesce(o."limit", p."limit")::numeric * 31557600000000000
          WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'token_bucket'
-           AND p.key_mode = sqlc.arg(key_mode)::text) AS r) AS f
+           AND p.key_mode = sqlc.arg(key_mode)::text) AS r
+        OFFSET 0) AS f
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
                                         sqlc.arg(cost)::bigint,
