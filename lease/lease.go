@@ -331,6 +331,13 @@ func (x *Limiter) options(opts []ratelimit.Option, counts bool) (ask, error) {
 // it and creates no slice; while the breaker is open the caller's own
 // check is sent instead of a slice's ask.
 func (x *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
+	d, err := x.allow(ctx, key, opts)
+	// Errors of the statements carry their outcomes; the others came
+	// before any statement.
+	return d, ratelimit.WithOutcome(err, ratelimit.OutcomeNotConsumed)
+}
+
+func (x *Limiter) allow(ctx context.Context, key string, opts []ratelimit.Option) (ratelimit.Decision, error) {
 	a, err := x.options(opts, true)
 	if err != nil {
 		return ratelimit.Decision{}, err

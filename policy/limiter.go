@@ -261,12 +261,12 @@ func (l *Limiter) now() time.Time {
 // first attempt.
 func (l *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Option) (ratelimit.Decision, error) {
 	if err := l.noRate(opts); err != nil {
-		return ratelimit.Decision{}, err
+		return ratelimit.Decision{}, ratelimit.WithOutcome(err, ratelimit.OutcomeNotConsumed)
 	}
 	for attempt := 0; ; attempt++ {
 		b, e, err := l.currentEntry()
 		if err != nil {
-			return ratelimit.Decision{}, err
+			return ratelimit.Decision{}, ratelimit.WithOutcome(err, ratelimit.OutcomeNotConsumed)
 		}
 		lim, _ := l.forKey(b, e, key)
 		d, err := lim.Allow(ctx, key, opts...)
@@ -276,7 +276,8 @@ func (l *Limiter) Allow(ctx context.Context, key string, opts ...ratelimit.Optio
 			rerr := l.cache.refreshKey(rctx, l.name, b.policy.StoredKey(key), e)
 			cancel()
 			if rerr != nil {
-				return ratelimit.Decision{}, rerr
+				// The first attempt counted nothing (stale).
+				return ratelimit.Decision{}, ratelimit.WithOutcome(rerr, ratelimit.OutcomeNotConsumed)
 			}
 			continue
 		}

@@ -172,8 +172,9 @@ func (c *coalescer) submit(r *pendingCheck) error {
 			// Already in a batch: the statement may count it. If this
 			// check was to lead the batch, lead it in the background.
 			go c.leadIfHanded(r)
+			return WithOutcome(r.ctx.Err(), OutcomeUnknown)
 		}
-		return r.ctx.Err()
+		return unsent(r.ctx.Err())
 	}
 }
 
@@ -396,10 +397,14 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		sent := l.localNow()
 		err := c.takeMany(ctx, group)
 		var pgErr *pgconn.PgError
-		if err != nil && errors.As(err, &pgErr) {
-			// The statement failed as a whole: decide each check (each
-			// group) on its own so that every error reaches the check it
-			// belongs to.
+		if err != nil && errors.As(err, &pgErr) && statementOutcome(err, false) == OutcomeNotConsumed &&
+			!connectionEnded(pgErr) {
+			// The statement failed as a whole, and was rolled back: decide
+			// each check (each group) on its own so that every error
+			// reaches the check it belongs to. Not when the server ended
+			// the connection (it is going away, or an operator ended the
+			// backend): every check of the batch gets that error and its
+			// outcome.
 			if pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
 				l.st.opts.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
 					"limiter", l.cfg.Name, "error", pgErr.Message)

@@ -30,8 +30,9 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 	defer cancel()
 	d, err := l.allowDB(cctx, key, a)
 	if err != nil && cctx.Err() != nil {
-		// The statement may still reach the database and count.
-		return Decision{}, cctx.Err()
+		// Report the deadline, with what the statement's error says of
+		// its outcome: it may still reach the database and count.
+		return Decision{}, carryOutcome(err, cctx.Err(), false)
 	}
 	return d, err
 }
@@ -52,7 +53,8 @@ func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, err
 		// yet (cleanup creates them ahead; it may not have run). Create it
 		// and check again.
 		if herr := l.heal(ctx, l.st.db); herr != nil {
-			return Decision{}, herr
+			// The check's statement failed whole: it counted nothing.
+			return Decision{}, WithOutcome(herr, OutcomeNotConsumed)
 		}
 		d, err = take()
 	}
@@ -160,14 +162,15 @@ func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*
 			if r.l.alg.partitioned() && !healed[r.l.windowUs] {
 				healed[r.l.windowUs] = true
 				if herr := r.l.heal(cctx, r.l.st.db); herr != nil {
-					return nil, herr
+					// The decision's statement failed whole.
+					return nil, WithOutcome(herr, OutcomeNotConsumed)
 				}
 			}
 		}
 		decs, err = take()
 	}
 	if err != nil && cctx.Err() != nil && tx == nil {
-		return nil, cctx.Err()
+		return nil, carryOutcome(err, cctx.Err(), false)
 	}
 	for i := range decs {
 		decs[i].Store = StorePostgres
@@ -232,6 +235,9 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 		sp, err = tx.Begin(ctx)
 	} else {
 		sp, err = begin(ctx, group[0].l.st.db)
+		if err != nil {
+			err = &uncommittedError{err}
+		}
 	}
 	if err != nil {
 		return nil, err
@@ -256,6 +262,10 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 		}
 		got, err := span[0].l.alg.takeQueue(ctx, sp, newCheckQueue(span))
 		if err != nil {
+			if tx == nil {
+				// Before the COMMIT: the server rolls the transaction back.
+				err = &uncommittedError{err}
+			}
 			return nil, err
 		}
 		for i, j := range order[k:end] {
@@ -265,7 +275,14 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 		k = end
 	}
 	if denied && mode == AllOrNothing {
-		return decs, sp.Rollback(ctx)
+		if err := sp.Rollback(ctx); err != nil {
+			if tx == nil {
+				// Never committed, whatever became of the connection.
+				err = &uncommittedError{err}
+			}
+			return nil, err
+		}
+		return decs, nil
 	}
 	return decs, sp.Commit(ctx)
 }

@@ -142,7 +142,7 @@ func (l *Limiter) Config() Config { return l.cfg }
 func (l *Limiter) Allow(ctx context.Context, key string, opts ...Option) (Decision, error) {
 	lr, a, err := l.resolve(opts, true)
 	if err != nil {
-		return Decision{}, err
+		return Decision{}, WithOutcome(err, OutcomeNotConsumed)
 	}
 	return lr.check(ctx, nil, key, a)
 }
@@ -157,6 +157,9 @@ func (l *Limiter) check(ctx context.Context, tx pgx.Tx, key string, a ask) (Deci
 	if err == nil {
 		decs, err = decide(ctx, req)
 	}
+	// decide attaches the outcome of what it sent; anything else was
+	// refused before a statement went out.
+	err = WithOutcome(err, OutcomeNotConsumed)
 	decs = req.observe(decs, err, time.Since(start))
 	if err != nil {
 		return Decision{}, err
@@ -198,11 +201,11 @@ func (l *Limiter) asWhole(row *Limiter, d Decision) Decision {
 // whether the transaction commits or not.
 func (l *Limiter) AllowTx(ctx context.Context, tx pgx.Tx, key string, opts ...Option) (Decision, error) {
 	if tx == nil {
-		return Decision{}, ErrNilDB
+		return Decision{}, WithOutcome(ErrNilDB, OutcomeNotConsumed)
 	}
 	lr, a, err := l.resolve(opts, true)
 	if err != nil {
-		return Decision{}, err
+		return Decision{}, WithOutcome(err, OutcomeNotConsumed)
 	}
 	return lr.check(ctx, tx, key, a)
 }

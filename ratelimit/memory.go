@@ -174,9 +174,10 @@ func (m *MemoryLimiter) Len() int { return m.keys.len() }
 func (m *MemoryLimiter) Allow(_ context.Context, key string, opts ...Option) (Decision, error) {
 	a, err := m.options(opts, true)
 	if err != nil {
-		return Decision{}, err
+		return Decision{}, WithOutcome(err, OutcomeNotConsumed)
 	}
-	return m.observe(key, a)
+	d, err := m.observe(key, a)
+	return d, WithOutcome(err, OutcomeNotConsumed)
 }
 
 // options is what opts ask of m, which takes no AtRate.

@@ -99,7 +99,7 @@ func AllowAll(ctx context.Context, mode MultiMode, checks ...Check) (MultiDecisi
 // CreatePartitions) and the checks are made again.
 func AllowAllTx(ctx context.Context, tx pgx.Tx, mode MultiMode, checks ...Check) (MultiDecision, error) {
 	if tx == nil {
-		return MultiDecision{}, ErrNilDB
+		return MultiDecision{}, WithOutcome(ErrNilDB, OutcomeNotConsumed)
 	}
 	return allowAll(ctx, tx, mode, checks)
 }
@@ -112,10 +112,12 @@ func allowAll(ctx context.Context, tx pgx.Tx, mode MultiMode, checks []Check) (M
 	start := time.Now()
 	req, err := newMultiRequest(tx, mode, checks)
 	if err != nil {
+		err = WithOutcome(err, OutcomeNotConsumed)
 		observeRefused(checks, err, time.Since(start))
 		return MultiDecision{}, err
 	}
 	decs, err := decide(ctx, req)
+	err = WithOutcome(err, OutcomeNotConsumed) // refused before sending; decide marks what it sent
 	decs = req.observe(decs, err, time.Since(start))
 	if err != nil {
 		return MultiDecision{}, err

@@ -60,15 +60,19 @@ func decide(ctx context.Context, req *request) ([]Decision, error) {
 	if req.tx == nil {
 		var ok bool
 		if probe, ok = first.st.breaker.allow(sent); !ok {
-			return req.fail(ctx, errBreakerOpen)
+			decs, err := req.fail(ctx, errBreakerOpen)
+			return decs, WithOutcome(err, OutcomeNotConsumed)
 		}
 	}
 	decs, err := req.engine(ctx)
 	if err != nil {
+		// What the statement did, read before the error is replaced or
+		// explained; every error below carries it.
+		o := statementOutcome(err, req.tx != nil)
 		if callerDone(ctx) {
-			return nil, fmt.Errorf("ratelimit: %w", callerErr(ctx))
+			return nil, WithOutcome(fmt.Errorf("ratelimit: %w", callerErr(ctx)), o)
 		}
-		err = first.explain(ctx, err)
+		err = WithOutcome(first.explain(ctx, err), o)
 		if req.tx != nil {
 			return nil, err
 		}
@@ -77,7 +81,8 @@ func decide(ctx context.Context, req *request) ([]Decision, error) {
 			return nil, err
 		}
 		first.st.breaker.failure(time.Now(), err, first.cfg.OnFailure, probe)
-		return req.fail(ctx, err)
+		decs, err := req.fail(ctx, err)
+		return decs, WithOutcome(err, o)
 	}
 	if req.tx == nil {
 		first.st.breaker.success(probe)

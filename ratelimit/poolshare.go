@@ -77,7 +77,8 @@ func sharedPoolFor(pool *pgxpool.Pool) *pooled {
 // every connection of its share was taken.
 var errShareTaken = errors.New("ratelimit: every connection of the pool's share for pgrl's checks is taken (see PoolShareDivisor)")
 
-// acquire takes a slot and a connection, within ctx.
+// acquire takes a slot and a connection, within ctx. Its errors are marked
+// unsent: no statement went out.
 func (p *pooled) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 	select {
 	case p.slots <- struct{}{}:
@@ -85,7 +86,7 @@ func (p *pooled) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 		select {
 		case p.slots <- struct{}{}:
 		case <-ctx.Done():
-			return nil, errors.Join(ctx.Err(), errShareTaken)
+			return nil, unsent(errors.Join(ctx.Err(), errShareTaken))
 		}
 	}
 	c, err := p.pool.Acquire(ctx)
@@ -97,7 +98,7 @@ func (p *pooled) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 		} else {
 			<-p.slots
 		}
-		return nil, err
+		return nil, unsent(err)
 	}
 	return c, nil
 }
@@ -187,19 +188,21 @@ func (p *pooled) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	rows, err := c.Query(ctx, sql, args...)
 	if err != nil {
 		p.release(c)
-		return nil, err
+		return nil, &beforeRowError{err}
 	}
 	return &pooledRows{Rows: rows, release: func() { p.release(c) }}, nil
 }
 
 // QueryRow runs sql on a connection of the share, which returns to the pool
-// when the row is scanned.
+// when the row is scanned. It reads the row as pgx's QueryRow does, through
+// Query, to see whether the row arrived before an error (see
+// beforeRowError).
 func (p *pooled) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	c, err := p.acquire(ctx)
+	rows, err := p.Query(ctx, sql, args...)
 	if err != nil {
 		return errRow{err}
 	}
-	return &pooledRow{row: c.QueryRow(ctx, sql, args...), release: func() { p.release(c) }}
+	return pooledRow{rows.(*pooledRows)}
 }
 
 // SendBatch sends b on a connection of the share, which returns to the
@@ -245,10 +248,13 @@ func (t *pooledTx) Rollback(ctx context.Context) error {
 	return t.Tx.Rollback(ctx)
 }
 
+// pooledRows are the rows of a statement on the share. An error before the
+// first row is marked (see beforeRowError).
 type pooledRows struct {
 	pgx.Rows
 	once    sync.Once
 	release func()
+	seen    bool // a row arrived
 }
 
 func (r *pooledRows) Close() {
@@ -258,20 +264,41 @@ func (r *pooledRows) Close() {
 
 func (r *pooledRows) Next() bool {
 	if r.Rows.Next() {
+		r.seen = true
 		return true
 	}
 	r.Close()
 	return false
 }
 
-type pooledRow struct {
-	row     pgx.Row
-	release func()
+// Err is the statement's error, marked when no row had arrived.
+func (r *pooledRows) Err() error {
+	err := r.Rows.Err()
+	if err != nil && !r.seen {
+		return &beforeRowError{err}
+	}
+	return err
 }
 
-func (r *pooledRow) Scan(dest ...any) error {
-	defer r.release()
-	return r.row.Scan(dest...)
+// pooledRow is the one row of a statement on the share (QueryRow).
+type pooledRow struct{ rows *pooledRows }
+
+// Scan reads the first row into dest, as pgx's QueryRow does: ErrNoRows
+// when there is none, and the statement's error after reading it to the
+// end.
+func (r pooledRow) Scan(dest ...any) error {
+	defer r.rows.Close()
+	if !r.rows.Next() {
+		if err := r.rows.Err(); err != nil {
+			return err
+		}
+		return pgx.ErrNoRows
+	}
+	if err := r.rows.Scan(dest...); err != nil {
+		return err
+	}
+	r.rows.Close()
+	return r.rows.Err()
 }
 
 type pooledBatch struct {
