@@ -101,6 +101,9 @@ const (
 	TableFixedWindow   = "pgrl_fixed_window"
 	TableTokenBucket   = "pgrl_token_bucket"
 	TableSlidingWindow = "pgrl_sliding_window"
+	// TableRequests holds the answers of checks with a request id
+	// (ratelimit.RequestID, migration 000017).
+	TableRequests = "pgrl_request"
 )
 
 // Errors returned by Run. Each message names the fix; test with errors.Is.
@@ -218,6 +221,10 @@ type Tables struct {
 	FixedWindow   TableResult `json:"pgrl_fixed_window"`
 	TokenBucket   TableResult `json:"pgrl_token_bucket"`
 	SlidingWindow TableResult `json:"pgrl_sliding_window"`
+	// Requests is the answers of checks with a request id
+	// (ratelimit.RequestID) kept past their retention; zero where the
+	// table does not exist yet (before migration 000017).
+	Requests TableResult `json:"pgrl_request"`
 }
 
 // Partitions is what a ModePartitions run did to pgrl_fixed_window's
@@ -675,7 +682,14 @@ func (r *runner) run() error {
 	if err := r.table(TableTokenBucket, &r.res.Tables.TokenBucket); err != nil {
 		return err
 	}
-	return r.table(TableSlidingWindow, &r.res.Tables.SlidingWindow)
+	if err := r.table(TableSlidingWindow, &r.res.Tables.SlidingWindow); err != nil {
+		return err
+	}
+	exists, err := r.q.RequestsExist(r.ctx, r.conn)
+	if err != nil || !exists {
+		return err
+	}
+	return r.table(TableRequests, &r.res.Tables.Requests)
 }
 
 // table deletes (or, in a dry run, counts) one table's dead rows.
@@ -693,6 +707,8 @@ func (r *runner) table(name string, tr *TableResult) error {
 			n, err = r.q.TokenBucketCountFull(r.ctx, r.conn, r.cutoffUs)
 		case TableSlidingWindow:
 			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.cutoffUs)
+		case TableRequests:
+			n, err = r.q.RequestCountExpired(r.ctx, r.conn, r.cutoffUs)
 		}
 		if err != nil {
 			return fmt.Errorf("count dead rows of %s: %w", name, err)
@@ -723,6 +739,9 @@ func (r *runner) table(name string, tr *TableResult) error {
 		var n int64
 		var err error
 		switch {
+		case name == TableRequests:
+			// By primary key everywhere: the table is never distributed.
+			n, err = r.q.RequestDeleteExpiredBatch(r.ctx, r.conn, sqlops.RequestDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		case r.tables.Citus:
 			// A ctid names a row of one shard only: batches by primary key.
 			n, err = r.deleteByKey(name, size)

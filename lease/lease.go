@@ -305,6 +305,8 @@ func (x *Limiter) options(opts []ratelimit.Option, counts bool) (ask, error) {
 			}
 			sized = true
 			a = ask{n: v.Units, upTo: v.UpTo}
+		case v.RequestID != "":
+			return a, fmt.Errorf("%w: RequestID for %q, a lease limiter, which answers checks from its slices in memory; check requests that carry an id with the *ratelimit.Limiter", ratelimit.ErrInvalidOption, x.name)
 		case v.Rated:
 			return a, fmt.Errorf("%w: AtRate for %q, a lease limiter, whose slices are counted at the limiter's own rate; lease one limiter per rate, or check other rates with the *ratelimit.Limiter", ratelimit.ErrInvalidOption, x.name)
 		default:

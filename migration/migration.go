@@ -669,8 +669,8 @@ func (e *PartitionCountError) Is(target error) bool {
 
 // Grant gives each role the rights an application's checks need in the
 // migrated schema, and nothing more: USAGE on the schema; SELECT, INSERT,
-// UPDATE and DELETE on pgrl_fixed_window, pgrl_token_bucket and
-// pgrl_sliding_window; SELECT on the migrations table and
+// UPDATE and DELETE on pgrl_fixed_window, pgrl_token_bucket,
+// pgrl_sliding_window and pgrl_request; SELECT on the migrations table and
 // pgrl_partition_settings (what Status, Check and a no-op Up read, so that
 // the application can check at start-up that its schema is current);
 // SELECT on the policy tables pgrl_policy and
@@ -715,8 +715,10 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 	})
 }
 
-// appTables are the counter tables a check reads and writes.
-var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"}
+// appTables are the tables a check reads and writes: the counters, and the
+// answers of checks with a request id (migration 000017), which checks also
+// delete when they clean up.
+var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window", "pgrl_request"}
 
 // appReadTables are the tables an application only reads: the layout
 // settings Status reports, and the policies of migration 000007, which

@@ -381,6 +381,11 @@ func (c Config) checkKey(key string) error {
 // ceiling, not a cost: any n of at least 1, however far above the limit,
 // is taken as the most it may get (see ceiling).
 func (c Config) checkAsk(a ask) error {
+	if a.id != nil {
+		if err := c.checkRequestID(a); err != nil {
+			return err
+		}
+	}
 	if !a.upTo {
 		return c.checkCost(a.n)
 	}
@@ -389,6 +394,19 @@ func (c Config) checkAsk(a ask) error {
 	}
 	if a.slice {
 		return c.checkSlice(a)
+	}
+	return nil
+}
+
+// checkRequestID refuses a RequestID where it cannot be kept.
+func (c Config) checkRequestID(a ask) error {
+	switch {
+	case a.slice:
+		return invalid(ErrInvalidOption, "RequestID with Slice for %q; a slice is a lease's, which answers its checks in memory", c.Name)
+	case c.Spread > 1:
+		return invalid(ErrInvalidOption, "RequestID for %q, which has Spread %d; a retry may pick another row: use Spread 1", c.Name, c.Spread)
+	case c.Policy != "":
+		return invalid(ErrInvalidOption, "RequestID for %q, which reads stored policy %q in its statement; check it from the policy's cache (policy.Options.FromCache)", c.Name, c.Policy)
 	}
 	return nil
 }

@@ -81,6 +81,10 @@ type Decision struct {
 	// ShadowDenied reports, for a limiter in shadow mode, that the limit
 	// would have denied this check (Allowed is true regardless).
 	ShadowDenied bool
+	// Replayed reports a check with a RequestID whose id was decided
+	// before: the decision is that first one (its figures as they were
+	// then), and nothing was counted now.
+	Replayed bool
 	// Reason explains a decision that PostgreSQL did not make, such as
 	// "database unavailable: fail open"; empty otherwise.
 	Reason string

@@ -42,7 +42,7 @@ func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision,
 // limit's caller passes the row that decides (see Limiter.validate).
 func (l *Limiter) allowDB(ctx context.Context, key string, a ask) (Decision, error) {
 	take := func() (Decision, error) {
-		if l.coalescer != nil {
+		if l.coalescer != nil && a.id == nil {
 			return l.coalescer.take(ctx, l, key, a)
 		}
 		return l.take(ctx, l.st.db, key, a)
@@ -109,8 +109,30 @@ func (l *Limiter) takeSlice(ctx context.Context, db DB, k []byte, a ask) (Decisi
 	return decs[0], nil
 }
 
+// takeOnce decides a check with a request id (RequestID) of the stored key
+// k: a check statement of one check that stores its answer under the id,
+// or returns the answer stored (Decision.Replayed). A check of the same id
+// at once made the statement fail with unique_violation, counting nothing:
+// it is sent again, and finds that check's answer. Not in the caller's
+// transaction, which the failure aborted: its error is returned.
+func (l *Limiter) takeOnce(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
+	q := newCheckQueue([]*pendingCheck{{l: l, skey: k, ask: a}})
+	q.request = &requestRef{key: k, id: a.id, retainUs: l.windowUs}
+	decs, err := l.alg.takeQueue(ctx, db, q)
+	if _, inTx := db.(pgx.Tx); err != nil && !inTx && pgerr.IsRequestRace(err) {
+		decs, err = l.alg.takeQueue(ctx, db, q)
+	}
+	if err != nil {
+		return Decision{}, err
+	}
+	return decs[0], nil
+}
+
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
+	if a.id != nil {
+		return l.takeOnce(ctx, db, k, a)
+	}
 	if a.slice {
 		return l.takeSlice(ctx, db, k, a)
 	}

@@ -63,18 +63,39 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 }
 
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := sqlops.New().FixedWindowTakeChecks(ctx, db, sqlops.FixedWindowTakeChecksParams{
+	p := sqlops.FixedWindowTakeChecksParams{
 		Keys:      q.keys,
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
-	})
-	return inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex },
+	}
+	var rows []sqlops.FixedWindowTakeChecksRow
+	var err error
+	replayed := false
+	if r := q.request; r == nil {
+		rows, err = sqlops.New().FixedWindowTakeChecks(ctx, db, p)
+	} else {
+		var once []sqlops.FixedWindowTakeChecksOnceRow
+		once, err = sqlops.New().FixedWindowTakeChecksOnce(ctx, db, sqlops.FixedWindowTakeChecksOnceParams{
+			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs,
+			Keys: p.Keys, MaxCounts: p.MaxCounts, WindowsUs: p.WindowsUs, Penalties: p.Penalties, Runs: p.Runs,
+			Ends: p.Ends, Rows: p.Rows, Costs: p.Costs, UpTo: p.UpTo, Vetoes: p.Vetoes, Mins: p.Mins,
+			Shares: p.Shares, At: p.At,
+		})
+		for _, o := range once {
+			rows = append(rows, sqlops.FixedWindowTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
+				Count: o.Count, Allowed: o.Allowed, ExpiresAtUs: o.ExpiresAtUs, NowUs: o.NowUs})
+			replayed = replayed || o.Replayed
+		}
+	}
+	decs, err := inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex },
 		func(l *Limiter, r sqlops.FixedWindowTakeChecksRow, _ ask) Decision {
 			return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
 		})
+	markReplayed(decs, replayed)
+	return decs, err
 }
 
 func (fixedWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {

@@ -186,6 +186,9 @@ func (m *MemoryLimiter) options(opts []Option, counts bool) (ask, error) {
 	if err == nil && a.slice {
 		err = invalid(ErrInvalidOption, "Slice for %q, a MemoryLimiter; a slice leases a PostgreSQL limit's quota (package lease): use UpTo", m.cfg.Name)
 	}
+	if err == nil && a.id != nil {
+		err = invalid(ErrInvalidOption, "RequestID for %q, a MemoryLimiter; request ids are kept in PostgreSQL: use a Limiter", m.cfg.Name)
+	}
 	if err == nil && rated {
 		err = invalid(ErrInvalidOption, "AtRate for %q, a MemoryLimiter, which counts at its own rate; make a MemoryLimiter per rate", m.cfg.Name)
 	}

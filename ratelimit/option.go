@@ -1,6 +1,9 @@
 package ratelimit
 
-import "context"
+import (
+	"context"
+	"crypto/sha256"
+)
 
 // Checker is what every kind of limit does, with one set of methods:
 // *Limiter (in PostgreSQL), *MemoryLimiter (in process memory) and package
@@ -35,6 +38,7 @@ type Option struct {
 	min   int64 // Slice's min
 	share int64 // Slice's share
 	rate  Rate
+	id    string // RequestID's id
 }
 
 type optionKind uint8
@@ -44,6 +48,7 @@ const (
 	optUpTo
 	optSlice
 	optRate
+	optRequest
 )
 
 // Cost asks for n units (a cost, such as bytes or tokens), all of them or
@@ -106,6 +111,31 @@ func Slice(min, n, share int64) Option {
 // Reset, it reads or forgets the rows that rate uses.
 func AtRate(r Rate) Option { return Option{kind: optRate, rate: r} }
 
+// MaxRequestIDLength is the longest request id RequestID takes, in bytes.
+const MaxRequestIDLength = 1024
+
+// RequestID makes the check idempotent: a check that carries id counts
+// once for its key and limiter, however often it is sent. The check's
+// answer is stored with the units it counts, in the same transaction
+// (table pgrl_request, migration 000017); a later check of the same id and
+// key is not made again but returns that first decision, with
+// Decision.Replayed set, and counts nothing. Two checks of one id at once
+// are counted once too: the second waits for the first and returns its
+// answer. So a client may retry a check whose error was OutcomeUnknown
+// (see Outcome) with the same id: the retry's decision says what the first
+// did (Replayed: it was counted), or the retry is the first to count.
+//
+// id is the caller's (an Idempotency-Key header, a job id): 1 to
+// MaxRequestIDLength bytes, any content; it is stored as a hash. An answer
+// is kept for the limiter's window after the check, and until rl-cleanup
+// deletes it. A check with a request id is one statement of its own, never
+// coalesced with others, and the deny cache does not answer it. It is
+// refused (ErrInvalidOption) with Slice, with Spread above 1, with a stored
+// Policy, by a MemoryLimiter and by package lease; AllowAll takes none.
+// When the database fails, the failure policy answers as for any check,
+// without the id.
+func RequestID(id string) Option { return Option{kind: optRequest, id: id} }
+
 // OptionValue is what one Option gives, as Option.Value reports it.
 type OptionValue struct {
 	// Sized is set for Cost(n) and UpTo(n), and Units is their n (which
@@ -122,6 +152,8 @@ type OptionValue struct {
 	// Rate is r for AtRate(r), and Rated is set for it.
 	Rate  Rate
 	Rated bool
+	// RequestID is RequestID's id; empty for any other option.
+	RequestID string
 }
 
 // Value reports what o gives, for wrappers of a Checker that read a
@@ -139,6 +171,8 @@ func (o Option) Value() OptionValue {
 		return OptionValue{Sized: true, Units: o.n, UpTo: true, SliceMin: o.min, SliceShare: o.share, Sliced: true}
 	case optRate:
 		return OptionValue{Rate: o.rate, Rated: true}
+	case optRequest:
+		return OptionValue{RequestID: o.id}
 	}
 	return OptionValue{}
 }
@@ -150,6 +184,7 @@ func (o Option) Value() OptionValue {
 func options(name string, opts []Option, counts bool) (a ask, r Rate, rated bool, err error) {
 	a = ask{n: 1}
 	sized := false
+	var id []byte
 	for _, o := range opts {
 		switch o.kind {
 		case optCost, optUpTo, optSlice:
@@ -170,10 +205,22 @@ func options(name string, opts []Option, counts bool) (a ask, r Rate, rated bool
 			}
 			rated = true
 			r = o.rate
+		case optRequest:
+			switch {
+			case !counts:
+				return a, r, false, invalid(ErrInvalidOption, "RequestID for %q where nothing is counted; Peek and Reset take only AtRate", name)
+			case id != nil:
+				return a, r, false, invalid(ErrInvalidOption, "RequestID given twice for %q; give it once", name)
+			case o.id == "" || len(o.id) > MaxRequestIDLength:
+				return a, r, false, invalid(ErrInvalidOption, "RequestID of %d bytes for %q; give 1 to %d bytes", len(o.id), name, MaxRequestIDLength)
+			}
+			sum := sha256.Sum256([]byte(o.id))
+			id = sum[:16]
 		default:
-			return a, r, false, invalid(ErrInvalidOption, "the zero Option for %q; use Cost, UpTo, Slice or AtRate", name)
+			return a, r, false, invalid(ErrInvalidOption, "the zero Option for %q; use Cost, UpTo, Slice, AtRate or RequestID", name)
 		}
 	}
+	a.id = id
 	return a, r, rated, nil
 }
 

@@ -51,7 +51,9 @@ type request struct {
 func decide(ctx context.Context, req *request) ([]Decision, error) {
 	first := req.whole[0]
 	sent := first.localNow()
-	if req.tx == nil {
+	if req.tx == nil && req.checks[0].ask.id == nil {
+		// A check with a request id may have been decided before: it
+		// is answered by the statement, which knows.
 		if decs, ok := req.denied(sent); ok {
 			return req.shadow(decs), nil
 		}

@@ -16,6 +16,7 @@ type ask struct {
 	upTo       bool
 	slice      bool
 	min, share int64
+	id         []byte // the hash of RequestID's id, nil without one
 }
 
 // retryCost is the cost whose admission RetryAfter waits for: the whole
@@ -86,6 +87,16 @@ type checkQueue struct {
 	mins     []int64 // a slice's min, 0 for any other check
 	shares   []int64 // a slice's share, 0 for any other check
 	at       []int
+	// request is the request id of the queue's one check, or nil: the
+	// statement stores its answer, or returns the one stored (RequestID).
+	request *requestRef
+}
+
+// requestRef is where a check with a request id stores its answer: under
+// the counter row's stored key and the id's hash, kept retainUs.
+type requestRef struct {
+	key, id  []byte
+	retainUs int64
 }
 
 // figures are what a row's checks count against: two limiters whose
@@ -186,6 +197,14 @@ func (q *checkQueue) limiterOf(j int) *Limiter { return q.limiters[q.rows[j]-1] 
 // statement only when they read the same instant, see statements), else
 // nil, the database's.
 func (q *checkQueue) clock() *time.Time { return q.limiters[0].at() }
+
+// markReplayed sets Decision.Replayed on decs when the statement returned
+// a stored answer (RequestID).
+func markReplayed(decs []Decision, replayed bool) {
+	for i := range decs {
+		decs[i].Replayed = replayed
+	}
+}
 
 // perRow returns f of each row's limiter.
 func perRow[T any](q *checkQueue, f func(*Limiter) T) []T {

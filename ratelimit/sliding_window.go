@@ -66,18 +66,40 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 }
 
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := sqlops.New().SlidingWindowTakeChecks(ctx, db, sqlops.SlidingWindowTakeChecksParams{
+	p := sqlops.SlidingWindowTakeChecksParams{
 		Keys:      q.keys,
 		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
 		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
-	})
-	return inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },
+	}
+	var rows []sqlops.SlidingWindowTakeChecksRow
+	var err error
+	replayed := false
+	if r := q.request; r == nil {
+		rows, err = sqlops.New().SlidingWindowTakeChecks(ctx, db, p)
+	} else {
+		var once []sqlops.SlidingWindowTakeChecksOnceRow
+		once, err = sqlops.New().SlidingWindowTakeChecksOnce(ctx, db, sqlops.SlidingWindowTakeChecksOnceParams{
+			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs,
+			Keys: p.Keys, MaxCounts: p.MaxCounts, WindowsUs: p.WindowsUs, Penalties: p.Penalties, Runs: p.Runs,
+			Ends: p.Ends, Rows: p.Rows, Costs: p.Costs, UpTo: p.UpTo, Vetoes: p.Vetoes, Mins: p.Mins,
+			Shares: p.Shares, At: p.At,
+		})
+		for _, o := range once {
+			rows = append(rows, sqlops.SlidingWindowTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
+				WindowStartUs: o.WindowStartUs, Count: o.Count, PrevCount: o.PrevCount, Allowed: o.Allowed,
+				NowUs: o.NowUs})
+			replayed = replayed || o.Replayed
+		}
+	}
+	decs, err := inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },
 		func(l *Limiter, r sqlops.SlidingWindowTakeChecksRow, a ask) Decision {
 			return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.retryCost()).granting(r.Granted)
 		})
+	markReplayed(decs, replayed)
+	return decs, err
 }
 
 func (slidingWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {

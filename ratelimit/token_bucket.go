@@ -116,18 +116,39 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 }
 
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
-	rows, err := sqlops.New().TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{
+	p := sqlops.TokenBucketTakeChecksParams{
 		Keys:         q.keys,
 		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
 		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
 		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:         q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
-	})
-	return inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },
+	}
+	var rows []sqlops.TokenBucketTakeChecksRow
+	var err error
+	replayed := false
+	if r := q.request; r == nil {
+		rows, err = sqlops.New().TokenBucketTakeChecks(ctx, db, p)
+	} else {
+		var once []sqlops.TokenBucketTakeChecksOnceRow
+		once, err = sqlops.New().TokenBucketTakeChecksOnce(ctx, db, sqlops.TokenBucketTakeChecksOnceParams{
+			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs,
+			Keys: p.Keys, Capacities: p.Capacities, RefillsPerUs: p.RefillsPerUs, Penalties: p.Penalties,
+			Runs: p.Runs, Ends: p.Ends, Rows: p.Rows, Costs: p.Costs, UpTo: p.UpTo, Vetoes: p.Vetoes,
+			Mins: p.Mins, Shares: p.Shares, At: p.At,
+		})
+		for _, o := range once {
+			rows = append(rows, sqlops.TokenBucketTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
+				TokensBits: o.TokensBits, UpdatedAtUs: o.UpdatedAtUs, FullAtUs: o.FullAtUs, Allowed: o.Allowed})
+			replayed = replayed || o.Replayed
+		}
+	}
+	decs, err := inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },
 		func(l *Limiter, r sqlops.TokenBucketTakeChecksRow, a ask) Decision {
 			return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
 		})
+	markReplayed(decs, replayed)
+	return decs, err
 }
 
 func (tokenBucket) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {

@@ -130,6 +130,11 @@ func requireUnloggedLowFillfactor(t *testing.T, schemaName string, wantPartition
 			continue
 		}
 		require.Equal(t, "u", r[0], "%s must be UNLOGGED", name)
+		if name == "pgrl_request" {
+			// Written once per request, never updated: no room to keep
+			// for HOT updates.
+			continue
+		}
 		require.True(t, strings.HasPrefix(r[1], "fillfactor="), "%s has no fillfactor", name)
 		ff, err := strconv.Atoi(strings.TrimPrefix(r[1], "fillfactor="))
 		require.NoError(t, err)

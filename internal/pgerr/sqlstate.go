@@ -156,3 +156,12 @@ func IsPendingDetach(err error) bool {
 	pgErr := pgError(err)
 	return pgErr != nil && pgErr.Code == pgerrcode.ObjectNotInPrerequisiteState && strings.Contains(pgErr.Hint, "FINALIZE")
 }
+
+// IsRequestRace reports the unique_violation of a check whose request id
+// another check stored first (pgrl_request's primary key, migration
+// 000017): the statement counted nothing, and sent again it finds that
+// check's answer.
+func IsRequestRace(err error) bool {
+	pgErr := pgError(err)
+	return pgErr != nil && pgErr.Code == pgerrcode.UniqueViolation && pgErr.ConstraintName == "pgrl_request_pkey"
+}

@@ -1,0 +1,28 @@
+-- Request ids: a check that carries one (ratelimit.RequestID) counts once.
+--
+-- A retried request (a client that timed out, a proxy that replayed it, a
+-- second instance that picked up the same job) must not be charged twice.
+-- The statement that decides a check with a request id also stores its
+-- answer here, in the same transaction, under the key's stored key and the
+-- id's hash: a check whose id is stored returns that answer and counts
+-- nothing; two checks of one id at once find each other through the
+-- primary key (the second waits for the first to commit, then fails with
+-- unique_violation and is asked again, finding the answer). So the answer
+-- and the units it counted commit together or not at all.
+--
+-- Not the counters' hot rows: one row per request, in a table of its own.
+-- UNLOGGED as the counters are (a crash forgets the ids with the counts).
+-- Rows are kept until expires_at, the limiter's retention (its window), and
+-- deleted afterwards by rl-cleanup and by opportunistic cleanup; until then
+-- a retry is answered from them even past expires_at.
+CREATE UNLOGGED TABLE pgrl_request (
+    key        bytea       NOT NULL,
+    id         bytea       NOT NULL,
+    expires_at timestamptz NOT NULL,
+    -- result is the rows the check's statement returned, as a JSON array.
+    result     jsonb       NOT NULL,
+    PRIMARY KEY (key, id),
+    CONSTRAINT pgrl_request_id_length CHECK (octet_length(id) = 16)
+);
+
+CREATE INDEX pgrl_request_expires_at ON pgrl_request (expires_at);
