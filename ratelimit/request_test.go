@@ -147,7 +147,10 @@ func TestRequestIDRefused(t *testing.T) {
 			_, err := l.Allow(ctx, "k", ratelimit.RequestID("a"), ratelimit.RequestID("b"))
 			return err
 		}, "given twice"},
-		{"slice", func() error { _, err := l.Allow(ctx, "k", ratelimit.Slice(1, 5, 1), ratelimit.RequestID("a")); return err }, "with Slice"},
+		{"slice", func() error {
+			_, err := l.Allow(ctx, "k", ratelimit.Slice(1, 5, 1), ratelimit.RequestID("a"))
+			return err
+		}, "with Slice"},
 		{"peek", func() error { _, err := l.Peek(ctx, "k", ratelimit.RequestID("a")); return err }, "nothing is counted"},
 		{"spread", func() error { _, err := spread.Allow(ctx, "k", ratelimit.RequestID("a")); return err }, "use Spread 1"},
 		{"memory", func() error { _, err := mem.Allow(ctx, "k", ratelimit.RequestID("a")); return err }, "use a Limiter"},
