@@ -169,18 +169,37 @@ type Config struct {
 	// Logger receives check errors (level Error) and denials (level
 	// Debug). Defaults to slog.Default().
 	Logger *slog.Logger
+
+	// RequestIDHeader names a request header, such as HeaderIdempotencyKey,
+	// whose value makes the check idempotent (ratelimit.RequestID): a
+	// client that sends a request again with the same value (a retry after
+	// a timeout) is counted once, and gets the first decision again. A
+	// request without the header is checked as usual; one whose value is
+	// longer than ratelimit.MaxRequestIDLength is answered 400 with
+	// {"error":"invalid_request_id"}, and not checked. The handler still
+	// runs for every allowed copy: the limiter counts the request once, it
+	// does not make the handler idempotent. Needs Limiter to be a
+	// *ratelimit.Limiter without a stored Policy and with Spread 1 (New
+	// refuses others: they cannot keep ids); empty by default.
+	RequestIDHeader string
 }
+
+// HeaderIdempotencyKey is the request header of the IETF's draft "The
+// Idempotency-Key HTTP Header Field", a choice for
+// Config.RequestIDHeader.
+const HeaderIdempotencyKey = "Idempotency-Key"
 
 // Middleware limits requests before they reach a handler. It is safe for
 // concurrent use.
 type Middleware struct {
-	rules   []rule
-	mode    ratelimit.MultiMode
-	multi   bool
-	headers HeaderMode
-	deny    func(http.ResponseWriter, *http.Request, ratelimit.MultiDecision)
-	onError func(http.ResponseWriter, *http.Request, error)
-	logger  *slog.Logger
+	rules     []rule
+	requestID string // Config.RequestIDHeader
+	mode      ratelimit.MultiMode
+	multi     bool
+	headers   HeaderMode
+	deny      func(http.ResponseWriter, *http.Request, ratelimit.MultiDecision)
+	onError   func(http.ResponseWriter, *http.Request, error)
+	logger    *slog.Logger
 }
 
 type rule struct {
@@ -282,6 +301,13 @@ func New(cfg Config) (*Middleware, error) {
 		m.multi = true
 	default:
 		return nil, invalid("neither Limiter nor Rules is set")
+	}
+	if cfg.RequestIDHeader != "" {
+		l, ok := cfg.Limiter.(*ratelimit.Limiter)
+		if !ok || l.Config().Policy != "" || l.Config().Spread > 1 {
+			return nil, invalid("RequestIDHeader %q needs Limiter to be a *ratelimit.Limiter without a stored Policy and with Spread 1, which keeps request ids (ratelimit.RequestID); drop RequestIDHeader, or check with such a limiter", cfg.RequestIDHeader)
+		}
+		m.requestID = http.CanonicalHeaderKey(cfg.RequestIDHeader)
 	}
 	return m, nil
 }
@@ -407,7 +433,16 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		next.ServeHTTP(w, r)
 		return
 	}
-	md, err := m.decide(r.Context(), act)
+	var opts []ratelimit.Option
+	if m.requestID != "" {
+		if id := r.Header.Get(m.requestID); len(id) > ratelimit.MaxRequestIDLength {
+			writeJSON(w, http.StatusBadRequest, `{"error":"invalid_request_id"}`)
+			return
+		} else if id != "" {
+			opts = append(opts, ratelimit.RequestID(id))
+		}
+	}
+	md, err := m.decide(r.Context(), act, opts)
 	if err != nil {
 		m.fail(w, r, act, err)
 		return
@@ -435,14 +470,16 @@ func (m *Middleware) fail(w http.ResponseWriter, r *http.Request, act []active, 
 }
 
 // decide checks the active rules: one alone, several in one round trip.
-func (m *Middleware) decide(ctx context.Context, act []active) (ratelimit.MultiDecision, error) {
+// opts are the options of every check (a request id).
+func (m *Middleware) decide(ctx context.Context, act []active, opts []ratelimit.Option) (ratelimit.MultiDecision, error) {
 	if len(act) == 1 {
 		var d ratelimit.Decision
 		var err error
+		opts = append(opts, ratelimit.Cost(act[0].cost))
 		if act[0].lim != nil {
-			d, err = act[0].lim.Allow(ctx, act[0].key, ratelimit.Cost(act[0].cost))
+			d, err = act[0].lim.Allow(ctx, act[0].key, opts...)
 		} else {
-			d, err = act[0].r.checker.Allow(ctx, act[0].key, ratelimit.Cost(act[0].cost))
+			d, err = act[0].r.checker.Allow(ctx, act[0].key, opts...)
 		}
 		if err != nil {
 			return ratelimit.MultiDecision{}, err

@@ -739,3 +739,43 @@ func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 
 var _ = errors.New
 var _ = sort.Strings
+
+// With RequestIDHeader, a request sent again with the same Idempotency-Key
+// is counted once and gets the first decision; without the header every
+// request counts; a value too long is a 400; limiters that cannot keep
+// request ids are refused by New.
+func TestRequestIDHeader(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	lim := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "idem", Limit: 2, Window: time.Hour})
+	srv, reached := server(t, httplimit.Config{Limiter: lim, Key: httplimit.Constant("k"),
+		RequestIDHeader: httplimit.HeaderIdempotencyKey})
+	send := func(id string) int {
+		req, err := http.NewRequest(http.MethodGet, srv.URL, nil)
+		require.NoError(t, err)
+		if id != "" {
+			req.Header.Set(httplimit.HeaderIdempotencyKey, id)
+		}
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	for range 5 {
+		require.Equal(t, http.StatusOK, send("order-1"), "the same request, counted once")
+	}
+	require.Equal(t, http.StatusOK, send("order-2"))
+	require.Equal(t, http.StatusTooManyRequests, send("order-3"), "the limit of 2 distinct requests")
+	require.Equal(t, http.StatusTooManyRequests, send("order-3"), "the first decision again")
+	require.Equal(t, http.StatusOK, send("order-1"), "still the first decision")
+	require.Equal(t, http.StatusTooManyRequests, send(""), "without the header, a request counts")
+	require.Equal(t, http.StatusBadRequest, send(strings.Repeat("x", ratelimit.MaxRequestIDLength+1)))
+	require.Equal(t, 7, *reached)
+
+	mem, err := ratelimit.NewMemory(ratelimit.Config{Name: "mem", Limit: 2, Window: time.Hour}, ratelimit.MemoryOptions{})
+	require.NoError(t, err)
+	_, err = httplimit.New(httplimit.Config{Limiter: mem, Key: httplimit.Constant("k"), RequestIDHeader: "Idempotency-Key"})
+	require.ErrorIs(t, err, httplimit.ErrInvalidConfig)
+	require.ErrorContains(t, err, "keeps request ids")
+}

@@ -8,6 +8,7 @@ import (
 	"runtime"
 	"slices"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -43,6 +44,11 @@ type workload struct {
 	hashed    [][]byte // the same keys as the raw statement sends them
 	cfg       ratelimit.Config
 	dbOpts    ratelimit.DatabaseOptions
+	// requestIDs gives every library check a request id of its own
+	// (--request-ids): nonce and a count, unique across runs.
+	requestIDs bool
+	nonce      string
+	count      *atomic.Int64
 }
 
 func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
@@ -67,6 +73,9 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 	}
 	if o.policy {
 		w.cfg.Policy = benchName
+	}
+	if o.requestIDs {
+		w.requestIDs, w.nonce, w.count = true, strconv.FormatInt(time.Now().UnixNano(), 36)+"-", new(atomic.Int64)
 	}
 	for i := range nkeys {
 		w.keys[i] = "key-" + strconv.Itoa(i)
@@ -117,7 +126,11 @@ func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
 		return nil, err
 	}
 	return func(ctx context.Context, k int) error {
-		d, err := l.Allow(ctx, w.keys[k])
+		var opts []ratelimit.Option
+		if w.requestIDs {
+			opts = []ratelimit.Option{ratelimit.RequestID(w.nonce + strconv.FormatInt(w.count.Add(1), 10))}
+		}
+		d, err := l.Allow(ctx, w.keys[k], opts...)
 		if err == nil && !d.Allowed {
 			return fmt.Errorf("check of %q denied with a limit of %d: the benchmark measures admitted checks", w.keys[k], benchLimit)
 		}
@@ -276,6 +289,7 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		Limit:           benchLimit,
 		Coalescing:      o.coalescing,
 		Policy:          o.policy,
+		RequestIDs:      o.requestIDs,
 		MaxInFlight:     o.maxInFlight,
 		Window:          benchWindow.String(),
 		Targets:         defaultTargets,

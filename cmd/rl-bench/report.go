@@ -30,6 +30,9 @@ type Report struct {
 	// Policy reports whether the library path read its limit from a stored
 	// policy in each check's statement (--policy).
 	Policy bool `json:"policy,omitempty"`
+	// RequestIDs reports whether every library check carried a request id
+	// of its own (--request-ids).
+	RequestIDs bool `json:"request_ids,omitempty"`
 	// MaxInFlight is the library's DatabaseOptions.MaxInFlight; 0 is its default.
 	MaxInFlight int `json:"max_in_flight"`
 	// Cases holds one entry per algorithm, number of callers and key spread.
@@ -122,6 +125,9 @@ func printText(w io.Writer, r Report) error {
 	}
 	if r.Policy {
 		coalescing = "off (the library reads a stored policy in each check's statement)"
+	}
+	if r.RequestIDs {
+		coalescing = "off (every check carries a request id of its own, and is a statement of its own)"
 	}
 	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n\n",
 		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing)
