@@ -298,6 +298,13 @@ func TestDryRunCountsAndDeletesNothing(t *testing.T) {
 	db, _ := dbtest.Pool(t)
 	ctx := context.Background()
 	seedAllTables(t, db, 37, 11, 23, 7, 19, 5)
+	// The answers of checks with a request id: 13 kept past their
+	// retention, 4 not.
+	_, err := db.Exec(ctx, `INSERT INTO pgrl_request (key, id, expires_at, result)
+		SELECT int8send(i), substring(decode(md5(i::text), 'hex') for 16),
+		       now() + CASE WHEN i <= 13 THEN interval '-1 hour' ELSE interval '1 hour' END, '[]'
+		  FROM generate_series(1, 17) AS i`)
+	require.NoError(t, err)
 
 	res, err := cleanup.Run(ctx, db, cleanup.Options{DryRun: true})
 	require.NoError(t, err)
@@ -305,6 +312,7 @@ func TestDryRunCountsAndDeletesNothing(t *testing.T) {
 	require.Equal(t, cleanup.TableResult{WouldDelete: 37}, res.Tables.FixedWindow)
 	require.Equal(t, cleanup.TableResult{WouldDelete: 23}, res.Tables.TokenBucket)
 	require.Equal(t, cleanup.TableResult{WouldDelete: 19}, res.Tables.SlidingWindow)
+	require.Equal(t, cleanup.TableResult{WouldDelete: 13}, res.Tables.Requests)
 	require.Zero(t, res.Batches)
 	require.Equal(t, int64(48), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
 	require.Equal(t, int64(30), countRows(t, db, "SELECT count(*) FROM pgrl_token_bucket"))
@@ -317,7 +325,9 @@ func TestDryRunCountsAndDeletesNothing(t *testing.T) {
 	require.Equal(t, cleanup.TableResult{Deleted: 37, Batches: 4, Vacuumed: true}, res.Tables.FixedWindow)
 	require.Equal(t, cleanup.TableResult{Deleted: 23, Batches: 3, Vacuumed: true}, res.Tables.TokenBucket)
 	require.Equal(t, cleanup.TableResult{Deleted: 19, Batches: 2, Vacuumed: true}, res.Tables.SlidingWindow)
-	require.Equal(t, 9, res.Batches)
+	require.Equal(t, cleanup.TableResult{Deleted: 13, Batches: 2, Vacuumed: true}, res.Tables.Requests)
+	require.Equal(t, 11, res.Batches)
+	require.Equal(t, int64(4), countRows(t, db, "SELECT count(*) FROM pgrl_request"))
 	require.Equal(t, int64(11), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
 	require.Equal(t, int64(7), countRows(t, db, "SELECT count(*) FROM pgrl_token_bucket"))
 	require.Equal(t, int64(5), countRows(t, db, "SELECT count(*) FROM pgrl_sliding_window"))

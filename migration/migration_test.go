@@ -93,6 +93,9 @@ func requireCounterTables(t *testing.T, schemaName string) int {
 			partitions++
 		}
 		require.Equal(t, "u", r.persistence, "%s must be UNLOGGED", r.name)
+		if r.name == "pgrl_request" {
+			continue // written once per request, never updated: no room kept for HOT updates
+		}
 		require.LessOrEqual(t, r.fillfactor, 70, "%s fillfactor", r.name)
 	}
 	for _, name := range []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"} {
