@@ -158,7 +158,8 @@ func TestRolesCleanupRoleBothModes(t *testing.T) {
 	s, c := pgx.Identifier{rs.schema}.Sanitize(), pgx.Identifier{rs.cleaner}.Sanitize()
 	for _, stmt := range []string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + c,
-		"GRANT SELECT, DELETE ON " + s + ".pgrl_fixed_window, " + s + ".pgrl_token_bucket, " + s + ".pgrl_sliding_window TO " + c,
+		"GRANT SELECT, DELETE ON " + s + ".pgrl_fixed_window, " + s + ".pgrl_token_bucket, " + s + ".pgrl_sliding_window, " +
+			s + ".pgrl_request TO " + c,
 	} {
 		_, err := admin.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)

@@ -29,3 +29,26 @@ CREATE UNLOGGED TABLE pgrl_request (
 -- expired ones for rl-cleanup, and is smaller and cheaper to keep up than a
 -- B-tree.
 CREATE INDEX pgrl_request_expires_at ON pgrl_request USING brin (expires_at);
+
+-- A role that may check or clean up the counters may do the same here:
+-- each privilege granted on pgrl_sliding_window (the table every check and
+-- every cleanup run writes or reads since migration 000001) is granted on
+-- pgrl_request too, so that an application role or a cleanup role set up
+-- before this migration keeps working after it.
+DO $$
+DECLARE
+    g record;
+BEGIN
+    FOR g IN SELECT a.grantee, r.rolname, a.privilege_type
+               FROM pg_catalog.pg_class AS c CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+               LEFT JOIN pg_catalog.pg_roles AS r ON r.oid = a.grantee
+              WHERE c.oid = 'pgrl_sliding_window'::regclass AND a.grantee <> c.relowner
+                AND a.privilege_type IN ('SELECT', 'INSERT', 'UPDATE', 'DELETE') LOOP
+        IF g.grantee = 0 THEN
+            EXECUTE format('GRANT %s ON pgrl_request TO PUBLIC', g.privilege_type);
+        ELSE
+            EXECUTE format('GRANT %s ON pgrl_request TO %I', g.privilege_type, g.rolname);
+        END IF;
+    END LOOP;
+END
+$$;
