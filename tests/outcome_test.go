@@ -67,8 +67,18 @@ func (o *outcomeTally) judge(t *testing.T, err error, delta int64) {
 }
 
 // report logs the tally and fails on a wrong answer, or when the mode did
-// not give the outcome it must (want).
+// not give the outcome it must (want) in every trial.
 func (o *outcomeTally) report(t *testing.T, want ratelimit.Outcome) {
+	t.Helper()
+	o.reportSome(t, want)
+	total := o.seen[0] + o.seen[1] + o.seen[2]
+	require.Equal(t, total, o.seen[want], "%s: every trial is %s", o.name, want)
+}
+
+// reportSome is report for a mode that gives want in some trials at least,
+// and may give a stronger outcome in others (a deadline that passed while
+// a connection was still being opened: nothing was sent).
+func (o *outcomeTally) reportSome(t *testing.T, want ratelimit.Outcome) {
 	t.Helper()
 	t.Logf("%s: %d trials: not consumed %d (counted %d), consumed %d (counted %d), unknown %d (counted %d); wrong answers: %d",
 		o.name, o.seen[0]+o.seen[1]+o.seen[2],
@@ -76,8 +86,7 @@ func (o *outcomeTally) report(t *testing.T, want ratelimit.Outcome) {
 		o.seen[ratelimit.OutcomeConsumed], o.counted[ratelimit.OutcomeConsumed],
 		o.seen[ratelimit.OutcomeUnknown], o.counted[ratelimit.OutcomeUnknown], len(o.wrong))
 	require.Empty(t, o.wrong, "%s: wrong answers", o.name)
-	total := o.seen[0] + o.seen[1] + o.seen[2]
-	require.Equal(t, total, o.seen[want], "%s: every trial is %s", o.name, want)
+	require.Positive(t, o.seen[want], "%s: some trials are %s", o.name, want)
 }
 
 // outcomeEnv is a migrated schema, an admin pool on it, and what a trial
@@ -115,11 +124,17 @@ func (e *outcomeEnv) count(name, key string) int64 {
 	return n
 }
 
-// lock creates key's row (one unit) and locks it in a transaction that
-// stays open until unlock is called.
-func (e *outcomeEnv) lock(l *ratelimit.Limiter, key string) (unlock func()) {
+// lock creates key's row (one unit, or more if a try that failed was
+// counted) and locks it in a transaction that stays open until unlock is
+// called; base is the row's count then.
+func (e *outcomeEnv) lock(l *ratelimit.Limiter, key string) (unlock func(), base int64) {
 	ctx := context.Background()
-	_, err := l.Allow(ctx, key, ratelimit.Cost(1))
+	// l's Timeout may be short: on a busy machine, opening a connection can
+	// take longer. Nothing else is going on with the key yet.
+	var err error
+	for try := 0; try == 0 || err != nil && try < 100; try++ {
+		_, err = l.Allow(ctx, key, ratelimit.Cost(1))
+	}
 	require.NoError(e.t, err)
 	tx, err := e.admin.Begin(ctx)
 	require.NoError(e.t, err)
@@ -127,12 +142,14 @@ func (e *outcomeEnv) lock(l *ratelimit.Limiter, key string) (unlock func()) {
 		multiprocessHashedKey(l.Config().Name, key))
 	require.NoError(e.t, err)
 	require.EqualValues(e.t, 1, tag.RowsAffected())
+	require.NoError(e.t, tx.QueryRow(ctx, "SELECT coalesce(sum(count), 0) FROM pgrl_fixed_window WHERE key = $1",
+		multiprocessHashedKey(l.Config().Name, key)).Scan(&base))
 	var once sync.Once
 	// A rollback that fails found the connection gone, and the
 	// transaction with it.
 	unlock = func() { once.Do(func() { _ = tx.Rollback(ctx) }) }
 	e.t.Cleanup(unlock)
-	return unlock
+	return unlock, base
 }
 
 // waiting returns the pids of app's backends waiting on a lock, once there
@@ -200,7 +217,7 @@ func TestOutcomeNothingSent(t *testing.T) {
 		// locked row keeps.
 		const app = "pgrl-outcome-queue"
 		l := outcomeLimiter(t, e.pool(app, 2, nil), "queue", ratelimit.DatabaseOptions{Timeout: time.Minute})
-		unlock := e.lock(l, "hot")
+		unlock, _ := e.lock(l, "hot")
 		held := make(chan error, 1)
 		go func() {
 			_, err := l.Allow(ctx, "hot", ratelimit.Cost(outcomeCost))
@@ -239,11 +256,11 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 			o := newTally(param + " while waiting on a row lock")
 			for i := range outcomeTrials {
 				key := fmt.Sprintf("k%d", i)
-				unlock := e.lock(l, key)
+				unlock, base := e.lock(l, key)
 				_, err := l.Allow(ctx, key, ratelimit.Cost(outcomeCost))
 				unlock()
 				e.quiet(app)
-				o.judge(t, err, e.count(param, key)-1)
+				o.judge(t, err, e.count(param, key)-base)
 			}
 			o.report(t, ratelimit.OutcomeNotConsumed)
 		})
@@ -255,7 +272,7 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 		o := newTally("backend terminated while waiting on a row lock")
 		for i := range outcomeTrials {
 			key := fmt.Sprintf("k%d", i)
-			unlock := e.lock(l, key)
+			unlock, base := e.lock(l, key)
 			done := make(chan error, 1)
 			go func() {
 				_, err := l.Allow(ctx, key, ratelimit.Cost(outcomeCost))
@@ -267,7 +284,7 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 			err = <-done
 			unlock()
 			e.quiet(app)
-			o.judge(t, err, e.count("terminated", key)-1)
+			o.judge(t, err, e.count("terminated", key)-base)
 		}
 		o.report(t, ratelimit.OutcomeNotConsumed)
 	})
@@ -285,7 +302,7 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 		largest := 0
 		for i := range outcomeTrials {
 			locked := fmt.Sprintf("locked%d", i)
-			unlock := e.lock(l, locked)
+			unlock, base := e.lock(l, locked)
 			keys := []string{locked}
 			for j := range 11 {
 				keys = append(keys, fmt.Sprintf("b%d-%d", i, j))
@@ -312,7 +329,7 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 			for j, k := range keys {
 				delta := e.count("batch", k)
 				if j == 0 {
-					delta-- // the locked row was made with one unit
+					delta -= base // the locked row's count before the batch
 				}
 				if errs[j] == nil {
 					require.EqualValues(t, outcomeCost, delta, "a check that succeeded counted its cost")
@@ -344,14 +361,14 @@ func TestOutcomeLostAfterSending(t *testing.T) {
 		o := newTally("client deadline while waiting on a row lock")
 		for i := range outcomeTrials {
 			key := fmt.Sprintf("k%d", i)
-			unlock := e.lock(l, key)
+			unlock, base := e.lock(l, key)
 			_, err := l.Allow(ctx, key, ratelimit.Cost(outcomeCost))
 			time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
 			unlock()
 			e.quiet(app)
-			o.judge(t, err, e.count("deadline", key)-1)
+			o.judge(t, err, e.count("deadline", key)-base)
 		}
-		o.report(t, ratelimit.OutcomeUnknown)
+		o.reportSome(t, ratelimit.OutcomeUnknown)
 	})
 
 	t.Run("connection_cut", func(t *testing.T) {
@@ -371,7 +388,7 @@ func TestOutcomeLostAfterSending(t *testing.T) {
 		o := newTally("connection cut while waiting on a row lock")
 		for i := range outcomeTrials {
 			key := fmt.Sprintf("k%d", i)
-			unlock := ce.lock(l, key)
+			unlock, base := ce.lock(l, key)
 			done := make(chan error, 1)
 			go func() {
 				_, err := l.Allow(ctx, key, ratelimit.Cost(outcomeCost))
@@ -382,7 +399,7 @@ func TestOutcomeLostAfterSending(t *testing.T) {
 			err := <-done
 			unlock()
 			ce.quiet(app)
-			o.judge(t, err, ce.count("cut", key)-1)
+			o.judge(t, err, ce.count("cut", key)-base)
 		}
 		o.report(t, ratelimit.OutcomeUnknown)
 	})
@@ -413,7 +430,7 @@ func TestOutcomeServerStopped(t *testing.T) {
 	o := newTally("server stopped (fast) while waiting, and checks while it is down")
 	for i := range 3 {
 		key := fmt.Sprintf("k%d", i)
-		e.lock(l, key)
+		_, base := e.lock(l, key)
 		done := make(chan error, 1)
 		go func() {
 			_, err := l.Allow(ctx, key, ratelimit.Cost(outcomeCost))
@@ -426,7 +443,7 @@ func TestOutcomeServerStopped(t *testing.T) {
 		down := fmt.Sprintf("down%d", i)
 		_, errDown := l.Allow(ctx, down, ratelimit.Cost(outcomeCost))
 		c.start()
-		o.judge(t, errWaiting, e.count("stop", key)-1)
+		o.judge(t, errWaiting, e.count("stop", key)-base)
 		o.judge(t, errDown, e.count("stop", down))
 	}
 	o.report(t, ratelimit.OutcomeNotConsumed)
@@ -445,7 +462,7 @@ func TestOutcomeInCallersTransaction(t *testing.T) {
 	o := newTally("client deadline inside the caller's transaction")
 	for i := range outcomeTrials {
 		key := fmt.Sprintf("k%d", i)
-		unlock := e.lock(l, key)
+		unlock, base := e.lock(l, key)
 		tx, err := pool.Begin(ctx)
 		require.NoError(t, err)
 		cctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
@@ -454,7 +471,7 @@ func TestOutcomeInCallersTransaction(t *testing.T) {
 		_ = tx.Rollback(ctx)
 		unlock()
 		e.quiet(app)
-		o.judge(t, err, e.count("tx", key)-1)
+		o.judge(t, err, e.count("tx", key)-base)
 		require.False(t, errors.Is(err, ratelimit.ErrOutcomeUnknown))
 	}
 	o.report(t, ratelimit.OutcomeNotConsumed)
