@@ -65,9 +65,9 @@ var (
 )
 
 // OutcomeOf returns the outcome that err, returned by a check, carries.
-// For nil it returns OutcomeConsumed only in the sense that a decision was
-// made; callers test err first. An error that carries no outcome (one not
-// returned by a check) is OutcomeUnknown.
+// Test err against nil first: a nil error means the check was decided, and
+// its Decision says what it counted (OutcomeOf(nil) is OutcomeUnknown, as
+// for any error that carries no outcome, one not returned by a check).
 func OutcomeOf(err error) Outcome {
 	var oe *outcomeError
 	if errors.As(err, &oe) {
