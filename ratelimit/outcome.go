@@ -8,7 +8,7 @@ import (
 
 // Outcome says what a check that returned an error did to its counters:
 // whether the units it asked for were spent although the caller got no
-// decision. Every error a check returns (Allow, AllowN, AllowAll, the …Tx
+// decision. Every error a check returns (Allow with any options, AllowAll, the …Tx
 // variants, checks of a stored policy, coalesced or not) carries one;
 // OutcomeOf reads it, and errors.Is matches ErrNotConsumed, ErrConsumed and
 // ErrOutcomeUnknown. Each is the strongest claim that is certainly true:
