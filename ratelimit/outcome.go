@@ -8,8 +8,9 @@ import (
 
 // Outcome says what a check that returned an error did to its counters:
 // whether the units it asked for were spent although the caller got no
-// decision. Every error a check returns (Allow with any options, AllowAll, the …Tx
-// variants, checks of a stored policy, coalesced or not) carries one;
+// decision. Every error a check returns (Allow with any options,
+// AllowAll, the …Tx variants, checks of a stored policy, coalesced or
+// not) carries one;
 // OutcomeOf reads it, and errors.Is matches ErrNotConsumed, ErrConsumed and
 // ErrOutcomeUnknown. Each is the strongest claim that is certainly true:
 // a check is never reported as not consumed when it may have been, nor as
