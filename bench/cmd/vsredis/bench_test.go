@@ -101,8 +101,8 @@ func abs(x float64) float64 {
 
 // TestLeasedEndToEnd runs the leased path: a key space and the mix with
 // --lease-size on the fixed window. Every leased check is verified as it
-// is made and the end-of-run check holds; most checks are answered from
-// slices.
+// is made and the end-of-run check holds; checks are answered from slices,
+// most of them in the key space.
 func TestLeasedEndToEnd(t *testing.T) {
 	addr := redisAddr(t)
 	schema := dbtest.NewSchema(t)
@@ -133,8 +133,15 @@ func TestLeasedEndToEnd(t *testing.T) {
 		if s == nil {
 			t.Fatalf("%s: no lease stats", what)
 		}
-		if !s.NeverOverLimit || s.Admitted == 0 || s.Slices == 0 || s.LocalDecisions <= s.DatabaseDecisions {
-			t.Errorf("%s: %+v: want admitted checks, mostly answered from slices, within the limit", what, s)
+		if !s.NeverOverLimit || s.Admitted == 0 || s.Slices == 0 || s.LocalDecisions == 0 {
+			t.Errorf("%s: %+v: want admitted checks, some answered from slices, within the limit", what, s)
+		}
+		// Ten hot keys: after each key's first check (its own, lazy start),
+		// its checks come from slices. Not asked of the mix, whose many
+		// keys may each see a check or two in so short a run on a busy
+		// machine, each its own.
+		if what == "key space" && s.LocalDecisions <= s.DatabaseDecisions {
+			t.Errorf("%s: %+v: want most checks answered from slices", what, s)
 		}
 		if s.UsedLocally+s.Returned+s.Dropped > s.UnitsLeased {
 			t.Errorf("%s: %+v: more units used, returned and dropped than leased", what, s)
