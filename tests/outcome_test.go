@@ -428,6 +428,7 @@ func TestOutcomeServerStopped(t *testing.T) {
 	l := outcomeLimiter(t, pool, "stop", ratelimit.DatabaseOptions{Timeout: 5 * time.Second})
 
 	o := newTally("server stopped (fast) while waiting, and checks while it is down")
+	decided := 0
 	for i := range 3 {
 		key := fmt.Sprintf("k%d", i)
 		_, base := e.lock(l, key)
@@ -443,9 +444,18 @@ func TestOutcomeServerStopped(t *testing.T) {
 		down := fmt.Sprintf("down%d", i)
 		_, errDown := l.Allow(ctx, down, ratelimit.Cost(outcomeCost))
 		c.start()
-		o.judge(t, errWaiting, e.count("stop", key)-base)
+		if errWaiting == nil {
+			// The shutdown ended the lock holder's backend first, and the
+			// check's got the row and committed before its own turn came:
+			// a decision, counted.
+			require.Equal(t, int64(outcomeCost), e.count("stop", key)-base, "a check that answered counted")
+			decided++
+		} else {
+			o.judge(t, errWaiting, e.count("stop", key)-base)
+		}
 		o.judge(t, errDown, e.count("stop", down))
 	}
+	t.Logf("%d of the checks waiting on a lock were decided before the shutdown ended them", decided)
 	o.report(t, ratelimit.OutcomeNotConsumed)
 }
 
