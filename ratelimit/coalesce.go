@@ -174,7 +174,7 @@ func (c *coalescer) submit(r *pendingCheck) error {
 			go c.leadIfHanded(r)
 			return WithOutcome(r.ctx.Err(), OutcomeUnknown)
 		}
-		return unsent(r.ctx.Err())
+		return mark(r.ctx.Err(), unsent)
 	}
 }
 

@@ -258,7 +258,7 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 	} else {
 		sp, err = begin(ctx, group[0].l.st.db)
 		if err != nil {
-			err = &uncommittedError{err}
+			err = mark(err, uncommitted)
 		}
 	}
 	if err != nil {
@@ -286,7 +286,7 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 		if err != nil {
 			if tx == nil {
 				// Before the COMMIT: the server rolls the transaction back.
-				err = &uncommittedError{err}
+				err = mark(err, uncommitted)
 			}
 			return nil, err
 		}
@@ -300,7 +300,7 @@ func takeInTx(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*pendingCh
 		if err := sp.Rollback(ctx); err != nil {
 			if tx == nil {
 				// Never committed, whatever became of the connection.
-				err = &uncommittedError{err}
+				err = mark(err, uncommitted)
 			}
 			return nil, err
 		}

@@ -121,35 +121,54 @@ func carryOutcome(err, replacement error, inTx bool) error {
 	return WithOutcome(replacement, statementOutcome(err, inTx))
 }
 
-// unsentError marks an error that ended a check before its statement was
-// handed to the driver: waiting for a connection or for a coalesced batch.
-type unsentError struct{ err error }
+// sendMark is what the code that sent a statement knows of an error that
+// ended it, marked on the error (markedError) for statementOutcome.
+type sendMark uint8
 
-func (e *unsentError) Error() string { return e.err.Error() }
-func (e *unsentError) Unwrap() error { return e.err }
+const (
+	// unsent: the error ended the check before its statement was handed to
+	// the driver: waiting for a connection or for a coalesced batch.
+	unsent sendMark = iota + 1
+	// uncommitted: the error ended a transaction of pgrl's own (a decision
+	// over several algorithms) before its COMMIT was sent: the server rolls
+	// it back whatever happened to the connection.
+	uncommitted
+	// beforeRow: the error ended a statement before the server had sent any
+	// of its result rows, seen by a DB that watches for them (the share of
+	// a pool, poolshare.go). Every statement that counts returns a row per
+	// check it counts, and PostgreSQL sends a statement's rows before it
+	// commits its transaction, and any error it reports after them: an
+	// error the server ends the connection with (FATAL) before the first
+	// row means the transaction did not commit, or committed nothing.
+	beforeRow
+)
 
-// unsent marks err (not nil) as ending a check before anything was sent.
-func unsent(err error) error { return &unsentError{err} }
+// markedError is an error with what its sender knows of it.
+type markedError struct {
+	err  error
+	mark sendMark
+}
 
-// beforeRowError marks an error that ended a statement before the server
-// had sent any of its result rows, seen by a DB that watches for them (the
-// share of a pool, poolshare.go). Every statement that counts returns a row
-// per check it counts, and PostgreSQL sends a statement's rows before it
-// commits its transaction, and any error it reports after them: an error
-// the server ends the connection with (FATAL) before the first row means
-// the transaction did not commit, or committed nothing.
-type beforeRowError struct{ err error }
+func (e *markedError) Error() string { return e.err.Error() }
+func (e *markedError) Unwrap() error { return e.err }
 
-func (e *beforeRowError) Error() string { return e.err.Error() }
-func (e *beforeRowError) Unwrap() error { return e.err }
+// mark marks err (not nil) with m.
+func mark(err error, m sendMark) error { return &markedError{err: err, mark: m} }
 
-// uncommittedError marks an error that ended a transaction of pgrl's own
-// (a decision over several algorithms) before its COMMIT was sent: the
-// server rolls it back whatever happened to the connection.
-type uncommittedError struct{ err error }
-
-func (e *uncommittedError) Error() string { return e.err.Error() }
-func (e *uncommittedError) Unwrap() error { return e.err }
+// marked reports whether any error in err's chain is marked m.
+func marked(err error, m sendMark) bool {
+	for err != nil {
+		var me *markedError
+		if !errors.As(err, &me) {
+			return false
+		}
+		if me.mark == m {
+			return true
+		}
+		err = me.err
+	}
+	return false
+}
 
 // statementOutcome classifies err, which ended a check's statement (inTx:
 // in the caller's transaction), by what is certain:
@@ -177,9 +196,7 @@ func statementOutcome(err error, inTx bool) Outcome {
 	if inTx || errors.Is(err, ErrPolicyChanged) {
 		return OutcomeNotConsumed
 	}
-	var us *unsentError
-	var uc *uncommittedError
-	if errors.As(err, &us) || errors.As(err, &uc) || pgconn.SafeToRetry(err) {
+	if marked(err, unsent) || marked(err, uncommitted) || pgconn.SafeToRetry(err) {
 		return OutcomeNotConsumed
 	}
 	var pgErr *pgconn.PgError
@@ -189,8 +206,7 @@ func statementOutcome(err error, inTx bool) Outcome {
 	if !connectionEnded(pgErr) {
 		return OutcomeNotConsumed // ERROR: the statement's transaction rolled back
 	}
-	var br *beforeRowError
-	if errors.As(err, &br) {
+	if marked(err, beforeRow) {
 		return OutcomeNotConsumed
 	}
 	return OutcomeUnknown

@@ -86,7 +86,7 @@ func (p *pooled) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 		select {
 		case p.slots <- struct{}{}:
 		case <-ctx.Done():
-			return nil, unsent(errors.Join(ctx.Err(), errShareTaken))
+			return nil, mark(errors.Join(ctx.Err(), errShareTaken), unsent)
 		}
 	}
 	c, err := p.pool.Acquire(ctx)
@@ -98,7 +98,7 @@ func (p *pooled) acquire(ctx context.Context) (*pgxpool.Conn, error) {
 		} else {
 			<-p.slots
 		}
-		return nil, unsent(err)
+		return nil, mark(err, unsent)
 	}
 	return c, nil
 }
@@ -188,7 +188,7 @@ func (p *pooled) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	rows, err := c.Query(ctx, sql, args...)
 	if err != nil {
 		p.release(c)
-		return nil, &beforeRowError{err}
+		return nil, mark(err, beforeRow)
 	}
 	return &pooledRows{Rows: rows, release: func() { p.release(c) }}, nil
 }
@@ -196,7 +196,7 @@ func (p *pooled) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 // QueryRow runs sql on a connection of the share, which returns to the pool
 // when the row is scanned. It reads the row as pgx's QueryRow does, through
 // Query, to see whether the row arrived before an error (see
-// beforeRowError).
+// beforeRow in outcome.go).
 func (p *pooled) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	rows, err := p.Query(ctx, sql, args...)
 	if err != nil {
@@ -249,7 +249,7 @@ func (t *pooledTx) Rollback(ctx context.Context) error {
 }
 
 // pooledRows are the rows of a statement on the share. An error before the
-// first row is marked (see beforeRowError).
+// first row is marked (see beforeRow in outcome.go).
 type pooledRows struct {
 	pgx.Rows
 	once    sync.Once
@@ -275,7 +275,7 @@ func (r *pooledRows) Next() bool {
 func (r *pooledRows) Err() error {
 	err := r.Rows.Err()
 	if err != nil && !r.seen {
-		return &beforeRowError{err}
+		return mark(err, beforeRow)
 	}
 	return err
 }
