@@ -51,6 +51,10 @@ type algorithm interface {
 	// each key's as if one after another, and returns their decisions in
 	// the caller's order (see checkQueue).
 	takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error)
+	// refund gives back n of the units that reservation r (Reserve) of the
+	// stored key k took, as far as they still count, and returns how many
+	// it gave back.
+	refund(ctx context.Context, l *Limiter, db DB, k []byte, r reservation, n int64) (int64, error)
 	// peek reports k's state as a check of one unit would see it.
 	peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error)
 	// reset deletes k's row.

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"math"
 	"time"
 
 	"github.com/pgrl/pgrl/gen"
@@ -96,6 +97,27 @@ func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		})
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+// refund takes n units off the window r counted them in, by a check of
+// cost -n pinned to r's instant, while that window lasts: units of a window
+// that has ended no longer count. A count that the refund took below zero
+// (the key was reset in between) is put back to zero: the refund gives back
+// only what is there.
+func (fixedWindow) refund(ctx context.Context, l *Limiter, db DB, k []byte, r reservation, n int64) (int64, error) {
+	if r.ExpiresAtUs <= r.settledAtUs {
+		return 0, nil
+	}
+	p := gen.FixedWindowTakeParams{Key: k, WindowUs: l.windowUs, Cost: -n, MaxCount: math.MaxInt64, Penalty: true}
+	at := usTime(r.NowUs)
+	p.At = &at
+	row, err := l.q.FixedWindowTake(ctx, db, p)
+	if err != nil || row.Count >= 0 {
+		return n, err
+	}
+	p.Cost = -row.Count
+	_, err = l.q.FixedWindowTake(ctx, db, p)
+	return n + row.Count, err
 }
 
 func (fixedWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {

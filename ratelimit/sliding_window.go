@@ -102,6 +102,20 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 	return decs, err
 }
 
+// refund takes n units off the window r counted them in: from the row's
+// count while the row is in that window, from its previous count once it
+// has moved one window on, never below zero; none once it has moved two
+// (sqlops.SlidingWindowReturnSlice).
+func (slidingWindow) refund(ctx context.Context, l *Limiter, db DB, k []byte, r reservation, n int64) (int64, error) {
+	rows, err := sqlops.New().SlidingWindowReturnSlice(ctx, db, sqlops.SlidingWindowReturnSliceParams{
+		Key: k, N: n, WindowStartUs: r.WindowStartUs, WindowUs: l.windowUs,
+	})
+	if err != nil || rows == 0 {
+		return 0, err
+	}
+	return n, nil
+}
+
 func (slidingWindow) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
 	r, err := l.q.SlidingWindowPeek(ctx, db, gen.SlidingWindowPeekParams{
 		Key: k, At: l.at(), WindowUs: l.windowUs,

@@ -151,6 +151,18 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 	return decs, err
 }
 
+// refund puts n tokens back, by a check of cost -n: the bucket refilled to
+// the settlement's instant, then n added. A balance above the capacity is
+// cut to it by the next check's refill, so a bucket that has refilled in
+// the meantime gets back only what it has room for.
+func (tokenBucket) refund(ctx context.Context, l *Limiter, db DB, k []byte, _ reservation, n int64) (int64, error) {
+	decs, err := l.alg.takeQueue(ctx, db, newCheckQueue([]*pendingCheck{{l: l, skey: k, ask: ask{n: -n}}}))
+	if err != nil {
+		return 0, err
+	}
+	return n - min(max(decs[0].Remaining-decs[0].Limit, 0), n), nil
+}
+
 func (tokenBucket) peek(ctx context.Context, l *Limiter, db DB, k []byte) (Decision, error) {
 	r, err := l.q.TokenBucketPeek(ctx, db, gen.TokenBucketPeekParams{
 		Key: k, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs,
