@@ -36,7 +36,7 @@ func TestRequestTableInheritsGrants(t *testing.T) {
 		role, privilege string
 		want            bool
 	}{
-		{app, "SELECT", true}, {app, "INSERT", true}, {app, "DELETE", true},
+		{app, "SELECT", true}, {app, "INSERT", true}, {app, "UPDATE", true}, {app, "DELETE", true},
 		{cleaner, "SELECT", true}, {cleaner, "DELETE", true}, {cleaner, "INSERT", false},
 		{other, "SELECT", false},
 	} {

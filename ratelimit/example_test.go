@@ -161,3 +161,58 @@ func ExampleNewMemory() {
 	// true 0 0s memory
 	// false 0 1s memory
 }
+
+// An LLM token budget: the tokens a call uses are known only from the
+// model's answer. Reserve an estimate before the call, settle with the
+// usage it reports; a retried request (same id) is neither reserved nor
+// settled twice.
+func ExampleLimiter_Settle() {
+	ctx := context.Background()
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
+	tokens, err := limits.Limiter(ratelimit.Config{
+		Name:      "llm:tokens",
+		Algorithm: ratelimit.FixedWindow,
+		Limit:     10_000, // tokens per tenant…
+		Window:    time.Hour,
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	// callModel stands for the model's API: it reports the tokens used.
+	callModel := func(prompt string) (usage int64) { return int64(40 * len(prompt)) }
+
+	for _, job := range []struct{ id, prompt string }{
+		{"req-1", "summarise this contract"},           // uses less than estimated
+		{"req-2", "translate the whole manual, please"}, // uses more
+		{"req-2", "translate the whole manual, please"}, // a retry of req-2
+	} {
+		d, err := tokens.Reserve(ctx, "tenant-42", job.id, 1_000) // the estimate: max_tokens
+		if err != nil {
+			log.Fatal(err)
+		}
+		if !d.Allowed {
+			fmt.Println(job.id, "denied: retry in", d.RetryAfter)
+			continue
+		}
+		usage := callModel(job.prompt)
+		s, err := tokens.Settle(ctx, "tenant-42", job.id, usage)
+		if err != nil {
+			log.Fatal(err) // retry it: settling is idempotent
+		}
+		fmt.Printf("%s: reserved=%d actual=%d refunded=%d charged=%d replayed=%v\n",
+			job.id, s.Reserved, s.Actual, s.Refunded, s.Charged, s.Replayed)
+	}
+	d, err := tokens.Peek(ctx, "tenant-42")
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println("used this hour:", d.Used)
+	// Output:
+	// req-1: reserved=1000 actual=920 refunded=80 charged=0 replayed=false
+	// req-2: reserved=1000 actual=1360 refunded=0 charged=360 replayed=false
+	// req-2: reserved=1000 actual=1360 refunded=0 charged=360 replayed=true
+	// used this hour: 2280
+}

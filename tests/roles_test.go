@@ -104,6 +104,13 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 			_, err = l.Peek(ctx, "k")
 			require.NoError(t, err, name)
 			require.NoError(t, l.Reset(ctx, "k"), name)
+			// Request ids and reservations: pgrl_request.
+			_, err = l.Allow(ctx, "k", ratelimit.RequestID("once"))
+			require.NoError(t, err, name)
+			_, err = l.Reserve(ctx, "k", "job", 5)
+			require.NoError(t, err, name)
+			_, err = l.Settle(ctx, "k", "job", 2)
+			require.NoError(t, err, name)
 
 			tx, err := app.Begin(ctx)
 			require.NoError(t, err)
