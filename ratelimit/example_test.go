@@ -185,7 +185,7 @@ func ExampleLimiter_Settle() {
 	callModel := func(prompt string) (usage int64) { return int64(40 * len(prompt)) }
 
 	for _, job := range []struct{ id, prompt string }{
-		{"req-1", "summarise this contract"},           // uses less than estimated
+		{"req-1", "summarise this contract"},            // uses less than estimated
 		{"req-2", "translate the whole manual, please"}, // uses more
 		{"req-2", "translate the whole manual, please"}, // a retry of req-2
 	} {
