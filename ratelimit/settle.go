@@ -65,7 +65,9 @@ type Settlement struct {
 // counts nothing. id is any 1 to MaxRequestIDLength bytes, unique per
 // reservation of a key (a request id, a job id): reservations are kept in
 // pgrl_request under the key and a hash of id, and share its rules (see
-// RequestID): not with Spread above 1 or a stored Policy.
+// RequestID): not with Spread above 1 or a stored Policy; nor with
+// Penalty, under which a denied reservation would count its estimate
+// (ErrInvalidOption).
 //
 // A reservation lapses Window after it was made: Settle refuses it from
 // then on (ErrReservationLapsed) and the estimate stays counted. The
@@ -132,6 +134,11 @@ func (l *Limiter) Settle(ctx context.Context, key, id string, actual int64) (Set
 func (l *Limiter) checkReservation(key, id string) error {
 	if id == "" || len(id) > MaxRequestIDLength {
 		return invalid(ErrInvalidOption, "reservation id of %d bytes for %q; give 1 to %d bytes", len(id), l.cfg.Name, MaxRequestIDLength)
+	}
+	if l.cfg.Penalty {
+		// A denied reservation would have counted its estimate, which its
+		// stored answer (granted 0) does not tell.
+		return invalid(ErrInvalidOption, "a reservation of %q, which has Penalty; reserve with a limiter of the same Name without Penalty", l.cfg.Name)
 	}
 	if err := l.cfg.checkRequestID(ask{}); err != nil {
 		return err

@@ -206,6 +206,7 @@ func TestSettleRefusals(t *testing.T) {
 	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "settle-refusals", Algorithm: ratelimit.FixedWindow, Limit: 10,
 		Window: time.Hour})
 	spread := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "settle-spread", Limit: 10, Window: time.Hour, Spread: 2})
+	penalty := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "settle-penalty", Limit: 10, Window: time.Hour, Penalty: true})
 	long := string(make([]byte, ratelimit.MaxRequestIDLength+1))
 	for _, c := range []struct {
 		name string
@@ -218,6 +219,7 @@ func TestSettleRefusals(t *testing.T) {
 		{"estimate above the limit", ratelimit.ErrCostExceedsLimit, func() error { _, err := l.Reserve(ctx, "k", "a", 11); return err }},
 		{"negative actual", ratelimit.ErrInvalidCost, func() error { _, err := l.Settle(ctx, "k", "a", -1); return err }},
 		{"spread", ratelimit.ErrInvalidOption, func() error { _, err := spread.Reserve(ctx, "k", "a", 1); return err }},
+		{"penalty", ratelimit.ErrInvalidOption, func() error { _, err := penalty.Settle(ctx, "k", "a", 1); return err }},
 	} {
 		err := c.f()
 		require.ErrorIs(t, err, c.err, c.name)
