@@ -17,6 +17,13 @@
 // to. What happens when PostgreSQL is down is the limiter's failure policy
 // (ratelimit.Config.OnFailure); only errors the policy passes on, or that
 // mean the setup is wrong, reach the middleware's OnError.
+//
+// The middleware counts requests before the handler runs. A cost known only
+// after the handler's work (the tokens a model call used) is the handler's
+// to count: it reserves an estimate with ratelimit.Limiter.Reserve before
+// the work and settles the actual cost with Settle after it, with the
+// request's Idempotency-Key as the reservation id (docs/CERTAINTY.md shows
+// such a handler).
 package httplimit
 
 import (
