@@ -783,6 +783,7 @@ var appFunctions = []string{
 	"pgrl_token_bucket_slice(float8, bigint, bigint, bigint, bigint, bigint, float8, float8, boolean)",
 	"pgrl_token_bucket_return_slice(bytea, timestamptz, bigint, float8, float8, timestamptz)",
 	"pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
+	"pgrl_check(text, text, bigint)",
 }
 
 // grantStatements returns the GRANT statements that give role the

@@ -1,0 +1,1 @@
+DROP FUNCTION IF EXISTS pgrl_check(text, text, bigint);
