@@ -49,6 +49,10 @@ type workload struct {
 	requestIDs bool
 	nonce      string
 	count      *atomic.Int64
+	// sqlCheck makes the library path the SQL function pgrl_check
+	// (--sql-check), which counts under the name a policy's limiter
+	// uses: the raw path's keys are stored under it too.
+	sqlCheck bool
 }
 
 func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
@@ -77,9 +81,16 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 	if o.requestIDs {
 		w.requestIDs, w.nonce, w.count = true, strconv.FormatInt(time.Now().UnixNano(), 36)+"-", new(atomic.Int64)
 	}
+	counter := benchName
+	if o.sqlCheck {
+		w.sqlCheck = true
+		if a != ratelimit.TokenBucket {
+			counter = ratelimit.RateName(benchName, benchWindow)
+		}
+	}
 	for i := range nkeys {
 		w.keys[i] = "key-" + strconv.Itoa(i)
-		w.hashed[i] = ratelimit.StoredKey(ratelimit.HashedKeys, benchName, w.keys[i])
+		w.hashed[i] = ratelimit.StoredKey(ratelimit.HashedKeys, counter, w.keys[i])
 	}
 	return w
 }
@@ -115,8 +126,19 @@ func (w workload) raw(db gen.DBTX) loadtest.Check {
 	}
 }
 
-// library returns the library path: Limiter.Allow on db.
+// library returns the library path: Limiter.Allow on db, or with
+// --sql-check the SQL function pgrl_check.
 func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
+	if w.sqlCheck {
+		return func(ctx context.Context, k int) error {
+			var allowed bool
+			err := db.QueryRow(ctx, "SELECT allowed FROM pgrl_check($1, $2)", benchName, w.keys[k]).Scan(&allowed)
+			if err == nil && !allowed {
+				return fmt.Errorf("check of %q denied with a limit of %d: the benchmark measures admitted checks", w.keys[k], benchLimit)
+			}
+			return err
+		}, nil
+	}
 	rdb, err := ratelimit.NewDatabase(db, w.dbOpts)
 	if err != nil {
 		return nil, err
@@ -290,6 +312,7 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		Coalescing:      o.coalescing,
 		Policy:          o.policy,
 		RequestIDs:      o.requestIDs,
+		SQLCheck:        o.sqlCheck,
 		MaxInFlight:     o.maxInFlight,
 		Window:          benchWindow.String(),
 		Targets:         defaultTargets,
@@ -313,7 +336,7 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		}
 		fmt.Fprintf(log, "rl-bench: %s: touching %d keys\n", a, maxKeys)
 		err = w.populate(ctx, pool)
-		if err == nil && o.policy {
+		if err == nil && (o.policy || o.sqlCheck) {
 			err = w.storePolicy(ctx, pool)
 		}
 		pool.Close()

@@ -33,6 +33,9 @@ type Report struct {
 	// RequestIDs reports whether every library check carried a request id
 	// of its own (--request-ids).
 	RequestIDs bool `json:"request_ids,omitempty"`
+	// SQLCheck reports whether the library path was the SQL function
+	// pgrl_check (--sql-check).
+	SQLCheck bool `json:"sql_check,omitempty"`
 	// MaxInFlight is the library's DatabaseOptions.MaxInFlight; 0 is its default.
 	MaxInFlight int `json:"max_in_flight"`
 	// Cases holds one entry per algorithm, number of callers and key spread.
@@ -128,6 +131,9 @@ func printText(w io.Writer, r Report) error {
 	}
 	if r.RequestIDs {
 		coalescing = "off (every check carries a request id of its own, and is a statement of its own)"
+	}
+	if r.SQLCheck {
+		coalescing = "off (the library path is SELECT allowed FROM pgrl_check(policy, key), one call per check)"
 	}
 	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n\n",
 		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing)

@@ -29,6 +29,7 @@ type options struct {
 	spread      int
 	policy      bool
 	requestIDs  bool
+	sqlCheck    bool
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -47,6 +48,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "the library's DatabaseOptions.MaxInFlight (round trips before checks are coalesced); 0 keeps its default")
 	fs.IntVar(&o.spread, "spread", 0, "the library's Config.Spread: split each key over this many rows (for a hot key); the raw path still updates one row, so the comparison shows what spreading buys")
 	fs.BoolVar(&o.policy, "policy", false, "the library path reads its limit from a stored policy in each check's statement (Config.Policy, as package policy does); the raw path still sends the plain statement, so the ratio is the policy's cost")
+	fs.BoolVar(&o.sqlCheck, "sql-check", false, "the library path is the SQL function pgrl_check (a stored policy, called as any language would: SELECT allowed FROM pgrl_check(policy, key)) instead of the Go library; the raw path still sends the plain statement on the same rows, so the ratio is the function's cost")
 	fs.BoolVar(&o.requestIDs, "request-ids", false, "every check of the library path carries a request id of its own (ratelimit.RequestID), and is a statement of its own that stores its answer; the raw path still sends the plain statement, so the ratio is the request id's cost")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the client (both paths) to this file, for go tool pprof")
 	fs.Usage = func() {
@@ -86,6 +88,8 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, errors.New("--policy with --spread: a stored policy is read by single-row checks; drop one of them")
 	case o.requestIDs && (o.policy || o.spread > 1):
 		return o, errors.New("--request-ids with --policy or --spread: a check with a request id counts at the limiter's own figures on one row; drop one of them")
+	case o.sqlCheck && (o.policy || o.requestIDs || o.spread > 1):
+		return o, errors.New("--sql-check with --policy, --request-ids or --spread: pgrl_check reads its policy itself, on one row per key; drop one of them")
 	case o.maxInFlight < 0:
 		return o, fmt.Errorf("--max-in-flight %d: must not be negative", o.maxInFlight)
 	case o.schema == "":

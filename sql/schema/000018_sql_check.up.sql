@@ -40,6 +40,10 @@ DECLARE
     alg      text;
     readable boolean;
     lim      bigint;
+    win      interval;
+    olim     bigint;
+    owin     interval;
+    oburst   bigint;
     win_us   bigint;
     cap      bigint;
     pen      boolean;
@@ -58,20 +62,31 @@ BEGIN
         RAISE EXCEPTION 'pgrl_check: policy, key and cost must not be NULL'
             USING ERRCODE = 'null_value_not_allowed', HINT = 'pass a policy name, the caller''s key and a cost of 1 or more';
     END IF;
-    SELECT p.algorithm, p.key_mode = 'readable', coalesce(o."limit", p."limit"),
-           round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint,
-           coalesce(o.burst, p.burst, o."limit", p."limit"), p.penalty
-      INTO alg, readable, lim, win_us, cap, pen
+    SELECT p.algorithm, p.key_mode = 'readable', p."limit", p."window", p.burst, p.penalty
+      INTO alg, readable, lim, win, cap, pen
       FROM pgrl_policy AS p
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = pgrl_stored_key(p.name, pgrl_check.key, p.key_mode = 'readable')
-       AND (o.expires_at IS NULL OR o.expires_at > now())
      WHERE p.name = pgrl_check.policy;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'pgrl_check: no policy is named %', quote_literal(policy)
             USING ERRCODE = 'undefined_object',
                   HINT = 'create it first (rl-policy set, or INSERT INTO pgrl_policy), or check the name''s spelling';
     END IF;
+    IF readable AND octet_length(convert_to(key, 'UTF8')) > 2048 THEN
+        -- ratelimit.MaxReadableKeyBytes, which an index can hold.
+        RAISE EXCEPTION 'pgrl_check: a key of % bytes for policy %, which stores keys readable (at most 2048)',
+                        octet_length(convert_to(key, 'UTF8')), quote_literal(policy)
+            USING ERRCODE = 'program_limit_exceeded',
+                  HINT = 'shorten the key, or use a policy with key_mode ''hashed'', which takes keys of any length';
+    END IF;
+    -- The key's override, stored under the policy's name, while it lasts.
+    SELECT o."limit", o."window", o.burst INTO olim, owin, oburst
+      FROM pgrl_policy_override AS o
+     WHERE o.policy = pgrl_check.policy AND o.key = pgrl_stored_key(pgrl_check.policy, pgrl_check.key, readable)
+       AND (o.expires_at IS NULL OR o.expires_at > now());
+    -- The burst follows the limit it defaults to (policy.Override.Rate).
+    cap := coalesce(oburst, cap, olim, lim);
+    lim := coalesce(olim, lim);
+    win_us := round(date_part('epoch', coalesce(owin, win)) * 1000000)::bigint;
     IF alg <> 'token_bucket' THEN
         cap := lim;
     END IF;
@@ -84,13 +99,6 @@ BEGIN
     -- the window algorithms, whose counters are kept per window).
     k := pgrl_stored_key(CASE WHEN alg = 'token_bucket' THEN policy ELSE policy || '@' || win_us || 'us' END,
                          key, readable);
-    IF readable AND octet_length(convert_to(key, 'UTF8')) > 2048 THEN
-        -- ratelimit.MaxReadableKeyBytes, which an index can hold.
-        RAISE EXCEPTION 'pgrl_check: a key of % bytes for policy %, which stores keys readable (at most 2048)',
-                        octet_length(convert_to(key, 'UTF8')), quote_literal(policy)
-            USING ERRCODE = 'program_limit_exceeded',
-                  HINT = 'shorten the key, or use a policy with key_mode ''hashed'', which takes keys of any length';
-    END IF;
     CASE alg
     WHEN 'fixed_window' THEN
         SELECT * INTO fw
