@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/lib.sh
 pgrl_ensure_postgres
+# The clients of the tests that call pgrl_check from Python and Node.
+bash scripts/sqlclients.sh
 PGRL_TEST_DATABASE_URL=$(pgrl_db_url)
 export PGRL_TEST_DATABASE_URL
 

@@ -157,14 +157,14 @@ func TestSQLCheckErrors(t *testing.T) {
 	require.EqualValues(t, 1, s.Used, "the refused checks counted nothing")
 }
 
-// Several OS processes of two languages check one key of one policy at
-// once: psql sessions calling pgrl_check and Go processes checking through
-// package policy. 4 × 50 calls against a limit of 20: exactly 20 admitted.
+// Four OS processes in four languages check one key of one policy at
+// once: a psql session, a Go process checking through package policy, a
+// Python process (psycopg) and a Node process (pg), the last three as
+// client programs of their own. 4 × 50 calls against a limit of 20:
+// exactly 20 admitted, for every algorithm.
 func TestSQLCheckMultiprocess(t *testing.T) {
 	t.Parallel()
-	if _, err := exec.LookPath("psql"); err != nil {
-		t.Fatalf("psql is needed: %v", err)
-	}
+	python := sqlClient(t, "psql", "python3", "node")
 	ctx := context.Background()
 	pool, s := dbtest.Pool(t)
 	for _, alg := range ratelimit.Algorithms {
@@ -174,24 +174,6 @@ func TestSQLCheckMultiprocess(t *testing.T) {
 			// but once in thousands; the bucket refills 20 a day.
 			newSQLCheckPolicy(t, pool, policy.Policy{Name: name, Algorithm: alg, Limit: 20, Window: 24 * time.Hour})
 			const calls = 50
-			var mu sync.Mutex
-			admitted := map[string]int{}
-			var wg sync.WaitGroup
-			run := func(who string, f func() (string, error)) {
-				defer wg.Done()
-				out, err := f()
-				if err != nil {
-					t.Errorf("%s: %v: %s", who, err, out)
-					return
-				}
-				lines := strings.Fields(out)
-				if len(lines) != calls {
-					t.Errorf("%s: %d answers, want %d: %s", who, len(lines), calls, out)
-				}
-				mu.Lock()
-				admitted[who] += strings.Count(out, "t")
-				mu.Unlock()
-			}
 			// Every process first waits on an advisory lock this one
 			// holds, released once all four wait: they check at once.
 			gate, err := pool.Acquire(ctx)
@@ -199,34 +181,49 @@ func TestSQLCheckMultiprocess(t *testing.T) {
 			defer gate.Release()
 			_, err = gate.Exec(ctx, "SELECT pg_advisory_lock($1)", sqlCheckGate)
 			require.NoError(t, err)
+			args := []string{dbtest.URL(), s, name, "shared", fmt.Sprint(calls), fmt.Sprint(sqlCheckGate)}
 			script := fmt.Sprintf("\\o /dev/null\nSELECT pg_advisory_lock_shared(%d), pg_advisory_unlock_shared(%d);\n\\o\n",
 				sqlCheckGate, sqlCheckGate) +
 				strings.Repeat(fmt.Sprintf("SELECT allowed FROM pgrl_check('%s', 'shared');\n", name), calls)
-			for i := range 2 {
-				wg.Add(1)
-				go run(fmt.Sprint("psql-", i), func() (string, error) {
-					cmd := exec.CommandContext(ctx, "psql", "-X", "-At", "-v", "ON_ERROR_STOP=1", "-d", dbtest.URL())
-					cmd.Env = append(os.Environ(), "PGOPTIONS=-c search_path="+s)
-					cmd.Stdin = strings.NewReader(script)
-					out, err := cmd.CombinedOutput()
-					return string(out), err
-				})
+			procs := map[string]*exec.Cmd{
+				"psql":   exec.CommandContext(ctx, "psql", "-X", "-At", "-v", "ON_ERROR_STOP=1", "-d", dbtest.URL()),
+				"go":     exec.CommandContext(ctx, os.Args[0], "-test.run=^TestSQLCheckGoProcess$", "-test.count=1"),
+				"python": exec.CommandContext(ctx, python, append([]string{"sqlclients/check.py"}, args...)...),
+				"node":   exec.CommandContext(ctx, "node", append([]string{"sqlclients/check.js"}, args...)...),
 			}
-			for i := range 2 {
+			procs["psql"].Env = append(os.Environ(), "PGOPTIONS=-c search_path="+s)
+			procs["psql"].Stdin = strings.NewReader(script)
+			procs["go"].Env = append(os.Environ(), sqlCheckChildEnv+"="+dbtest.URLWithSchema(s),
+				"PGRL_SQL_CHECK_POLICY="+name)
+			var mu sync.Mutex
+			admitted := map[string]int{}
+			var wg sync.WaitGroup
+			for who, cmd := range procs {
 				wg.Add(1)
-				go run(fmt.Sprint("go-", i), func() (string, error) {
-					cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestSQLCheckGoProcess$", "-test.count=1")
-					cmd.Env = append(os.Environ(), sqlCheckChildEnv+"="+dbtest.URLWithSchema(s),
-						"PGRL_SQL_CHECK_POLICY="+name)
+				go func() {
+					defer wg.Done()
+					var stderr strings.Builder
+					cmd.Stderr = &stderr
 					out, err := cmd.Output()
-					// The test binary prints its verdict after the answers.
-					return strings.TrimSuffix(strings.TrimSpace(string(out)), "PASS"), err
-				})
+					// The Go test binary prints its verdict after the answers.
+					answers := strings.Fields(strings.TrimSuffix(strings.TrimSpace(string(out)), "PASS"))
+					if err != nil || len(answers) != calls {
+						t.Errorf("%s: %v: %d answers, want %d: %s %s", who, err, len(answers), calls, out, stderr.String())
+						return
+					}
+					mu.Lock()
+					defer mu.Unlock()
+					for _, a := range answers {
+						if a == "t" {
+							admitted[who]++
+						}
+					}
+				}()
 			}
 			require.Eventually(t, func() bool {
 				var n int
 				return pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted
-					AND objid = $1`, sqlCheckGate).Scan(&n) == nil && n == 4
+					AND objid = $1`, sqlCheckGate).Scan(&n) == nil && n == len(procs)
 			}, time.Minute, 10*time.Millisecond, "every process waits at the gate")
 			_, err = gate.Exec(ctx, "SELECT pg_advisory_unlock($1)", sqlCheckGate)
 			require.NoError(t, err)
@@ -236,9 +233,31 @@ func TestSQLCheckMultiprocess(t *testing.T) {
 				total += n
 			}
 			t.Logf("admitted per process: %v", admitted)
-			require.Equal(t, 20, total, "exactly the limit, across both languages")
+			require.Equal(t, 20, total, "exactly the limit, across the four languages")
 		})
 	}
+}
+
+// sqlClient fails the test unless psql, a Python with psycopg and a Node
+// with pg (in sqlclients/node_modules) are here, naming the script that
+// installs them; it returns the Python to run.
+func sqlClient(t *testing.T, psql, python, node string) string {
+	t.Helper()
+	const fix = "run `bash scripts/sqlclients.sh` (as .ci/run does), which installs psycopg and pg"
+	if _, err := exec.LookPath(psql); err != nil {
+		t.Fatalf("psql is needed: %v; install PostgreSQL's client", err)
+	}
+	if out, err := exec.Command(node, "-e", "require('./sqlclients/node_modules/pg')").CombinedOutput(); err != nil {
+		t.Fatalf("node with pg is needed: %v: %s; %s", err, out, fix)
+	}
+	// Debian's python3-psycopg installs for the system's Python.
+	for _, p := range []string{python, "/usr/bin/python3"} {
+		if exec.Command(p, "-c", "import psycopg").Run() == nil {
+			return p
+		}
+	}
+	t.Fatalf("a Python with psycopg is needed; %s", fix)
+	return ""
 }
 
 // sqlCheckGate is the advisory lock the processes of
