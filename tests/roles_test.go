@@ -80,6 +80,17 @@ func TestRolesApplicationRoleNeedsOnlyTheGrants(t *testing.T) {
 	_, err := app.Exec(ctx, "CREATE TABLE pgrl_intruder (x int)")
 	require.Error(t, err)
 
+	// It may call pgrl_check (--grant-to grants EXECUTE) on a policy the
+	// migration role stored.
+	owner := rs.poolAs(t, rs.owner)
+	_, err = owner.Exec(ctx, `INSERT INTO pgrl_policy (name, "limit", "window") VALUES ('api', 2, '1 minute')`)
+	require.NoError(t, err)
+	for i := range 3 {
+		var allowed bool
+		require.NoError(t, app.QueryRow(ctx, "SELECT allowed FROM pgrl_check('api', 'k')").Scan(&allowed))
+		require.Equal(t, i < 2, allowed)
+	}
+
 	for _, layout := range []migration.Layout{migration.LayoutPlain, migration.LayoutPartitioned} {
 		if layout == migration.LayoutPartitioned {
 			// The switch replaces pgrl_fixed_window; the grants must follow.
