@@ -129,12 +129,12 @@ func (e *outcomeEnv) count(name, key string) int64 {
 // called; base is the row's count then.
 func (e *outcomeEnv) lock(l *ratelimit.Limiter, key string) (unlock func(), base int64) {
 	ctx := context.Background()
-	// l's Timeout may be short: on a busy machine, opening a connection can
-	// take longer. Nothing else is going on with the key yet.
-	var err error
-	for try := 0; try == 0 || err != nil && try < 100; try++ {
-		_, err = l.Allow(ctx, key, ratelimit.Cost(1))
-	}
+	// The key's row is made by a check of a limiter of the same name on the
+	// admin pool, with a long Timeout: one of l's own checks could give up
+	// at l's short Timeout on a busy machine and still count after base is
+	// read, as the trials below show that checks do.
+	warm := outcomeLimiter(e.t, e.admin, l.Config().Name, ratelimit.DatabaseOptions{Timeout: time.Minute})
+	_, err := warm.Allow(ctx, key, ratelimit.Cost(1))
 	require.NoError(e.t, err)
 	tx, err := e.admin.Begin(ctx)
 	require.NoError(e.t, err)

@@ -121,7 +121,7 @@ func TestSQLCheckErrors(t *testing.T) {
 	ctx := context.Background()
 	pool, _ := dbtest.Pool(t)
 	newSQLCheckPolicy(t, pool, policy.Policy{Name: "sql-errors", Algorithm: ratelimit.FixedWindow, Limit: 5,
-		Window: time.Minute})
+		Window: 24 * time.Hour})
 	newSQLCheckPolicy(t, pool, policy.Policy{Name: "sql-readable", Algorithm: ratelimit.FixedWindow, Limit: 5,
 		Window: time.Minute, KeyMode: ratelimit.ReadableKeys})
 	for _, c := range []struct {

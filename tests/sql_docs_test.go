@@ -49,7 +49,7 @@ func TestSQLDocPostgRESTRecipe(t *testing.T) {
 		map[string]string{"api.": pgx.Identifier{api}.Sanitize() + ".", "ratelimit.": q})
 	_, err := pool.Exec(ctx, fn)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy (name, "limit", "window") VALUES ('postgrest', 3, '1 minute')`)
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy (name, "limit", "window") VALUES ('postgrest', 3, '1 day')`)
 	require.NoError(t, err)
 
 	request := func(headers, claims string) error {
@@ -109,7 +109,7 @@ func TestSQLDocSupabaseRecipe(t *testing.T) {
 	})
 	_, err = pool.Exec(ctx, fn)
 	require.NoError(t, err)
-	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy (name, "limit", "window") VALUES ('messages', 2, '1 hour')`)
+	_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy (name, "limit", "window") VALUES ('messages', 2, '1 day')`)
 	require.NoError(t, err)
 	call := func(user string) (allowed bool) {
 		tx, err := pool.Begin(ctx)

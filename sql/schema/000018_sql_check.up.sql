@@ -60,7 +60,8 @@ DECLARE
 BEGIN
     IF policy IS NULL OR key IS NULL OR cost IS NULL THEN
         RAISE EXCEPTION 'pgrl_check: policy, key and cost must not be NULL'
-            USING ERRCODE = 'null_value_not_allowed', HINT = 'pass a policy name, the caller''s key and a cost of 1 or more';
+            USING ERRCODE = 'null_value_not_allowed',
+                  HINT = 'pass a policy name, the caller''s key and a cost of 1 or more';
     END IF;
     SELECT p.algorithm, p.key_mode = 'readable', p."limit", p."window", p.burst, p.penalty
       INTO alg, readable, lim, win, cap, pen
