@@ -5,11 +5,15 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 )
 
@@ -63,4 +67,34 @@ func (c *child) ask(t *testing.T, line string, v any) {
 	t.Helper()
 	c.send(t, line)
 	c.read(t, v)
+}
+
+// terminateAtRandom terminates, every 5 to 25 ms, one active backend whose
+// application_name is LIKE pattern, until the returned stop is called;
+// stop returns how many it terminated.
+func terminateAtRandom(ctx context.Context, pool *pgxpool.Pool, pattern string) (stop func() int64) {
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	var killed atomic.Int64
+	go func() {
+		defer close(finished)
+		for {
+			select {
+			case <-done:
+				return
+			case <-time.After(time.Duration(5+rand.IntN(20)) * time.Millisecond):
+			}
+			var n int64
+			err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+				WHERE application_name LIKE $1 AND state = 'active' ORDER BY random() LIMIT 1) AS t`, pattern).Scan(&n)
+			if err == nil {
+				killed.Add(n)
+			}
+		}
+	}()
+	return func() int64 {
+		close(done)
+		<-finished
+		return killed.Load()
+	}
 }

@@ -151,25 +151,7 @@ func TestRequestIDMultiprocess(t *testing.T) {
 		children[i] = startChild(t, cctx, "TestRequestIDChildProcess", requestChildEnv+"="+dbtest.URLWithSchema(s))
 	}
 	// Terminate one of the children's backends every few milliseconds.
-	stop := make(chan struct{})
-	var killed atomic.Int64
-	killerDone := make(chan struct{})
-	go func() {
-		defer close(killerDone)
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(time.Duration(5+rand.IntN(20)) * time.Millisecond):
-			}
-			var n int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-				WHERE application_name = $1 AND state = 'active' ORDER BY random() LIMIT 1) AS t`, requestApp).Scan(&n)
-			if err == nil {
-				killed.Add(n)
-			}
-		}
-	}()
+	stopKilling := terminateAtRandom(ctx, pool, requestApp)
 	for i, c := range children {
 		c.send(t, fmt.Sprint("RUN ", i+1))
 	}
@@ -177,8 +159,7 @@ func TestRequestIDMultiprocess(t *testing.T) {
 	for i, c := range children {
 		c.read(t, &reports[i])
 	}
-	close(stop)
-	<-killerDone
+	killed := stopKilling()
 
 	admitted := map[int]bool{}
 	for i, r := range reports {
@@ -204,8 +185,8 @@ func TestRequestIDMultiprocess(t *testing.T) {
 		multiprocessHashedKey(requestLimiter, requestKey)).Scan(&count))
 	var stored int
 	require.NoError(t, pool.QueryRow(ctx, "SELECT count(*) FROM pgrl_request").Scan(&stored))
-	t.Logf("%d backends terminated; %d ids admitted of %d; counter %d; %d answers stored", killed.Load(), n, requestIDs, count, stored)
-	require.Positive(t, killed.Load(), "connections were killed")
+	t.Logf("%d backends terminated; %d ids admitted of %d; counter %d; %d answers stored", killed, n, requestIDs, count, stored)
+	require.Positive(t, killed, "connections were killed")
 	require.EqualValues(t, n, count, "the counter equals the distinct ids admitted")
 	require.Equal(t, requestLimit, n, "the limit admits exactly its limit of distinct ids")
 	require.Equal(t, requestIDs, stored, "one answer per id")

@@ -209,26 +209,7 @@ func TestSettleMultiprocess(t *testing.T) {
 	for i := range children {
 		children[i] = startChild(t, cctx, "TestSettleChildProcess", settleChildEnv+"="+url)
 	}
-	stop := make(chan struct{})
-	var killed atomic.Int64
-	killerDone := make(chan struct{})
-	go func() {
-		defer close(killerDone)
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(time.Duration(5+rand.IntN(20)) * time.Millisecond):
-			}
-			var n int64
-			err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-				WHERE application_name LIKE $1 AND state = 'active' ORDER BY random() LIMIT 1) AS t`,
-				settleApp+"%").Scan(&n)
-			if err == nil {
-				killed.Add(n)
-			}
-		}
-	}()
+	stopKilling := terminateAtRandom(ctx, pool, settleApp+"%")
 	// Process 0 goes slowly, and dies with reservations made, some
 	// settled, some not, once the others have made 100.
 	children[0].send(t, "RUN 0 10")
@@ -245,8 +226,7 @@ func TestSettleMultiprocess(t *testing.T) {
 	for i, c := range children[1:] {
 		c.read(t, &reports[i+1])
 	}
-	close(stop)
-	<-killerDone
+	killed := stopKilling()
 	// Its statements may still be running: wait for its backends to end,
 	// so that no reservation of it commits after this process looked.
 	require.Eventually(t, func() bool {
@@ -303,8 +283,8 @@ func TestSettleMultiprocess(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, "SELECT coalesce(sum(count), 0) FROM pgrl_fixed_window WHERE key = $1",
 		multiprocessHashedKey(settleLimiter, settleKey)).Scan(&count))
 	t.Logf("%d backends terminated; process 0 killed with %d reservations made, %d not; counter %d",
-		killed.Load(), found, notFound, count)
-	require.Positive(t, killed.Load(), "connections were terminated")
+		killed, found, notFound, count)
+	require.Positive(t, killed, "connections were terminated")
 	require.Positive(t, found, "process 0 had made reservations when it was killed")
 	require.Positive(t, notFound, "process 0 was killed before its last reservation")
 	require.Equal(t, want, count, "the counter is the settled costs plus the unsettled estimates")
