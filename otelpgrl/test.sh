@@ -1,17 +1,5 @@
 #!/usr/bin/env bash
-# Vets and tests the OpenTelemetry module (its own go.mod, so that the core
-# module carries no OpenTelemetry) against a real PostgreSQL, started first
-# when none answers (as scripts/test.sh does).
+# Vets and tests the otelpgrl module: see scripts/module-test.sh.
 #
-#   bash otelpgrl/test.sh             # vet + every test, with -race
-#   bash otelpgrl/test.sh -run Annotate -v
-set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-. scripts/lib.sh
-pgrl_ensure_postgres
-PGRL_TEST_DATABASE_URL=$(pgrl_db_url)
-export PGRL_TEST_DATABASE_URL
-cd otelpgrl
-go vet ./...
-exec go test -race -count=1 -timeout 10m "$@" ./...
+#   bash otelpgrl/test.sh [go test arguments]
+exec bash "$(dirname "$0")/../scripts/module-test.sh" otelpgrl "$@"
