@@ -79,3 +79,58 @@ func Example() {
 	// RateLimit-Policy: "public-api";q=2;w=60
 	// RateLimit: "public-api";r=0;t=30
 }
+
+// An upload endpoint limited two ways at once: requests per minute per
+// account, and content bytes per hour per account, each reported with the
+// account's partition key (a digest, never the account id itself), and
+// denials answered with the draft's quota-exceeded problem.
+func Example_severalPolicies() {
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
+	perMinute, err := limits.Limiter(ratelimit.Config{Name: "uploads", Limit: 10, Window: time.Minute})
+	if err != nil {
+		log.Fatal(err)
+	}
+	bytesPerHour, err := limits.Limiter(ratelimit.Config{Name: "upload-bytes", Limit: 50 << 20, Window: time.Hour})
+	if err != nil {
+		log.Fatal(err)
+	}
+	mw, err := httplimit.New(httplimit.Config{
+		Key:          httplimit.ByHeader("X-Account"),
+		PartitionKey: httplimit.HashedPartitionKey,
+		Rules: []httplimit.Rule{
+			{Limiter: perMinute},
+			{Limiter: bytesPerHour, QuotaUnit: httplimit.UnitContentBytes,
+				Cost: func(r *http.Request) int64 { return max(r.ContentLength, 1) }},
+		},
+		ProblemDetails: true,
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	upload := mw.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { fmt.Fprintln(w, "stored") })
+
+	for _, size := range []int64{30 << 20, 30 << 20} {
+		req := httptest.NewRequest("PUT", "/files/report.pdf", nil)
+		req.ContentLength = size
+		req.Header.Set("X-Account", "acct-1001")
+		rec := httptest.NewRecorder()
+		upload.ServeHTTP(rec, req)
+		fmt.Println(rec.Code)
+		fmt.Println("RateLimit-Policy:", rec.Header().Get("RateLimit-Policy"))
+		fmt.Println("RateLimit:", rec.Header().Get("RateLimit"))
+		if rec.Code != http.StatusOK {
+			fmt.Print(rec.Body.String())
+		}
+	}
+	// Output:
+	// 200
+	// RateLimit-Policy: "uploads";q=10;w=60;pk=:gr4P0iOon5k0cj2S:, "upload-bytes";q=52428800;qu="content-bytes";w=3600;pk=:gr4P0iOon5k0cj2S:
+	// RateLimit: "uploads";r=9;t=30;pk=:gr4P0iOon5k0cj2S:, "upload-bytes";r=20971520;t=3330;pk=:gr4P0iOon5k0cj2S:
+	// 429
+	// RateLimit-Policy: "uploads";q=10;w=60;pk=:gr4P0iOon5k0cj2S:, "upload-bytes";q=52428800;qu="content-bytes";w=3600;pk=:gr4P0iOon5k0cj2S:
+	// RateLimit: "upload-bytes";r=20971520;t=3330;pk=:gr4P0iOon5k0cj2S:, "uploads";r=9;t=30;pk=:gr4P0iOon5k0cj2S:
+	// {"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Rate limit exceeded","status":429,"violated-policies":["upload-bytes"],"retry_after":3330}
+}

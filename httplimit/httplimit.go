@@ -11,7 +11,8 @@
 //     followed and how each value is derived);
 //   - optionally the legacy X-RateLimit-Limit, X-RateLimit-Remaining and
 //     X-RateLimit-Reset;
-//   - a small JSON body: {"error":"rate_limited","retry_after":N}.
+//   - a small JSON body: {"error":"rate_limited","retry_after":N}, or with
+//     Config.ProblemDetails the draft's "quota-exceeded" problem (RFC 9457).
 //
 // Allowed responses carry the rate-limit fields too, unless configured not
 // to. What happens when PostgreSQL is down is the limiter's failure policy
@@ -28,6 +29,9 @@ package httplimit
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -50,6 +54,35 @@ const (
 	HeaderLegacyRemaining = "X-RateLimit-Remaining"
 	HeaderLegacyReset     = "X-RateLimit-Reset"
 )
+
+// Quota units of the draft's "qu" parameter (its RateLimit Quota Units
+// registry), for Config.QuotaUnit and Rule.QuotaUnit.
+const (
+	// UnitRequests counts requests: the draft's default, so a limit whose
+	// unit is left empty is reported in requests without a "qu".
+	UnitRequests = "requests"
+	// UnitContentBytes counts the bytes of request or response content: a
+	// limit whose CostFunc returns a byte count.
+	UnitContentBytes = "content-bytes"
+	// UnitConcurrentRequests counts requests in flight at once.
+	UnitConcurrentRequests = "concurrent-requests"
+)
+
+// PartitionKeyFunc returns the partition key a limit reports for a
+// request's key, in the "pk" parameter of both fields (a Byte Sequence,
+// base64 on the wire), or nil to report none. It runs once per limit per
+// request; its result goes to the client, so it must not reveal what the
+// client should not see. HashedPartitionKey is one.
+type PartitionKeyFunc func(key string) []byte
+
+// HashedPartitionKey is a PartitionKeyFunc: the first 12 bytes of the
+// SHA-256 of the key. A client that knows its key (its API key, its
+// address) can compute it to tell its partitions apart; the field reveals
+// nothing of a key the client does not know.
+func HashedPartitionKey(key string) []byte {
+	sum := sha256.Sum256([]byte(key))
+	return sum[:12]
+}
 
 // KeyFunc returns the key a request is limited by. Returning false skips
 // the limit for that request (no key: an anonymous request for a per-user
@@ -98,6 +131,13 @@ type Rule struct {
 	// Policy names the limit in the RateLimit-Policy and RateLimit fields:
 	// printable ASCII. Defaults to the limiter's name.
 	Policy string
+	// QuotaUnit is the unit of this limit's quota, reported as "qu":
+	// UnitRequests, UnitContentBytes or UnitConcurrentRequests. Defaults
+	// to Config.QuotaUnit.
+	QuotaUnit string
+	// PartitionKey reports this limit's partition key as "pk". Defaults
+	// to Config.PartitionKey.
+	PartitionKey PartitionKeyFunc
 }
 
 // HeaderMode chooses the rate-limit fields written.
@@ -154,6 +194,28 @@ type Config struct {
 	// HeadersDraft.
 	Headers HeaderMode
 
+	// QuotaUnit is the unit of the quota, reported as the "qu" parameter
+	// of RateLimit-Policy, for Limiter and every rule without a unit of
+	// its own: UnitRequests, UnitContentBytes or UnitConcurrentRequests,
+	// the units the draft registers. Empty (the default) sends no "qu",
+	// which the draft reads as requests: set it when Cost counts
+	// something else.
+	QuotaUnit string
+
+	// PartitionKey reports each request's partition key as the "pk"
+	// parameter of both fields, for Limiter and every rule without one of
+	// its own, so that a client acting for several users or keys can tell
+	// their quotas apart. Nil (the default) sends none. The request's key
+	// can be a secret (an API key) or personal (an address): report a
+	// digest such as HashedPartitionKey, never the key itself.
+	PartitionKey PartitionKeyFunc
+
+	// ProblemDetails makes denied requests answer with the draft's
+	// "quota-exceeded" problem type (RFC 9457, application/problem+json),
+	// naming the denying limits in "violated-policies", instead of the
+	// default JSON body. Not with DenyHandler.
+	ProblemDetails bool
+
 	// DenyHandler writes the response to a denied request. The status is
 	// not yet written, but Retry-After and the rate-limit fields are already
 	// set on w.Header(). Defaults to a 429 with the JSON body
@@ -201,6 +263,7 @@ const HeaderIdempotencyKey = "Idempotency-Key"
 type Middleware struct {
 	rules     []rule
 	requestID string // Config.RequestIDHeader
+	problem   bool   // Config.ProblemDetails
 	mode      ratelimit.MultiMode
 	multi     bool
 	headers   HeaderMode
@@ -216,7 +279,9 @@ type rule struct {
 	key     KeyFunc
 	cost    CostFunc
 	name    string
-	policy  string // the member of RateLimit-Policy: "name";q=Q;w=W
+	unit    string           // the quota unit, "" for requests
+	pk      PartitionKeyFunc // nil: no partition key reported
+	policy  string           // the member of RateLimit-Policy: "name";q=Q[;qu=U];w=W
 }
 
 // ErrInvalidConfig is wrapped by every error New returns.
@@ -241,6 +306,12 @@ func New(cfg Config) (*Middleware, error) {
 	if cfg.Headers < HeadersDraft || cfg.Headers > HeadersNone {
 		return nil, invalid("header mode %d; use HeadersDraft, HeadersDraftAndLegacy, HeadersDeniedOnly or HeadersNone", cfg.Headers)
 	}
+	if cfg.ProblemDetails {
+		if cfg.DenyHandler != nil {
+			return nil, invalid("both ProblemDetails and DenyHandler are set; a DenyHandler writes its own body, so set one")
+		}
+		m.problem = true
+	}
 	if cfg.Mode != ratelimit.AllOrNothing && cfg.Mode != ratelimit.ConsumeAll {
 		return nil, invalid("multi mode %d; use ratelimit.AllOrNothing or ratelimit.ConsumeAll", cfg.Mode)
 	}
@@ -258,7 +329,7 @@ func New(cfg Config) (*Middleware, error) {
 		if cfg.Key == nil {
 			return nil, invalid("no Key function; use ByIP, ByHeader, ByRoute, Constant or your own")
 		}
-		r, err := newRule(cfg.Limiter.Config(), cfg.Key, cost, cfg.Policy)
+		r, err := newRule(cfg.Limiter.Config(), cfg.Key, cost, cfg.Policy, cfg.QuotaUnit, cfg.PartitionKey)
 		if err != nil {
 			return nil, err
 		}
@@ -294,7 +365,14 @@ func New(cfg Config) (*Middleware, error) {
 			if c == nil {
 				c = cost
 			}
-			r, err := newRule(lc, key, c, rr.Policy)
+			unit, pk := rr.QuotaUnit, rr.PartitionKey
+			if unit == "" {
+				unit = cfg.QuotaUnit
+			}
+			if pk == nil {
+				pk = cfg.PartitionKey
+			}
+			r, err := newRule(lc, key, c, rr.Policy, unit, pk)
 			if err != nil {
 				return nil, fmt.Errorf("rule %d: %w", i, err)
 			}
@@ -329,21 +407,33 @@ func isNilChecker(c Checker) bool {
 	return false
 }
 
-func newRule(lc ratelimit.Config, key KeyFunc, cost CostFunc, name string) (rule, error) {
+func newRule(lc ratelimit.Config, key KeyFunc, cost CostFunc, name, unit string, pk PartitionKeyFunc) (rule, error) {
 	if name == "" {
 		name = lc.Name
 	}
 	if err := validPolicyName(name); err != nil {
 		return rule{}, err
 	}
-	return rule{key: key, cost: cost, name: name, policy: policyMember(name, lc)}, nil
+	switch unit {
+	case "", UnitRequests, UnitContentBytes, UnitConcurrentRequests:
+	default:
+		return rule{}, invalid("quota unit %q is not one the draft registers; use UnitRequests, UnitContentBytes or UnitConcurrentRequests, or leave it empty and describe the unit in your API's documentation", unit)
+	}
+	r := rule{key: key, cost: cost, name: name, unit: unit, pk: pk}
+	r.policy = r.member(lc)
+	return r, nil
 }
 
-// policyMember is the RateLimit-Policy member of the limit c named name:
-// "name";q=Q;w=W.
-func policyMember(name string, c ratelimit.Config) string {
+// member is the rule's RateLimit-Policy member for the limit c:
+// "name";q=Q;qu="unit";w=W, with qu only for a unit set. The partition key
+// is per request, added by setFields.
+func (r *rule) member(c ratelimit.Config) string {
 	q, w := quota(c)
-	return sfString(name) + ";q=" + strconv.FormatInt(q, 10) + ";w=" + strconv.FormatInt(w, 10)
+	s := sfString(r.name) + ";q=" + strconv.FormatInt(q, 10)
+	if r.unit != "" {
+		s += ";qu=" + sfString(r.unit)
+	}
+	return s + ";w=" + strconv.FormatInt(w, 10)
 }
 
 // quota is a limit's RateLimit-Policy quota and window in seconds: Limit
@@ -409,6 +499,8 @@ type active struct {
 	lim *ratelimit.Limiter
 	// policy is the RateLimit-Policy member of the rate lim applies.
 	policy string
+	// pk is the ";pk=:…:" parameter of both fields, or "".
+	pk string
 }
 
 func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
@@ -424,6 +516,11 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			continue
 		}
 		a := active{r: ru, key: key, cost: cost, lim: ru.limiter, policy: ru.policy}
+		if ru.pk != nil {
+			if b := ru.pk(key); len(b) > 0 {
+				a.pk = ";pk=:" + base64.StdEncoding.EncodeToString(b) + ":"
+			}
+		}
 		if ru.keyed != nil {
 			// The rate in force for this key now (a stored policy, or the
 			// key's override), reported as such in RateLimit-Policy.
@@ -432,7 +529,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				m.fail(w, r, append(act, a), err)
 				return
 			}
-			a.lim, a.policy = lim, policyMember(ru.name, lim.Config())
+			a.lim, a.policy = lim, ru.member(lim.Config())
 		}
 		act = append(act, a)
 	}
@@ -455,7 +552,7 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	shown := representative(md)
-	m.setFields(w.Header(), act, md.Decisions[shown], act[shown].r.name, md.Allowed)
+	m.setFields(w.Header(), act, md, shown)
 	if md.Allowed {
 		next.ServeHTTP(w, r)
 		return
@@ -463,6 +560,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	w.Header().Set(HeaderRetryAfter, strconv.FormatInt(ceilSeconds(md.RetryAfter()), 10))
 	m.logger.DebugContext(r.Context(), "pgrl: request rate limited", "policy", act[shown].r.name,
 		"retry_after", md.RetryAfter(), "method", r.Method, "path", r.URL.Path)
+	if m.problem {
+		denyProblem(w, act, md)
+		return
+	}
 	m.deny(w, r, md)
 }
 
@@ -525,32 +626,54 @@ func representative(md ratelimit.MultiDecision) int {
 	return best
 }
 
-// setFields writes the rate-limit fields for the decision d of the policy
-// named name.
-func (m *Middleware) setFields(h http.Header, act []active, d ratelimit.Decision, name string, allowed bool) {
+// setFields writes the rate-limit fields for the decisions md of the
+// limits act. RateLimit-Policy lists every limit in rule order; RateLimit
+// has a member per limit too, the one at shown (the most restrictive)
+// first, so that a client reading only the first member honours them all.
+func (m *Middleware) setFields(h http.Header, act []active, md ratelimit.MultiDecision, shown int) {
+	d := md.Decisions[shown]
 	switch {
 	case m.headers == HeadersNone:
 		return
-	case m.headers == HeadersDeniedOnly && allowed:
+	case m.headers == HeadersDeniedOnly && md.Allowed:
 		return
-	case allowed && d.Store == ratelimit.StorePolicy:
+	case md.Allowed && d.Store == ratelimit.StorePolicy:
 		// No store decided (the database failed and the policy let the
 		// request through): there is nothing true to report.
 		return
 	}
 	policies := make([]string, len(act))
 	for i, a := range act {
-		policies[i] = a.policy
+		policies[i] = a.policy + a.pk
 	}
 	h.Set(HeaderRateLimitPolicy, strings.Join(policies, ", "))
-	remaining := max(d.Remaining, 0)
-	reset := fieldReset(d)
-	h.Set(HeaderRateLimit, sfString(name)+";r="+strconv.FormatInt(remaining, 10)+";t="+strconv.FormatInt(reset, 10))
+	limits := make([]string, 0, len(act))
+	limits = append(limits, m.serviceLimit(act[shown], d, md.Allowed))
+	for i, a := range act {
+		if i != shown {
+			limits = append(limits, m.serviceLimit(a, md.Decisions[i], md.Allowed))
+		}
+	}
+	h.Set(HeaderRateLimit, strings.Join(limits, ", "))
 	if m.headers == HeadersDraftAndLegacy {
 		h.Set(HeaderLegacyLimit, strconv.FormatInt(d.Limit, 10))
-		h.Set(HeaderLegacyRemaining, strconv.FormatInt(remaining, 10))
+		h.Set(HeaderLegacyRemaining, strconv.FormatInt(max(d.Remaining, 0), 10))
 		h.Set(HeaderLegacyReset, strconv.FormatInt(legacyReset(d), 10))
 	}
+}
+
+// serviceLimit is the RateLimit member of the limit a for its decision d
+// of a request allowed or not: "name";r=R;t=T, and the partition key when
+// one is reported.
+func (m *Middleware) serviceLimit(a active, d ratelimit.Decision, allowed bool) string {
+	remaining := max(d.Remaining, 0)
+	if !allowed && d.Allowed && m.mode == ratelimit.AllOrNothing {
+		// Another limit denied, so this one's units were given back: its
+		// decision counts them as taken (MultiDecision), the key has them.
+		remaining += a.cost
+	}
+	return sfString(a.r.name) + ";r=" + strconv.FormatInt(remaining, 10) +
+		";t=" + strconv.FormatInt(fieldReset(d), 10) + a.pk
 }
 
 // fieldReset is the RateLimit field's t: the seconds, rounded up, until
@@ -588,6 +711,33 @@ func ceilSeconds(d time.Duration) int64 {
 func DefaultDenyHandler(w http.ResponseWriter, _ *http.Request, d ratelimit.MultiDecision) {
 	writeJSON(w, http.StatusTooManyRequests,
 		`{"error":"rate_limited","retry_after":`+strconv.FormatInt(ceilSeconds(d.RetryAfter()), 10)+"}\n")
+}
+
+// ProblemQuotaExceeded is the type of the problem a denied request gets
+// with Config.ProblemDetails: the draft's "quota-exceeded".
+const ProblemQuotaExceeded = "https://iana.org/assignments/http-problem-types#quota-exceeded"
+
+// denyProblem answers a denied request with the quota-exceeded problem,
+// naming the limits that denied it.
+func denyProblem(w http.ResponseWriter, act []active, md ratelimit.MultiDecision) {
+	p := struct {
+		Type       string   `json:"type"`
+		Title      string   `json:"title"`
+		Status     int      `json:"status"`
+		Violated   []string `json:"violated-policies"`
+		RetryAfter int64    `json:"retry_after"`
+	}{Type: ProblemQuotaExceeded, Title: "Rate limit exceeded", Status: http.StatusTooManyRequests,
+		Violated: []string{}, RetryAfter: ceilSeconds(md.RetryAfter())}
+	for i, d := range md.Decisions {
+		if !d.Allowed {
+			p.Violated = append(p.Violated, act[i].r.name)
+		}
+	}
+	b, _ := json.Marshal(p) // strings and integers: cannot fail
+	w.Header().Set("Content-Type", "application/problem+json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(b)+1))
+	w.WriteHeader(http.StatusTooManyRequests)
+	_, _ = w.Write(append(b, '\n'))
 }
 
 // DefaultErrorHandler answers 413 with {"error":"cost_exceeds_limit"} when

@@ -304,10 +304,10 @@ func TestRulesReportTheMostRestrictive(t *testing.T) {
 	// The global window is 10 minutes aligned on the epoch: 05:00-05:10,
 	// so it resets in 3 min 49.5 s.
 	for i, step := range []struct{ client, field string }{
-		{"a", `"per-client";r=1;t=50`}, // ceiling r=3
-		{"b", `"per-client";r=1;t=50`}, // ceiling r=2
-		{"b", `"per-client";r=0;t=50`}, // ceiling r=1
-		{"a", `"ceiling";r=0;t=230`},   // tie at 0: the one that resets later
+		{"a", `"per-client";r=1;t=50, "ceiling";r=3;t=230`},
+		{"b", `"per-client";r=1;t=50, "ceiling";r=2;t=230`},
+		{"b", `"per-client";r=0;t=50, "ceiling";r=1;t=230`},
+		{"a", `"ceiling";r=0;t=230, "per-client";r=0;t=50`}, // tie at 0: the one that resets later first
 	} {
 		r := get(t, srv, "X-Client", step.client)
 		require.Equal(t, http.StatusOK, r.status, "request %d", i)
@@ -317,7 +317,9 @@ func TestRulesReportTheMostRestrictive(t *testing.T) {
 	r := get(t, srv, "X-Client", "c")
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	require.Equal(t, deniedBody(230), r.body)
-	requireHeaders(t, r, deniedHeaders(230, map[string]string{"RateLimit-Policy": both, "RateLimit": `"ceiling";r=0;t=230`}))
+	// Client c's own limit allowed, but all or nothing gave its unit back:
+	// both of its units are left.
+	requireHeaders(t, r, deniedHeaders(230, map[string]string{"RateLimit-Policy": both, "RateLimit": `"ceiling";r=0;t=230, "per-client";r=2;t=50`}))
 	// A request without X-Client skips the per-client rule only.
 	r = get(t, srv)
 	require.Equal(t, http.StatusTooManyRequests, r.status)
@@ -341,11 +343,11 @@ func TestRulesDeniedByTwo(t *testing.T) {
 	const both = `"short";q=1;w=60, "long";q=1;w=3600`
 	r := get(t, srv)
 	require.Equal(t, http.StatusOK, r.status)
-	requireHeaders(t, r, okHeaders(map[string]string{"RateLimit-Policy": both, "RateLimit": `"long";r=0;t=3230`}))
+	requireHeaders(t, r, okHeaders(map[string]string{"RateLimit-Policy": both, "RateLimit": `"long";r=0;t=3230, "short";r=0;t=50`}))
 	r = get(t, srv)
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	// The hour window ends at 06:00, 53 min 49.5 s away.
-	requireHeaders(t, r, deniedHeaders(3230, map[string]string{"RateLimit-Policy": both, "RateLimit": `"long";r=0;t=3230`}))
+	requireHeaders(t, r, deniedHeaders(3230, map[string]string{"RateLimit-Policy": both, "RateLimit": `"long";r=0;t=3230, "short";r=0;t=50`}))
 }
 
 func TestRulesDeniedByPerClient(t *testing.T) {
@@ -365,7 +367,8 @@ func TestRulesDeniedByPerClient(t *testing.T) {
 	require.Equal(t, http.StatusOK, get(t, srv, "X-Client", "a").status)
 	r := get(t, srv, "X-Client", "a")
 	require.Equal(t, http.StatusTooManyRequests, r.status)
-	requireHeaders(t, r, deniedHeaders(50, map[string]string{"RateLimit-Policy": both, "RateLimit": `"per-client";r=0;t=50`}))
+	// The global limit's unit was given back (all or nothing): r says so.
+	requireHeaders(t, r, deniedHeaders(50, map[string]string{"RateLimit-Policy": both, "RateLimit": `"per-client";r=0;t=50, "global";r=99;t=3230`}))
 	// All or nothing: the denied request did not consume the global limit.
 	d, err := global.Peek(context.Background(), "all")
 	require.NoError(t, err)
@@ -620,6 +623,9 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{httplimit.Config{Limiter: l, Key: key, Policy: "tab\there"}, "has a byte (0x9)"},
 		{httplimit.Config{Limiter: l, Key: key, Headers: 9}, "header mode 9"},
 		{httplimit.Config{Limiter: l, Key: key, Mode: 7}, "multi mode 7"},
+		{httplimit.Config{Limiter: l, Key: key, QuotaUnit: "tokens"}, `quota unit "tokens" is not one the draft registers`},
+		{httplimit.Config{Key: key, Rules: []httplimit.Rule{{Limiter: l, QuotaUnit: "Requests"}}}, `rule 0: httplimit: invalid configuration: quota unit "Requests"`},
+		{httplimit.Config{Limiter: l, Key: key, ProblemDetails: true, DenyHandler: httplimit.DefaultDenyHandler}, "both ProblemDetails and DenyHandler"},
 	}
 	for _, c := range cases {
 		_, err := httplimit.New(c.cfg)
