@@ -62,7 +62,7 @@ func TestEveryFunctionGranted(t *testing.T) {
 	// regprocedure spells a signature as the catalog does; the listed
 	// signatures are normalized the same way.
 	var present []string
-	if err := conn.QueryRow(ctx, `SELECT coalesce(array_agg(regexp_replace(p.oid::regprocedure::text, '^.*\.', '')), '{}')
+	if err := conn.QueryRow(ctx, `SELECT coalesce(array_agg(regexp_replace(p.oid::regprocedure::text, '[a-z0-9_"]+\.', '', 'g')), '{}')
   FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_namespace AS n ON n.oid = p.pronamespace
  WHERE n.nspname = $1`, schemaName).Scan(&present); err != nil {
 		t.Fatal(err)
@@ -70,8 +70,9 @@ func TestEveryFunctionGranted(t *testing.T) {
 	var granted []string
 	for _, f := range appFunctions {
 		var sig string
-		if err := conn.QueryRow(ctx, "SELECT regexp_replace(to_regprocedure($1)::text, '^.*\\.', '')",
-			pgx.Identifier{schemaName}.Sanitize()+"."+f).Scan(&sig); err != nil {
+		qualified, _ := signature(schemaName, f)
+		if err := conn.QueryRow(ctx, `SELECT regexp_replace(to_regprocedure($1)::text, '[a-z0-9_"]+\.', '', 'g')`,
+			qualified).Scan(&sig); err != nil {
 			t.Fatalf("appFunctions lists %s, which the migrated schema lacks: %v", f, err)
 		}
 		granted = append(granted, sig)

@@ -717,8 +717,9 @@ func (m *Migrator) Grant(ctx context.Context, roles ...string) error {
 
 // appTables are the tables a check reads and writes: the counters, and the
 // answers of checks with a request id (migration 000017), which checks also
-// delete when they clean up.
-var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window", "pgrl_request"}
+// delete when they clean up, and the slots of concurrency limits
+// (migration 000019).
+var appTables = []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window", "pgrl_request", "pgrl_concurrency"}
 
 // appReadTables are the tables an application only reads: the layout
 // settings Status reports, and the policies of migration 000007, which
@@ -733,7 +734,8 @@ var appReadTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_pol
 // 42501), the check-queue functions of migration 000006, the steps of
 // migration 000012, the check functions of migration 000014 and those of
 // migration 000015, which take slices too, and the token bucket's lease
-// helpers and slice functions of migration 000016.
+// helpers and slice functions of migration 000016, pgrl_check (000018) and
+// the concurrency limits' functions (000019).
 // TestEveryFunctionGranted holds every function of the migrations to this
 // list or to the operations' own.
 var appFunctions = []string{
@@ -784,6 +786,13 @@ var appFunctions = []string{
 	"pgrl_token_bucket_return_slice(bytea, timestamptz, bigint, float8, float8, timestamptz)",
 	"pgrl_token_bucket_take_checks(bytea[], float8[], float8[], boolean[], integer[], integer[], integer[], bigint[], boolean[], boolean[], bigint[], bigint[], timestamptz)",
 	"pgrl_check(text, text, bigint)",
+	"pgrl_concurrency_step(pgrl_slot[], bigint, bytea, bigint, bigint)",
+	"pgrl_concurrency_renew(pgrl_slot[], bigint, pgrl_slot[])",
+	"pgrl_concurrency_holds(pgrl_slot[], bigint, bytea)",
+	"pgrl_concurrency_held(pgrl_slot[], bigint)",
+	"pgrl_concurrency_next_us(pgrl_slot[], bigint)",
+	"pgrl_concurrency_last_us(pgrl_slot[], bigint)",
+	"pgrl_concurrency_tokens(pgrl_slot[], bigint, bytea)",
 }
 
 // grantStatements returns the GRANT statements that give role the
@@ -810,8 +819,18 @@ func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, migrationsTable
 		}
 	}
 	for _, f := range appFunctions {
-		sig := pgx.Identifier{schemaName}.Sanitize() + "." + f
+		sig, types := signature(schemaName, f)
 		var ok bool
+		// A signature naming a type of pgrl's that an older schema lacks
+		// is an error to to_regprocedure, not NULL: look for the types
+		// first.
+		if err := tx.QueryRow(ctx, `SELECT coalesce(bool_and(to_regtype(t) IS NOT NULL), true) FROM unnest($1::text[]) AS t`,
+			types).Scan(&ok); err != nil {
+			return nil, err
+		}
+		if !ok {
+			continue
+		}
 		if err := tx.QueryRow(ctx, "SELECT to_regprocedure($1) IS NOT NULL", sig).Scan(&ok); err != nil {
 			return nil, err
 		}
@@ -820,6 +839,23 @@ func grantStatements(ctx context.Context, tx pgx.Tx, schemaName, migrationsTable
 		}
 	}
 	return out, nil
+}
+
+// ownType is a type of pgrl's in a function's signature (pgrl_slot[]).
+var ownType = regexp.MustCompile(`\bpgrl_[a-z_]+`)
+
+// signature qualifies the function signature f (as appFunctions lists it)
+// with schemaName: its name, and the names of pgrl's own types among its
+// arguments, which are found in that schema whatever the search_path. It
+// also returns those types, qualified.
+func signature(schemaName, f string) (string, []string) {
+	q := pgx.Identifier{schemaName}.Sanitize() + "."
+	name, args, _ := strings.Cut(f, "(")
+	types := []string{}
+	for _, t := range ownType.FindAllString(args, -1) {
+		types = append(types, q+t)
+	}
+	return q + name + "(" + ownType.ReplaceAllString(args, q+"$0"), types
 }
 
 // access is what an operation needs of the database user.

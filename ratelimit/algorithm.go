@@ -83,6 +83,7 @@ var algorithms = map[Algorithm]algorithm{
 	FixedWindow:   fixedWindow{},
 	TokenBucket:   tokenBucket{},
 	SlidingWindow: slidingWindow{},
+	Concurrency:   concurrency{},
 }
 
 // algorithmOf returns a's implementation; the empty Algorithm is the

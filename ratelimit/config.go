@@ -22,6 +22,12 @@ const (
 	// one by how much of it the sliding window still covers, and admits at
 	// most Limit.
 	SlidingWindow Algorithm = "sliding_window"
+	// Concurrency is not a rate: at most Limit slots of a key held at once,
+	// across every process, each taken by Limiter.Acquire and given back by
+	// Slot.Release. Window is a slot's lease: its holder extends it while it
+	// holds the slot, and a slot whose holder stopped extending it (a
+	// process killed) lapses a Window later. See docs/CONCURRENCY.md.
+	Concurrency Algorithm = "concurrency"
 )
 
 // Algorithms lists the three algorithms.
@@ -298,8 +304,10 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Algorithm == "" {
 		c.Algorithm = DefaultAlgorithm
 	}
-	if _, err := ParseAlgorithm(string(c.Algorithm)); err != nil {
-		return c, err
+	if c.Algorithm != Concurrency {
+		if _, err := ParseAlgorithm(string(c.Algorithm)); err != nil {
+			return c, err
+		}
 	}
 	if c.Name == "" {
 		return c, invalid(ErrInvalidName, "empty name; give every limiter a name such as \"login:ip\"")
@@ -342,6 +350,11 @@ func (c Config) withDefaults() (Config, error) {
 	if err := c.checkShare(); err != nil {
 		return c, err
 	}
+	if c.Algorithm == Concurrency {
+		// A place frees whenever a holder releases it: a refusal says
+		// nothing of the next acquire.
+		c.DenyCacheSize = -1
+	}
 	if c.DenyCacheSize == 0 {
 		c.DenyCacheSize = DefaultDenyCacheSize
 		if c.Penalty {
@@ -381,6 +394,9 @@ func (c Config) checkKey(key string) error {
 // ceiling, not a cost: any n of at least 1, however far above the limit,
 // is taken as the most it may get (see ceiling).
 func (c Config) checkAsk(a ask) error {
+	if c.Algorithm == Concurrency && a.slot == nil {
+		return invalid(ErrInvalidOption, "a check of %q, a concurrency limit; a slot is held until it is given back: take it with Limiter.Acquire and give it back with Slot.Release", c.Name)
+	}
 	if a.id != nil {
 		if err := c.checkRequestID(a); err != nil {
 			return err

@@ -33,6 +33,9 @@ type Database struct {
 
 	mu    sync.Mutex
 	names []string // the limits made from the Database, for the Observer's breaker events
+
+	keeperOnce sync.Once
+	keeper     *slotKeeper // extends the slots of concurrency limits (slot.go)
 }
 
 // DatabaseOptions configures a Database: what is per database. The zero

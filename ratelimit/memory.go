@@ -289,6 +289,20 @@ func (m *MemoryLimiter) Reset(_ context.Context, key string, opts ...Option) err
 	return nil
 }
 
+// give gives back one slot of key that a concurrency limit's Acquire took
+// from m (the fallback under FailToMemory); a key m no longer holds (reset,
+// or evicted past MaxKeys) gives back nothing.
+func (m *MemoryLimiter) give(key string) {
+	now := m.nowUs()
+	k := lookupKey(key)
+	sh := m.keys.shard(k)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if node := sh.get(k); node != nil {
+		node.val, _, _ = m.alg.takeMemory(m, node.val, now, -1, false)
+	}
+}
+
 // nowUs is the current instant in microseconds since the Unix epoch.
 func (m *MemoryLimiter) nowUs() int64 {
 	if m.now != nil {

@@ -17,6 +17,7 @@ type ask struct {
 	slice      bool
 	min, share int64
 	id         []byte // the hash of RequestID's id, nil without one
+	slot       []byte // an Acquire's slot token, nil for every other check
 }
 
 // retryCost is the cost whose admission RetryAfter waits for: the whole

@@ -1,0 +1,357 @@
+package ratelimit
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgrl/pgrl/gen"
+)
+
+// Errors a Slot reports through Err once it is no longer held.
+var (
+	// ErrSlotReleased: the slot was given back by Release or ReleaseTx.
+	ErrSlotReleased = errors.New("ratelimit: slot released")
+	// ErrSlotLost: the slot lapsed before it was released: its lease
+	// (the limit's Window) ran out without an extension confirmed by
+	// PostgreSQL (the database was unreachable or too slow for a whole
+	// Window, or the key was Reset), so another holder may have its place.
+	// Work done under it should stop.
+	ErrSlotLost = errors.New("ratelimit: slot lost: its lease lapsed before it was released")
+)
+
+// Slot is a place of a concurrency limit (Algorithm Concurrency) that this
+// process holds, from Acquire until Release. While it is held, the
+// Database extends its lease in PostgreSQL, in one statement per interval
+// for every slot the process holds; a slot whose extension could not be
+// confirmed before its lease ran out is lost (Done is closed and Err is
+// ErrSlotLost). Its methods are safe for concurrent use.
+type Slot struct {
+	l     *Limiter
+	key   string // the caller's key
+	k     []byte // the stored key
+	token []byte // the slot's token in PostgreSQL
+	store Store  // where the slot is held: StorePostgres, StoreMemory, or StorePolicy for nowhere
+
+	mu       sync.Mutex
+	err      error       // nil while held
+	deadline time.Time   // local: when the lease runs out unless extended
+	timer    *time.Timer // fires at deadline
+	done     chan struct{}
+}
+
+// Acquire takes a slot of key from a concurrency limit: at most Limit held
+// at once across every process using the limit. When the Decision is
+// allowed, the returned Slot is held until its Release (call it, with a
+// context that outlives the request's, when the work ends: defer
+// slot.Release(context.WithoutCancel(ctx))); when it is not, the Slot is
+// nil and Decision.RetryAfter is a hint, the time until a place frees at the
+// latest (holders that release free theirs sooner). Like Allow, it goes
+// through the limiter's failure policy when PostgreSQL cannot answer: under
+// FailToMemory the slot is held in this process's memory (Decision.Store
+// says so), under FailOpen it is held nowhere. Errors carry an Outcome: a
+// slot whose acquire was consumed but whose answer was lost is held by no
+// one and lapses after Window.
+func (l *Limiter) Acquire(ctx context.Context, key string) (*Slot, Decision, error) {
+	return l.acquire(ctx, nil, key)
+}
+
+// AcquireTx is Acquire inside the caller's transaction: the slot is taken
+// when the transaction commits, and rolling it back gives it back (the Slot
+// is then lost at its first extension). The key's row stays locked until
+// the transaction ends: other acquires and releases of the key, and this
+// process's extensions of every slot it holds, wait for it. Keep such
+// transactions well under a third of the Window. There is no failure
+// policy: errors are returned.
+func (l *Limiter) AcquireTx(ctx context.Context, tx pgx.Tx, key string) (*Slot, Decision, error) {
+	if tx == nil {
+		return nil, Decision{}, WithOutcome(ErrNilDB, OutcomeNotConsumed)
+	}
+	return l.acquire(ctx, tx, key)
+}
+
+func (l *Limiter) acquire(ctx context.Context, tx pgx.Tx, key string) (*Slot, Decision, error) {
+	if l.cfg.Algorithm != Concurrency {
+		return nil, Decision{}, WithOutcome(invalid(ErrInvalidOption, "Acquire on %q, a %s limit; slots are held from a Concurrency limit: use Allow to count a rate", l.cfg.Name, l.cfg.Algorithm), OutcomeNotConsumed)
+	}
+	keeper := l.st.slotKeeper()
+	token := keeper.token()
+	sent := time.Now()
+	d, err := l.check(ctx, tx, key, ask{n: 1, slot: token})
+	if err != nil || !d.Allowed {
+		return nil, d, err
+	}
+	s := &Slot{l: l, key: key, k: l.key(key), token: token, store: d.Store, done: make(chan struct{})}
+	switch {
+	case d.ShadowDenied:
+		s.store = StorePolicy // a shadow limit's refusal holds nothing
+	case d.Store == StorePostgres:
+		keeper.keep(s, sent)
+	}
+	return s, d, nil
+}
+
+// takeSlot is the check of an Acquire (ask.slot set) in the statement
+// stage.
+func (l *Limiter) takeSlot(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
+	return l.acquireSlot(ctx, db, k, a.slot)
+}
+
+// Done is closed when the slot is no longer held: released, or lost.
+func (s *Slot) Done() <-chan struct{} { return s.done }
+
+// Err is nil while the slot is held, then ErrSlotReleased or ErrSlotLost.
+func (s *Slot) Err() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
+}
+
+// Key is the key the slot was acquired for.
+func (s *Slot) Key() string { return s.key }
+
+// Release gives the slot back. Releasing again, or releasing a slot that
+// was lost, does nothing and returns nil. When PostgreSQL cannot be
+// reached (within the Database's Timeout), the error is returned and the
+// slot, no longer extended, lapses after the Window: the key holds one
+// place too few until then, never one too many.
+func (s *Slot) Release(ctx context.Context) error {
+	if !s.end(ErrSlotReleased) {
+		return nil
+	}
+	switch s.store {
+	case StorePostgres:
+		cctx, cancel := context.WithTimeout(ctx, s.l.st.opts.Timeout)
+		defer cancel()
+		return s.l.explain(ctx, s.release(cctx, s.l.st.db))
+	case StoreMemory:
+		s.l.memory.give(s.key)
+	}
+	return nil
+}
+
+// ReleaseTx is Release inside the caller's transaction: rolling it back
+// keeps the slot in PostgreSQL until its lease lapses (no longer extended).
+func (s *Slot) ReleaseTx(ctx context.Context, tx pgx.Tx) error {
+	if tx == nil {
+		return ErrNilDB
+	}
+	if !s.end(ErrSlotReleased) {
+		return nil
+	}
+	switch s.store {
+	case StorePostgres:
+		return s.l.explain(ctx, s.release(ctx, tx))
+	case StoreMemory:
+		s.l.memory.give(s.key)
+	}
+	return nil
+}
+
+func (s *Slot) release(ctx context.Context, db DB) error {
+	_, err := s.l.q.ConcurrencyRelease(ctx, db, gen.ConcurrencyReleaseParams{Key: s.k, Token: s.token, At: s.l.at()})
+	return err
+}
+
+// end marks the slot no longer held, for err; false when it already was.
+func (s *Slot) end(err error) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err != nil {
+		return false
+	}
+	s.err = err
+	if s.timer != nil {
+		s.timer.Stop()
+	}
+	close(s.done)
+	if s.store == StorePostgres {
+		s.l.st.slotKeeper().drop(s)
+	}
+	return true
+}
+
+// extend moves the slot's local deadline to until, once PostgreSQL
+// confirmed the lease to at least then.
+func (s *Slot) extend(until time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.err != nil || !until.After(s.deadline) {
+		return
+	}
+	s.deadline = until
+	s.timer.Reset(time.Until(until))
+}
+
+// lapse is the deadline's timer: the lease ran out unconfirmed. The slot
+// may still be live in PostgreSQL (the extension went through, its answer
+// did not come back in time), so it is released there too, best effort,
+// to free the place for others now rather than at its lapse.
+func (s *Slot) lapse() {
+	s.mu.Lock()
+	late := s.err == nil && !time.Now().Before(s.deadline)
+	s.mu.Unlock()
+	if !late || !s.end(ErrSlotLost) {
+		return
+	}
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), s.l.st.opts.Timeout)
+		defer cancel()
+		_ = s.release(ctx, s.l.st.db)
+	}()
+}
+
+// lost marks the slot lost: an extension found it no longer live.
+func (s *Slot) lost() { s.end(ErrSlotLost) }
+
+// slotKeeper extends the leases of the slots a Database's limiters hold,
+// in one statement per interval (a third of the shortest Window among
+// them) for all of them, and tells each slot what became of it.
+type slotKeeper struct {
+	st     *Database
+	holder [8]byte // names this process in the slots' tokens
+
+	mu      sync.Mutex
+	seq     uint64
+	slots   map[*Slot]struct{}
+	running bool
+	kick    chan struct{} // a slot was kept: its Window may be the shortest
+}
+
+func newSlotKeeper(st *Database) *slotKeeper {
+	k := &slotKeeper{st: st, slots: map[*Slot]struct{}{}, kick: make(chan struct{}, 1)}
+	_, _ = rand.Read(k.holder[:])
+	return k
+}
+
+// slotKeeper returns the Database's keeper, made on first use.
+func (s *Database) slotKeeper() *slotKeeper {
+	s.keeperOnce.Do(func() { s.keeper = newSlotKeeper(s) })
+	return s.keeper
+}
+
+// token returns a new slot's token: the process's 8 bytes, then a count.
+func (k *slotKeeper) token() []byte {
+	k.mu.Lock()
+	k.seq++
+	n := k.seq
+	k.mu.Unlock()
+	t := make([]byte, 16)
+	copy(t, k.holder[:])
+	binary.BigEndian.PutUint64(t[8:], n)
+	return t
+}
+
+// keep starts extending s, acquired by a statement sent at sent: its lease
+// runs out a Window after that, unless extended.
+func (k *slotKeeper) keep(s *Slot, sent time.Time) {
+	s.mu.Lock()
+	s.deadline = sent.Add(s.l.cfg.Window)
+	s.timer = time.AfterFunc(time.Until(s.deadline), s.lapse)
+	s.mu.Unlock()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.slots[s] = struct{}{}
+	if !k.running {
+		k.running = true
+		go k.run()
+		return
+	}
+	select {
+	case k.kick <- struct{}{}:
+	default:
+	}
+}
+
+// drop stops extending s.
+func (k *slotKeeper) drop(s *Slot) {
+	k.mu.Lock()
+	delete(k.slots, s)
+	k.mu.Unlock()
+}
+
+// run extends the slots held until none is; keep starts it again. It
+// extends every slot each interval, a third of the shortest Window among
+// them, so that two extensions can fail before a lease runs out.
+func (k *slotKeeper) run() {
+	every, ok := k.interval()
+	next := time.Now().Add(every)
+	for ok {
+		select {
+		case <-time.After(time.Until(next)):
+			k.renew(every)
+			every, ok = k.interval()
+			next = time.Now().Add(every)
+		case <-k.kick:
+			// A slot of a shorter Window may need its extension sooner.
+			if every, ok = k.interval(); ok && time.Now().Add(every).Before(next) {
+				next = time.Now().Add(every)
+			}
+		}
+	}
+}
+
+// interval is a third of the shortest Window among the slots held; false
+// when none is held, and then the keeper stops (under the lock, so that
+// keep starts it again).
+func (k *slotKeeper) interval() (time.Duration, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	var every time.Duration
+	for s := range k.slots {
+		if w := s.l.cfg.Window / 3; every == 0 || w < every {
+			every = w
+		}
+	}
+	if every == 0 {
+		k.running = false
+		return 0, false
+	}
+	return every, true
+}
+
+// renew sends one extension for every slot held, bounded by timeout.
+func (k *slotKeeper) renew(timeout time.Duration) {
+	k.mu.Lock()
+	held := make([]*Slot, 0, len(k.slots))
+	for s := range k.slots {
+		held = append(held, s)
+	}
+	k.mu.Unlock()
+	if len(held) == 0 {
+		return
+	}
+	p := gen.ConcurrencyRenewParams{Holder: k.holder[:], At: held[0].l.at()}
+	for _, s := range held {
+		p.Keys = append(p.Keys, s.k)
+		p.Tokens = append(p.Tokens, s.token)
+		p.TtlsUs = append(p.TtlsUs, s.l.windowUs)
+	}
+	sent := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	rows, err := gen.New().ConcurrencyRenew(ctx, k.st.db, p)
+	cancel()
+	if err != nil {
+		// Each slot's timer ends it if no extension gets through in time.
+		k.st.opts.Logger.Debug("pgrl: extending the slots held failed; retrying", "slots", len(held), "err", err)
+		return
+	}
+	live := map[string]bool{}
+	for _, r := range rows {
+		for _, t := range r.Tokens {
+			live[string(r.Key)+string(t)] = true
+		}
+	}
+	for _, s := range held {
+		if live[string(s.k)+string(s.token)] {
+			s.extend(sent.Add(s.l.cfg.Window))
+		} else {
+			s.lost()
+		}
+	}
+}
