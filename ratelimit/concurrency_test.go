@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -246,4 +247,106 @@ func TestAcquireTx(t *testing.T) {
 	p, err = l.Peek(ctx, "k")
 	require.NoError(t, err)
 	require.EqualValues(t, 0, p.Used)
+}
+
+// When PostgreSQL cannot answer, Acquire follows the failure policy: in
+// memory under FailToMemory (Release gives the place back there), nowhere
+// under FailOpen, refused under FailClosed, the error under FailError.
+func TestAcquireFailurePolicies(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	dead := testkit.DeadPool(t)
+	opts := ratelimit.DatabaseOptions{Timeout: 200 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}
+	mk := func(p ratelimit.FailurePolicy) *ratelimit.Limiter {
+		return testkit.NewLimiter(t, dead, ratelimit.Config{Name: "down", Algorithm: ratelimit.Concurrency, Limit: 2,
+			Window: time.Second, OnFailure: p}, opts)
+	}
+
+	mem := mk(ratelimit.FailToMemory)
+	a, d, err := mem.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, ratelimit.StoreMemory, d.Store)
+	b, d, err := mem.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	s, d, err := mem.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed, "memory holds at most FallbackLimit")
+	require.Nil(t, s)
+	require.NoError(t, a.Release(ctx))
+	require.NoError(t, a.Release(ctx))
+	c, d, err := mem.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed, "a release gives the memory place back, once")
+	_, d, err = mem.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+	require.NoError(t, b.Release(ctx))
+	require.NoError(t, c.Release(ctx))
+
+	open := mk(ratelimit.FailOpen)
+	for range 3 {
+		s, d, err := open.Acquire(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+		require.Equal(t, ratelimit.StorePolicy, d.Store)
+		require.NoError(t, s.Release(ctx))
+	}
+	_, d, err = mk(ratelimit.FailClosed).Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.False(t, d.Allowed)
+	_, _, err = mk(ratelimit.FailError).Acquire(ctx, "k")
+	require.Error(t, err)
+	require.False(t, ratelimit.IsConfigError(err), "%v", err)
+}
+
+// The Observer sees each acquire's decision, as it sees checks.
+func TestAcquireObserved(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := dbtest.Pool(t)
+	var o testkit.Observer
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "observed", Algorithm: ratelimit.Concurrency, Limit: 1, Window: time.Minute},
+		ratelimit.DatabaseOptions{Observer: &o})
+	s, _, err := l.Acquire(ctx, "k")
+	require.NoError(t, err)
+	_, _, err = l.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.NoError(t, s.Release(ctx))
+	decs := o.Decisions()
+	require.Len(t, decs, 2)
+	require.True(t, decs[0].Allowed)
+	require.False(t, decs[1].Allowed)
+	require.Equal(t, []string{"observed", "observed"}, o.Names())
+}
+
+// A MemoryLimiter holds slots of its process.
+func TestMemoryAcquire(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	m, err := ratelimit.NewMemory(ratelimit.Config{Name: "mem", Algorithm: ratelimit.Concurrency, Limit: 2, Window: time.Second}, ratelimit.MemoryOptions{})
+	require.NoError(t, err)
+	a, d, err := m.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.Equal(t, ratelimit.StoreMemory, d.Store)
+	b, _, err := m.Acquire(ctx, "k")
+	require.NoError(t, err)
+	s, d, err := m.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.Nil(t, s)
+	require.False(t, d.Allowed)
+	require.NoError(t, a.Release(ctx))
+	require.NoError(t, a.Release(ctx))
+	p, err := m.Peek(ctx, "k")
+	require.NoError(t, err)
+	require.EqualValues(t, 1, p.Used)
+	require.NoError(t, b.Release(ctx))
+	_, err = m.Allow(ctx, "k")
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	rate, err := ratelimit.NewMemory(ratelimit.Config{Name: "rate", Limit: 2, Window: time.Second}, ratelimit.MemoryOptions{})
+	require.NoError(t, err)
+	_, _, err = rate.Acquire(ctx, "k")
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
 }

@@ -32,8 +32,9 @@ var (
 // confirmed before its lease ran out is lost (Done is closed and Err is
 // ErrSlotLost). Its methods are safe for concurrent use.
 type Slot struct {
-	l     *Limiter
-	key   string // the caller's key
+	l     *Limiter       // nil for a MemoryLimiter's slot
+	m     *MemoryLimiter // holds the slot when store is StoreMemory
+	key   string         // the caller's key
 	k     []byte // the stored key
 	token []byte // the slot's token in PostgreSQL
 	store Store  // where the slot is held: StorePostgres, StoreMemory, or StorePolicy for nowhere
@@ -86,7 +87,7 @@ func (l *Limiter) acquire(ctx context.Context, tx pgx.Tx, key string) (*Slot, De
 	if err != nil || !d.Allowed {
 		return nil, d, err
 	}
-	s := &Slot{l: l, key: key, k: l.key(key), token: token, store: d.Store, done: make(chan struct{})}
+	s := &Slot{l: l, m: l.memory, key: key, k: l.key(key), token: token, store: d.Store, done: make(chan struct{})}
 	switch {
 	case d.ShadowDenied:
 		s.store = StorePolicy // a shadow limit's refusal holds nothing
@@ -130,7 +131,7 @@ func (s *Slot) Release(ctx context.Context) error {
 		defer cancel()
 		return s.l.explain(ctx, s.release(cctx, s.l.st.db))
 	case StoreMemory:
-		s.l.memory.give(s.key)
+		s.m.give(s.key)
 	}
 	return nil
 }
@@ -148,9 +149,28 @@ func (s *Slot) ReleaseTx(ctx context.Context, tx pgx.Tx) error {
 	case StorePostgres:
 		return s.l.explain(ctx, s.release(ctx, tx))
 	case StoreMemory:
-		s.l.memory.give(s.key)
+		s.m.give(s.key)
 	}
 	return nil
+}
+
+// Acquire takes a slot of key from a concurrency limit kept in this
+// process's memory: at most Limit held at once by this process. The Slot
+// is held until its Release; it is never lost (nothing lapses in memory).
+// A refusal's RetryAfter is zero: a place frees when a holder releases it.
+func (m *MemoryLimiter) Acquire(_ context.Context, key string) (*Slot, Decision, error) {
+	if m.cfg.Algorithm != Concurrency {
+		return nil, Decision{}, WithOutcome(invalid(ErrInvalidOption, "Acquire on %q, a %s limit; slots are held from a Concurrency limit: use Allow to count a rate", m.cfg.Name, m.cfg.Algorithm), OutcomeNotConsumed)
+	}
+	d, err := m.observe(key, ask{n: 1, slot: []byte{}})
+	if err != nil || !d.Allowed {
+		return nil, d, WithOutcome(err, OutcomeNotConsumed)
+	}
+	s := &Slot{m: m, key: key, store: StoreMemory, done: make(chan struct{})}
+	if d.ShadowDenied {
+		s.store = StorePolicy
+	}
+	return s, d, nil
 }
 
 func (s *Slot) release(ctx context.Context, db DB) error {
