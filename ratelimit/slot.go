@@ -35,9 +35,9 @@ type Slot struct {
 	l     *Limiter       // nil for a MemoryLimiter's slot
 	m     *MemoryLimiter // holds the slot when store is StoreMemory
 	key   string         // the caller's key
-	k     []byte // the stored key
-	token []byte // the slot's token in PostgreSQL
-	store Store  // where the slot is held: StorePostgres, StoreMemory, or StorePolicy for nowhere
+	k     []byte         // the stored key
+	token []byte         // the slot's token in PostgreSQL
+	store Store          // where the slot is held: StorePostgres, StoreMemory, or StorePolicy for nowhere
 
 	mu       sync.Mutex
 	err      error       // nil while held
