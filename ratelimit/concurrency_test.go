@@ -3,6 +3,7 @@ package ratelimit_test
 import (
 	"context"
 	"log/slog"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -349,4 +350,27 @@ func TestMemoryAcquire(t *testing.T) {
 	require.NoError(t, err)
 	_, _, err = rate.Acquire(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+}
+
+// A slot dropped without Release is released once the garbage collector
+// finds it, with a warning: a forgotten Release does not hold a place for
+// as long as the process lives.
+func TestDroppedSlotIsReleased(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := dbtest.Pool(t)
+	var logs testkit.LogBuffer
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "leak", Algorithm: ratelimit.Concurrency, Limit: 1, Window: time.Minute},
+		ratelimit.DatabaseOptions{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	func() {
+		_, d, err := l.Acquire(ctx, "k")
+		require.NoError(t, err)
+		require.True(t, d.Allowed)
+	}()
+	require.Eventually(t, func() bool {
+		runtime.GC()
+		p, err := l.Peek(ctx, "k")
+		return err == nil && p.Used == 0
+	}, 10*time.Second, 50*time.Millisecond, "the dropped slot is released")
+	require.Contains(t, logs.String(), "dropped without Release")
 }

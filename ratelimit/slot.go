@@ -5,6 +5,8 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
+	"log/slog"
+	"runtime"
 	"sync"
 	"time"
 
@@ -31,7 +33,18 @@ var (
 // for every slot the process holds; a slot whose extension could not be
 // confirmed before its lease ran out is lost (Done is closed and Err is
 // ErrSlotLost). Its methods are safe for concurrent use.
+//
+// A Slot that becomes unreachable without being released (a forgotten
+// Release) is released when the garbage collector finds it, with a
+// warning in the Database's Logger: a leaked slot is not extended forever.
 type Slot struct {
+	h *slotLease
+}
+
+// slotLease is a Slot's state, which the Database's keeper and the lease's
+// timer hold: apart from the Slot, so that a Slot nobody holds any more can
+// be collected, and released then.
+type slotLease struct {
 	l     *Limiter       // nil for a MemoryLimiter's slot
 	m     *MemoryLimiter // holds the slot when store is StoreMemory
 	key   string         // the caller's key
@@ -87,14 +100,14 @@ func (l *Limiter) acquire(ctx context.Context, tx pgx.Tx, key string) (*Slot, De
 	if err != nil || !d.Allowed {
 		return nil, d, err
 	}
-	s := &Slot{l: l, m: l.memory, key: key, k: l.key(key), token: token, store: d.Store, done: make(chan struct{})}
+	h := &slotLease{l: l, m: l.memory, key: key, k: l.key(key), token: token, store: d.Store, done: make(chan struct{})}
 	switch {
 	case d.ShadowDenied:
-		s.store = StorePolicy // a shadow limit's refusal holds nothing
+		h.store = StorePolicy // a shadow limit's refusal holds nothing
 	case d.Store == StorePostgres:
-		keeper.keep(s, sent)
+		keeper.keep(h, sent)
 	}
-	return s, d, nil
+	return newSlot(h), d, nil
 }
 
 // takeSlot is the check of an Acquire (ask.slot set) in the statement
@@ -103,25 +116,35 @@ func (l *Limiter) takeSlot(ctx context.Context, db DB, k []byte, a ask) (Decisio
 	return l.acquireSlot(ctx, db, k, a.slot)
 }
 
+// newSlot is the Slot of h, released by the garbage collector if it is
+// dropped while held.
+func newSlot(h *slotLease) *Slot {
+	s := &Slot{h: h}
+	runtime.AddCleanup(s, (*slotLease).abandon, h)
+	return s
+}
+
 // Done is closed when the slot is no longer held: released, or lost.
-func (s *Slot) Done() <-chan struct{} { return s.done }
+func (s *Slot) Done() <-chan struct{} { return s.h.done }
 
 // Err is nil while the slot is held, then ErrSlotReleased or ErrSlotLost.
 func (s *Slot) Err() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.err
+	s.h.mu.Lock()
+	defer s.h.mu.Unlock()
+	return s.h.err
 }
 
 // Key is the key the slot was acquired for.
-func (s *Slot) Key() string { return s.key }
+func (s *Slot) Key() string { return s.h.key }
 
 // Release gives the slot back. Releasing again, or releasing a slot that
 // was lost, does nothing and returns nil. When PostgreSQL cannot be
 // reached (within the Database's Timeout), the error is returned and the
 // slot, no longer extended, lapses after the Window: the key holds one
 // place too few until then, never one too many.
-func (s *Slot) Release(ctx context.Context) error {
+func (s *Slot) Release(ctx context.Context) error { return s.h.giveBack(ctx) }
+
+func (s *slotLease) giveBack(ctx context.Context) error {
 	if !s.end(ErrSlotReleased) {
 		return nil
 	}
@@ -142,14 +165,15 @@ func (s *Slot) ReleaseTx(ctx context.Context, tx pgx.Tx) error {
 	if tx == nil {
 		return ErrNilDB
 	}
-	if !s.end(ErrSlotReleased) {
+	h := s.h
+	if !h.end(ErrSlotReleased) {
 		return nil
 	}
-	switch s.store {
+	switch h.store {
 	case StorePostgres:
-		return s.l.explain(ctx, s.release(ctx, tx))
+		return h.l.explain(ctx, h.release(ctx, tx))
 	case StoreMemory:
-		s.m.give(s.key)
+		h.m.give(h.key)
 	}
 	return nil
 }
@@ -166,20 +190,20 @@ func (m *MemoryLimiter) Acquire(_ context.Context, key string) (*Slot, Decision,
 	if err != nil || !d.Allowed {
 		return nil, d, WithOutcome(err, OutcomeNotConsumed)
 	}
-	s := &Slot{m: m, key: key, store: StoreMemory, done: make(chan struct{})}
+	h := &slotLease{m: m, key: key, store: StoreMemory, done: make(chan struct{})}
 	if d.ShadowDenied {
-		s.store = StorePolicy
+		h.store = StorePolicy
 	}
-	return s, d, nil
+	return newSlot(h), d, nil
 }
 
-func (s *Slot) release(ctx context.Context, db DB) error {
+func (s *slotLease) release(ctx context.Context, db DB) error {
 	_, err := s.l.q.ConcurrencyRelease(ctx, db, gen.ConcurrencyReleaseParams{Key: s.k, Token: s.token, At: s.l.at()})
 	return err
 }
 
 // end marks the slot no longer held, for err; false when it already was.
-func (s *Slot) end(err error) bool {
+func (s *slotLease) end(err error) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.err != nil {
@@ -198,7 +222,7 @@ func (s *Slot) end(err error) bool {
 
 // extend moves the slot's local deadline to until, once PostgreSQL
 // confirmed the lease to at least then.
-func (s *Slot) extend(until time.Time) {
+func (s *slotLease) extend(until time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.err != nil || !until.After(s.deadline) {
@@ -212,7 +236,7 @@ func (s *Slot) extend(until time.Time) {
 // may still be live in PostgreSQL (the extension went through, its answer
 // did not come back in time), so it is released there too, best effort,
 // to free the place for others now rather than at its lapse.
-func (s *Slot) lapse() {
+func (s *slotLease) lapse() {
 	s.mu.Lock()
 	late := s.err == nil && !time.Now().Before(s.deadline)
 	s.mu.Unlock()
@@ -226,8 +250,29 @@ func (s *Slot) lapse() {
 	}()
 }
 
+// abandon releases a slot whose Slot was collected while still held.
+func (s *slotLease) abandon() {
+	s.mu.Lock()
+	held := s.err == nil
+	s.mu.Unlock()
+	if !held {
+		return
+	}
+	logger := slog.Default()
+	name := ""
+	switch {
+	case s.l != nil:
+		logger, name = s.l.st.opts.Logger, s.l.cfg.Name
+	case s.m != nil:
+		logger, name = s.m.logger, s.m.cfg.Name
+	}
+	logger.Warn("pgrl: a slot was dropped without Release; releasing it now (release every slot: defer slot.Release)",
+		"limit", name)
+	go func() { _ = s.giveBack(context.Background()) }() // bounded by the Database's Timeout
+}
+
 // lost marks the slot lost: an extension found it no longer live.
-func (s *Slot) lost() { s.end(ErrSlotLost) }
+func (s *slotLease) lost() { s.end(ErrSlotLost) }
 
 // slotKeeper extends the leases of the slots a Database's limiters hold,
 // in one statement per interval (a third of the shortest Window among
@@ -238,13 +283,13 @@ type slotKeeper struct {
 
 	mu      sync.Mutex
 	seq     uint64
-	slots   map[*Slot]struct{}
+	slots   map[*slotLease]struct{}
 	running bool
 	kick    chan struct{} // a slot was kept: its Window may be the shortest
 }
 
 func newSlotKeeper(st *Database) *slotKeeper {
-	k := &slotKeeper{st: st, slots: map[*Slot]struct{}{}, kick: make(chan struct{}, 1)}
+	k := &slotKeeper{st: st, slots: map[*slotLease]struct{}{}, kick: make(chan struct{}, 1)}
 	_, _ = rand.Read(k.holder[:])
 	return k
 }
@@ -269,7 +314,7 @@ func (k *slotKeeper) token() []byte {
 
 // keep starts extending s, acquired by a statement sent at sent: its lease
 // runs out a Window after that, unless extended.
-func (k *slotKeeper) keep(s *Slot, sent time.Time) {
+func (k *slotKeeper) keep(s *slotLease, sent time.Time) {
 	s.mu.Lock()
 	s.deadline = sent.Add(s.l.cfg.Window)
 	s.timer = time.AfterFunc(time.Until(s.deadline), s.lapse)
@@ -289,7 +334,7 @@ func (k *slotKeeper) keep(s *Slot, sent time.Time) {
 }
 
 // drop stops extending s.
-func (k *slotKeeper) drop(s *Slot) {
+func (k *slotKeeper) drop(s *slotLease) {
 	k.mu.Lock()
 	delete(k.slots, s)
 	k.mu.Unlock()
@@ -338,7 +383,7 @@ func (k *slotKeeper) interval() (time.Duration, bool) {
 // renew sends one extension for every slot held, bounded by timeout.
 func (k *slotKeeper) renew(timeout time.Duration) {
 	k.mu.Lock()
-	held := make([]*Slot, 0, len(k.slots))
+	held := make([]*slotLease, 0, len(k.slots))
 	for s := range k.slots {
 		held = append(held, s)
 	}
