@@ -196,6 +196,12 @@ func TestConcurrencyRefusals(t *testing.T) {
 	rate := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "rate", Limit: 1, Window: time.Second})
 	_, _, err = rate.Acquire(ctx, "k")
 	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	_, err = testkit.New(conn.Conn(), ratelimit.Config{Name: "one-conn", Algorithm: ratelimit.Concurrency, Limit: 1, Window: time.Second})
+	require.ErrorIs(t, err, ratelimit.ErrInvalidOption)
+	require.ErrorContains(t, err, "*pgxpool.Pool")
 	for _, c := range []struct {
 		cfg  ratelimit.Config
 		want error

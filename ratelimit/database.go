@@ -169,6 +169,9 @@ func (s *Database) Limiter(cfg Config) (*Limiter, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
+	if cfg.Algorithm == Concurrency && singleConn(s.db) {
+		return nil, invalid(ErrInvalidOption, "concurrency limit %q on a single connection (a *pgx.Conn or a pgx.Tx): its slots are extended in the background, beside the application's statements, which one connection cannot run at once; make the Database on a *pgxpool.Pool", cfg.Name)
+	}
 	l, err := newLimiter(s, cfg)
 	if err != nil {
 		return nil, err
