@@ -153,8 +153,9 @@ func TestDraftRateLimitExamples(t *testing.T) {
 		// A remaining quota of 50 units, reset in 30 s.
 		{example: `"default";r=50;t=30`, cfg: httplimit.Config{Cost: cost(50)}, clock: half, limit: 100},
 		// 999 requests left for a partition. The example has no t (a
-		// quota that never resets); every limit of pgrl resets, and says
-		// when.
+		// quota that never resets); every rate limit of pgrl resets, and
+		// says when. (A concurrency limit sends no t when it admits a
+		// request: TestConcurrencyDraftExampleWithoutReset.)
 		{example: `"default";r=999;pk=:dHJpYWwxMjEzMjM=:`, drop: []string{"t"},
 			cfg: httplimit.Config{PartitionKey: fixedPK(t, "dHJpYWwxMjEzMjM=")}, clock: half, limit: 1000},
 		// 300 MB left for an application in the next 60 seconds.

@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -133,4 +134,73 @@ func Example_severalPolicies() {
 	// RateLimit-Policy: "uploads";q=10;w=60;pk=:gr4P0iOon5k0cj2S:, "upload-bytes";q=52428800;qu="content-bytes";w=3600;pk=:gr4P0iOon5k0cj2S:
 	// RateLimit: "upload-bytes";r=20971520;t=3330;pk=:gr4P0iOon5k0cj2S:, "uploads";r=9;t=30;pk=:gr4P0iOon5k0cj2S:
 	// {"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Rate limit exceeded","status":429,"violated-policies":["upload-bytes"],"retry_after":3330}
+}
+
+// An export endpoint that runs at most two exports per account at once,
+// across every instance of the service: a third, sent while two run, is
+// refused until one of them ends.
+func Example_concurrency() {
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	if err != nil {
+		log.Fatal(err)
+	}
+	exports, err := limits.Limiter(ratelimit.Config{
+		Name:      "exports",
+		Algorithm: ratelimit.Concurrency,
+		Limit:     2,                // exports in flight at once, per account
+		Window:    10 * time.Second, // a slot's lease: how long one outlives an instance that died holding it
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	mw, err := httplimit.New(httplimit.Config{Limiter: exports, Key: httplimit.ByHeader("X-Account")})
+	if err != nil {
+		log.Fatal(err)
+	}
+	running, finish := make(chan struct{}), make(chan struct{})
+	export := mw.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Query().Has("slow") {
+			running <- struct{}{}
+			<-finish // the export's work, until the example ends it
+		}
+		fmt.Fprintln(w, "exported")
+	})
+	send := func(target string) *httptest.ResponseRecorder {
+		req := httptest.NewRequest("POST", target, nil)
+		req.Header.Set("X-Account", "acct-1001")
+		rec := httptest.NewRecorder()
+		export.ServeHTTP(rec, req)
+		return rec
+	}
+
+	// Two exports start, one after the other, and run until finish closes.
+	var wg sync.WaitGroup
+	slow := make([]*httptest.ResponseRecorder, 2)
+	for i := range slow {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			slow[i] = send("/exports?slow")
+		}()
+		<-running
+	}
+	third := send("/exports")
+	fmt.Println(third.Code, "Retry-After:", third.Header().Get("Retry-After"))
+	fmt.Println("RateLimit-Policy:", third.Header().Get("RateLimit-Policy"))
+	fmt.Println("RateLimit:", third.Header().Get("RateLimit"))
+
+	close(finish)
+	wg.Wait()
+	for i, rec := range slow {
+		fmt.Printf("export %d: %d RateLimit: %s\n", i+1, rec.Code, rec.Header().Get("RateLimit"))
+	}
+	after := send("/exports")
+	fmt.Printf("after them: %d RateLimit: %s\n", after.Code, after.Header().Get("RateLimit"))
+	// Output:
+	// 429 Retry-After: 10
+	// RateLimit-Policy: "exports";q=2;qu="concurrent-requests"
+	// RateLimit: "exports";r=0;t=10
+	// export 1: 200 RateLimit: "exports";r=1
+	// export 2: 200 RateLimit: "exports";r=0
+	// after them: 200 RateLimit: "exports";r=1
 }

@@ -19,6 +19,15 @@
 // (ratelimit.Config.OnFailure); only errors the policy passes on, or that
 // mean the setup is wrong, reach the middleware's OnError.
 //
+// A concurrency limit (ratelimit.Concurrency) bounds the requests in flight
+// instead of their rate: the middleware takes one of the limit's slots
+// before the handler runs (ratelimit.Limiter.Acquire), holds it while the
+// handler runs, and gives it back when the handler returns, panics
+// included; a request that finds every slot held is answered 429 like one
+// over a rate. One middleware holds one concurrency limit: to bound both
+// the rate and the requests in flight, wrap one middleware in the other
+// (see Config.Limiter).
+//
 // The middleware counts requests before the handler runs. A cost known only
 // after the handler's work (the tokens a model call used) is the handler's
 // to count: it reserves an estimate with ratelimit.Limiter.Reserve before
@@ -164,13 +173,24 @@ type Config struct {
 	// Limiter is the limit checked for every request. Either Limiter or
 	// Rules is required. A Checker that is also a KeyedLimiter (such as
 	// *policy.Limiter) is checked through For, per request.
+	//
+	// A *ratelimit.Limiter whose Algorithm is ratelimit.Concurrency bounds
+	// the requests in flight per key: each admitted request holds one of
+	// its slots until the handler returns (or panics), then gives it back.
+	// Such a limit is reported with the unit "concurrent-requests" and no
+	// window, needs no Cost (a request holds one slot) and no
+	// RequestIDHeader, and cannot be one of Rules: to bound the rate too,
+	// give each limit a middleware of its own and nest them,
+	// inflight.Handler(rates.Handler(h)), so that a request refused for
+	// its rate holds a slot only for the check.
 	Limiter Checker
 
 	// Rules are several limits decided together, in one round trip, by
 	// ratelimit.AllowAll in Mode (a login's per email+IP, per IP and per
 	// email limits, or a per-client limit and a global ceiling). When only
 	// one rule applies to a request (the others' keys skipped it), it is
-	// checked alone.
+	// checked alone. Rules are rates: a concurrency limit goes in a
+	// middleware of its own (Limiter).
 	Rules []Rule
 
 	// Mode says what Rules consume when one of them denies. Defaults to
@@ -183,7 +203,9 @@ type Config struct {
 	Key KeyFunc
 
 	// Cost returns the request's cost, for Limiter and for every rule
-	// without a Cost of its own. Defaults to 1 per request.
+	// without a Cost of its own. Defaults to 1 per request. Not with a
+	// concurrency limit, where every request holds one slot (skip a
+	// request with Key instead).
 	Cost CostFunc
 
 	// Policy names Limiter's limit in the RateLimit-Policy and RateLimit
@@ -196,10 +218,11 @@ type Config struct {
 
 	// QuotaUnit is the unit of the quota, reported as the "qu" parameter
 	// of RateLimit-Policy, for Limiter and every rule without a unit of
-	// its own: UnitRequests, UnitContentBytes or UnitConcurrentRequests,
-	// the units the draft registers. Empty (the default) sends no "qu",
-	// which the draft reads as requests: set it when Cost counts
-	// something else.
+	// its own: UnitRequests or UnitContentBytes for a rate, the units the
+	// draft registers. Empty (the default) sends no "qu", which the draft
+	// reads as requests: set it when Cost counts something else. A
+	// concurrency limit is always reported in UnitConcurrentRequests
+	// (leave QuotaUnit empty); a rate never is.
 	QuotaUnit string
 
 	// PartitionKey reports each request's partition key as the "pk"
@@ -235,8 +258,10 @@ type Config struct {
 	// calls the next handler, or set the limiter's OnFailure to FailOpen.
 	OnError func(w http.ResponseWriter, r *http.Request, err error)
 
-	// Logger receives check errors (level Error) and denials (level
-	// Debug). Defaults to slog.Default().
+	// Logger receives check errors (level Error), failures to give a
+	// concurrency limit's slot back (level Warn: the slot lapses by itself
+	// after the limit's Window) and denials (level Debug). Defaults to
+	// slog.Default().
 	Logger *slog.Logger
 
 	// RequestIDHeader names a request header, such as HeaderIdempotencyKey,
@@ -248,8 +273,9 @@ type Config struct {
 	// {"error":"invalid_request_id"}, and not checked. The handler still
 	// runs for every allowed copy: the limiter counts the request once, it
 	// does not make the handler idempotent. Needs Limiter to be a
-	// *ratelimit.Limiter without a stored Policy and with Spread 1 (New
-	// refuses others: they cannot keep ids); empty by default.
+	// *ratelimit.Limiter without a stored Policy and with Spread 1, and
+	// not a concurrency limit (New refuses others: they cannot keep ids);
+	// empty by default.
 	RequestIDHeader string
 }
 
@@ -278,10 +304,11 @@ type rule struct {
 	keyed   KeyedLimiter       // set for a limit resolved per key
 	key     KeyFunc
 	cost    CostFunc
+	slots   *ratelimit.Limiter // set for a concurrency limit: Acquire, not Allow
 	name    string
 	unit    string           // the quota unit, "" for requests
 	pk      PartitionKeyFunc // nil: no partition key reported
-	policy  string           // the member of RateLimit-Policy: "name";q=Q[;qu=U];w=W
+	policy  string           // the member of RateLimit-Policy: "name";q=Q[;qu=U][;w=W]
 }
 
 // ErrInvalidConfig is wrapped by every error New returns.
@@ -329,13 +356,20 @@ func New(cfg Config) (*Middleware, error) {
 		if cfg.Key == nil {
 			return nil, invalid("no Key function; use ByIP, ByHeader, ByRoute, Constant or your own")
 		}
-		r, err := newRule(cfg.Limiter.Config(), cfg.Key, cost, cfg.Policy, cfg.QuotaUnit, cfg.PartitionKey)
+		lc := cfg.Limiter.Config()
+		r, err := newRule(lc, cfg.Key, cost, cfg.Policy, cfg.QuotaUnit, cfg.PartitionKey)
 		if err != nil {
 			return nil, err
 		}
 		r.checker = cfg.Limiter
 		if k, ok := cfg.Limiter.(KeyedLimiter); ok {
 			r.keyed = k
+		}
+		if lc.Algorithm == ratelimit.Concurrency {
+			if err := slotsOnly(cfg, lc); err != nil {
+				return nil, err
+			}
+			r.slots, r.keyed = cfg.Limiter.(*ratelimit.Limiter), nil
 		}
 		m.rules = []rule{r}
 	case len(cfg.Rules) > 0:
@@ -354,6 +388,9 @@ func New(cfg Config) (*Middleware, error) {
 				lc = rr.Keyed.Config()
 			default:
 				return nil, invalid("rule %d has no Limiter (nor Keyed)", i)
+			}
+			if lc.Algorithm == ratelimit.Concurrency {
+				return nil, invalid("rule %d (%q) is a concurrency limit; Rules are rates decided together by ratelimit.AllowAll, and a slot is held while the handler runs: give it a middleware of its own (Config.Limiter) and nest the two, inflight.Handler(rules.Handler(h))", i, lc.Name)
 			}
 			key, c := rr.Key, rr.Cost
 			if key == nil {
@@ -388,6 +425,9 @@ func New(cfg Config) (*Middleware, error) {
 		return nil, invalid("neither Limiter nor Rules is set")
 	}
 	if cfg.RequestIDHeader != "" {
+		if len(m.rules) == 1 && m.rules[0].slots != nil {
+			return nil, invalid("RequestIDHeader %q with %q, a concurrency limit; a request sent again is another request in flight, holding a slot of its own, so it cannot be counted once: drop RequestIDHeader from this middleware (a rate limit's middleware, nested in it, can keep it)", cfg.RequestIDHeader, m.rules[0].slots.Config().Name)
+		}
 		l, ok := cfg.Limiter.(*ratelimit.Limiter)
 		if !ok || l.Config().Policy != "" || l.Config().Spread > 1 {
 			return nil, invalid("RequestIDHeader %q needs Limiter to be a *ratelimit.Limiter without a stored Policy and with Spread 1, which keeps request ids (ratelimit.RequestID); drop RequestIDHeader, or check with such a limiter", cfg.RequestIDHeader)
@@ -395,6 +435,18 @@ func New(cfg Config) (*Middleware, error) {
 		m.requestID = http.CanonicalHeaderKey(cfg.RequestIDHeader)
 	}
 	return m, nil
+}
+
+// slotsOnly checks what a middleware of the concurrency limit lc needs: a
+// *ratelimit.Limiter, which holds slots, and no Cost.
+func slotsOnly(cfg Config, lc ratelimit.Config) error {
+	if _, ok := cfg.Limiter.(*ratelimit.Limiter); !ok {
+		return invalid("Limiter %q is a concurrency limit held by a %T, which cannot hold slots; use a *ratelimit.Limiter (Database.Limiter), whose Acquire holds a slot for each request in flight", lc.Name, cfg.Limiter)
+	}
+	if cfg.Cost != nil {
+		return invalid("Cost is set with %q, a concurrency limit; every request in flight holds one slot: drop Cost, and skip the requests that should not count by returning false from Key", lc.Name)
+	}
+	return nil
 }
 
 func isNilChecker(c Checker) bool {
@@ -417,7 +469,15 @@ func newRule(lc ratelimit.Config, key KeyFunc, cost CostFunc, name, unit string,
 	switch unit {
 	case "", UnitRequests, UnitContentBytes, UnitConcurrentRequests:
 	default:
-		return rule{}, invalid("quota unit %q is not one the draft registers; use UnitRequests, UnitContentBytes or UnitConcurrentRequests, or leave it empty and describe the unit in your API's documentation", unit)
+		return rule{}, invalid("quota unit %q is not one the draft registers; use UnitRequests or UnitContentBytes (UnitConcurrentRequests for a concurrency limit), or leave it empty and describe the unit in your API's documentation", unit)
+	}
+	switch {
+	case lc.Algorithm == ratelimit.Concurrency && unit == "":
+		unit = UnitConcurrentRequests
+	case lc.Algorithm == ratelimit.Concurrency && unit != UnitConcurrentRequests:
+		return rule{}, invalid("quota unit %q for %q, a concurrency limit; it counts requests in flight, always reported as %q: leave the quota unit empty", unit, lc.Name, UnitConcurrentRequests)
+	case lc.Algorithm != ratelimit.Concurrency && unit == UnitConcurrentRequests:
+		return rule{}, invalid("quota unit %q for %q, a %s limit; it counts requests per window, not requests in flight: leave the quota unit empty (or set the unit Cost counts), or bound requests in flight with a ratelimit.Concurrency limit", unit, lc.Name, lc.Algorithm)
 	}
 	r := rule{key: key, cost: cost, name: name, unit: unit, pk: pk}
 	r.policy = r.member(lc)
@@ -425,13 +485,19 @@ func newRule(lc ratelimit.Config, key KeyFunc, cost CostFunc, name, unit string,
 }
 
 // member is the rule's RateLimit-Policy member for the limit c:
-// "name";q=Q;qu="unit";w=W, with qu only for a unit set. The partition key
-// is per request, added by setFields.
+// "name";q=Q;qu="unit";w=W, with qu only for a unit set. A concurrency
+// limit has no window: its member is "name";q=Q;qu="concurrent-requests".
+// The partition key is per request, added by setFields.
 func (r *rule) member(c ratelimit.Config) string {
 	q, w := quota(c)
 	s := sfString(r.name) + ";q=" + strconv.FormatInt(q, 10)
 	if r.unit != "" {
 		s += ";qu=" + sfString(r.unit)
+	}
+	if c.Algorithm == ratelimit.Concurrency {
+		// Its Window is a slot's lease, not a period the quota is
+		// allocated over; the draft's w is optional.
+		return s
 	}
 	return s + ";w=" + strconv.FormatInt(w, 10)
 }
@@ -546,6 +612,10 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			opts = append(opts, ratelimit.RequestID(id))
 		}
 	}
+	if act[0].r.slots != nil {
+		m.hold(w, r, next, act[0])
+		return
+	}
 	md, err := m.decide(r.Context(), act, opts)
 	if err != nil {
 		m.fail(w, r, act, err)
@@ -557,6 +627,46 @@ func (m *Middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		next.ServeHTTP(w, r)
 		return
 	}
+	m.refuse(w, r, act, md, shown)
+}
+
+// hold serves a request under the concurrency limit of a: it takes one of
+// the limit's slots, calls next while holding it, and gives it back when
+// next returns or panics.
+func (m *Middleware) hold(w http.ResponseWriter, r *http.Request, next http.Handler, a active) {
+	act := []active{a}
+	slot, d, err := a.r.slots.Acquire(r.Context(), a.key)
+	if err != nil {
+		m.fail(w, r, act, err)
+		return
+	}
+	md := single(d)
+	m.setFields(w.Header(), act, md, 0)
+	if !d.Allowed {
+		m.refuse(w, r, act, md, 0)
+		return
+	}
+	if slot != nil {
+		defer m.release(r, a, slot)
+	}
+	next.ServeHTTP(w, r)
+}
+
+// release gives back the slot a request held, with a context the request's
+// end does not cancel: a client that went away still frees its place. A
+// release that fails is logged, not answered: the slot, no longer
+// extended, lapses by itself after the limit's Window.
+func (m *Middleware) release(r *http.Request, a active, slot *ratelimit.Slot) {
+	ctx := context.WithoutCancel(r.Context())
+	if err := slot.Release(ctx); err != nil {
+		m.logger.WarnContext(ctx, "pgrl: giving back a request's slot failed; it lapses after the limit's Window", "policy", a.r.name,
+			"lease", a.r.slots.Config().Window, "method", r.Method, "path", r.URL.Path, "err", err)
+	}
+}
+
+// refuse answers a request the limits of act denied (md), shown being the
+// limit the RateLimit field reports first.
+func (m *Middleware) refuse(w http.ResponseWriter, r *http.Request, act []active, md ratelimit.MultiDecision, shown int) {
 	w.Header().Set(HeaderRetryAfter, strconv.FormatInt(ceilSeconds(md.RetryAfter()), 10))
 	m.logger.DebugContext(r.Context(), "pgrl: request rate limited", "policy", act[shown].r.name,
 		"retry_after", md.RetryAfter(), "method", r.Method, "path", r.URL.Path)
@@ -592,17 +702,22 @@ func (m *Middleware) decide(ctx context.Context, act []active, opts []ratelimit.
 		if err != nil {
 			return ratelimit.MultiDecision{}, err
 		}
-		md := ratelimit.MultiDecision{Allowed: d.Allowed, Decisions: []ratelimit.Decision{d}, DeniedBy: -1}
-		if !d.Allowed {
-			md.DeniedBy = 0
-		}
-		return md, nil
+		return single(d), nil
 	}
 	checks := make([]ratelimit.Check, len(act))
 	for i, a := range act {
 		checks[i] = ratelimit.Check{Limiter: a.lim, Key: a.key, Cost: a.cost}
 	}
 	return ratelimit.AllowAll(ctx, m.mode, checks...)
+}
+
+// single is the MultiDecision of one limit's decision d.
+func single(d ratelimit.Decision) ratelimit.MultiDecision {
+	md := ratelimit.MultiDecision{Allowed: d.Allowed, Decisions: []ratelimit.Decision{d}, DeniedBy: -1}
+	if !d.Allowed {
+		md.DeniedBy = 0
+	}
+	return md
 }
 
 // representative picks the decision the RateLimit field reports: when
@@ -630,6 +745,10 @@ func representative(md ratelimit.MultiDecision) int {
 // limits act. RateLimit-Policy lists every limit in rule order; RateLimit
 // has a member per limit too, the one at shown (the most restrictive)
 // first, so that a client reading only the first member honours them all.
+//
+// Fields already set, by a middleware this one is nested in, are kept:
+// this one's policies follow theirs, and its RateLimit members follow
+// theirs too, or come first when it denies the request.
 func (m *Middleware) setFields(h http.Header, act []active, md ratelimit.MultiDecision, shown int) {
 	d := md.Decisions[shown]
 	switch {
@@ -646,7 +765,7 @@ func (m *Middleware) setFields(h http.Header, act []active, md ratelimit.MultiDe
 	for i, a := range act {
 		policies[i] = a.policy + a.pk
 	}
-	h.Set(HeaderRateLimitPolicy, strings.Join(policies, ", "))
+	addField(h, HeaderRateLimitPolicy, strings.Join(policies, ", "), false)
 	limits := make([]string, 0, len(act))
 	limits = append(limits, m.serviceLimit(act[shown], d, md.Allowed))
 	for i, a := range act {
@@ -654,17 +773,42 @@ func (m *Middleware) setFields(h http.Header, act []active, md ratelimit.MultiDe
 			limits = append(limits, m.serviceLimit(a, md.Decisions[i], md.Allowed))
 		}
 	}
-	h.Set(HeaderRateLimit, strings.Join(limits, ", "))
+	addField(h, HeaderRateLimit, strings.Join(limits, ", "), !md.Allowed)
 	if m.headers == HeadersDraftAndLegacy {
 		h.Set(HeaderLegacyLimit, strconv.FormatInt(d.Limit, 10))
 		h.Set(HeaderLegacyRemaining, strconv.FormatInt(max(d.Remaining, 0), 10))
-		h.Set(HeaderLegacyReset, strconv.FormatInt(legacyReset(d), 10))
+		switch {
+		case act[shown].r.slots == nil:
+			h.Set(HeaderLegacyReset, strconv.FormatInt(legacyReset(d), 10))
+		case !d.Allowed:
+			// A concurrency limit has no reset: a refusal reports when
+			// to retry, as Retry-After does.
+			d.ResetAt = d.Now.Add(d.RetryAfter)
+			h.Set(HeaderLegacyReset, strconv.FormatInt(legacyReset(d), 10))
+		default:
+			h.Del(HeaderLegacyReset)
+		}
 	}
+}
+
+// addField sets the list field name to v, after (or, first, before) the
+// members it already has.
+func addField(h http.Header, name, v string, first bool) {
+	had := h.Values(name)
+	switch {
+	case len(had) == 0:
+	case first:
+		v = v + ", " + strings.Join(had, ", ")
+	default:
+		v = strings.Join(had, ", ") + ", " + v
+	}
+	h.Set(name, v)
 }
 
 // serviceLimit is the RateLimit member of the limit a for its decision d
 // of a request allowed or not: "name";r=R;t=T, and the partition key when
-// one is reported.
+// one is reported. A concurrency limit that admitted the request has no t:
+// a place frees when a request in flight ends, which nothing foretells.
 func (m *Middleware) serviceLimit(a active, d ratelimit.Decision, allowed bool) string {
 	remaining := max(d.Remaining, 0)
 	if !allowed && d.Allowed && m.mode == ratelimit.AllOrNothing {
@@ -672,8 +816,11 @@ func (m *Middleware) serviceLimit(a active, d ratelimit.Decision, allowed bool) 
 		// decision counts them as taken (MultiDecision), the key has them.
 		remaining += a.cost
 	}
-	return sfString(a.r.name) + ";r=" + strconv.FormatInt(remaining, 10) +
-		";t=" + strconv.FormatInt(fieldReset(d), 10) + a.pk
+	s := sfString(a.r.name) + ";r=" + strconv.FormatInt(remaining, 10)
+	if a.r.slots == nil || !d.Allowed {
+		s += ";t=" + strconv.FormatInt(fieldReset(d), 10)
+	}
+	return s + a.pk
 }
 
 // fieldReset is the RateLimit field's t: the seconds, rounded up, until
