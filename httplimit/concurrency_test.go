@@ -546,3 +546,32 @@ func TestHTTPDocConcurrency(t *testing.T) {
 	fmt.Fprintf(&got, "\n%s", rec.Body.String())
 	require.Equal(t, got.String(), block, "docs/HTTP.md's refusal is what the middleware answers")
 }
+
+// The handler finds the slot it runs under in its request's context, held
+// while it runs and released once it returns; without a concurrency limit
+// there is none.
+func TestSlotFromContext(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	lim := slotLimiter(t, pool, "ctx", 2)
+	mw, err := httplimit.New(httplimit.Config{Limiter: lim, Key: httplimit.Constant("k"), Logger: quietLogger()})
+	require.NoError(t, err)
+	var seen *ratelimit.Slot
+	var errInside error
+	srv := httptest.NewServer(mw.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen = httplimit.SlotFrom(r.Context())
+		if seen != nil {
+			errInside = seen.Err()
+		}
+		_, _ = io.WriteString(w, "ok")
+	}))
+	t.Cleanup(srv.Close)
+	r, err := fetch(context.Background(), srv, "/")
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, r.status)
+	require.NotNil(t, seen)
+	require.Equal(t, "k", seen.Key())
+	require.NoError(t, errInside, "held while the handler runs")
+	require.ErrorIs(t, seen.Err(), ratelimit.ErrSlotReleased, "released once it returned")
+	require.Nil(t, httplimit.SlotFrom(context.Background()))
+}

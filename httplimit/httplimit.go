@@ -648,8 +648,22 @@ func (m *Middleware) hold(w http.ResponseWriter, r *http.Request, next http.Hand
 	}
 	if slot != nil {
 		defer m.release(r, a, slot)
+		r = r.WithContext(context.WithValue(r.Context(), slotKey{}, slot))
 	}
 	next.ServeHTTP(w, r)
+}
+
+type slotKey struct{}
+
+// SlotFrom returns the concurrency limit's slot that the middleware holds
+// for the request whose context is ctx, or nil (no concurrency limit, or
+// none held: a failure policy that let the request through). A long
+// handler can watch its Done channel: closed when the slot is lost (its
+// lease could not be extended, so another request may have its place),
+// at which point the work should stop.
+func SlotFrom(ctx context.Context) *ratelimit.Slot {
+	s, _ := ctx.Value(slotKey{}).(*ratelimit.Slot)
+	return s
 }
 
 // release gives back the slot a request held, with a context the request's
