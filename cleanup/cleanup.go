@@ -2,10 +2,11 @@
 // decision, for applications that call it themselves and for rl-cleanup.
 //
 // A row is dead when its fixed window has ended, when its token bucket would
-// be full again, or when its sliding-window state is older than two windows,
-// judged at the run's cutoff: the database clock, held back to the start of
-// the oldest open transaction of the database (a transaction decides at its
-// start), by at most Options.MaxGrace.
+// be full again, when its sliding-window state is older than two windows, or
+// when every slot of its concurrency limit has lapsed, judged at the run's
+// cutoff: the database clock, held back to the start of the oldest open
+// transaction of the database (a transaction decides at its start), by at
+// most Options.MaxGrace.
 // Run deletes dead rows in bounded batches (ModeDelete), or, for the
 // partitioned layout of pgrl_fixed_window, drops whole partitions whose range
 // lies in the past and creates upcoming ones (ModePartitions). Either way it
@@ -47,13 +48,13 @@ import (
 type Mode int
 
 const (
-	// ModeDelete deletes dead rows in batches from all three tables. It is the
+	// ModeDelete deletes dead rows in batches from every table. It is the
 	// default and works with both layouts of pgrl_fixed_window.
 	ModeDelete Mode = iota
 	// ModePartitions needs the partitioned layout: it creates partitions
 	// ahead up to Horizon, drops the partitions of pgrl_fixed_window whose
-	// whole range is past, and deletes dead rows from the token-bucket and
-	// sliding-window tables.
+	// whole range is past, and deletes dead rows from the other tables
+	// (token buckets, sliding windows, request ids, concurrency slots).
 	ModePartitions
 )
 
@@ -104,6 +105,9 @@ const (
 	// TableRequests holds the answers of checks with a request id
 	// (ratelimit.RequestID, migration 000017).
 	TableRequests = "pgrl_request"
+	// TableConcurrency holds the slots of concurrency limits
+	// (ratelimit.Concurrency, migration 000019).
+	TableConcurrency = "pgrl_concurrency"
 )
 
 // Errors returned by Run. Each message names the fix; test with errors.Is.
@@ -225,6 +229,11 @@ type Tables struct {
 	// (ratelimit.RequestID) kept past their retention; zero where the
 	// table does not exist yet (before migration 000017).
 	Requests TableResult `json:"pgrl_request"`
+	// Concurrency is the rows of concurrency limits (ratelimit.Concurrency)
+	// whose every slot has lapsed; zero where the table does not exist yet
+	// (before migration 000019) and where the run's role may not read and
+	// delete it (a warning names the grant).
+	Concurrency TableResult `json:"pgrl_concurrency"`
 }
 
 // Partitions is what a ModePartitions run did to pgrl_fixed_window's
@@ -403,6 +412,7 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		res.Partitions = &Partitions{Dropped: []string{}, LeftoversDropped: []string{}}
 	}
 	r.tables = tables
+	r.canCleanConcurrency, r.role = privs.CanCleanConcurrency, privs.RoleName
 
 	locked, err := r.q.CleanupTryLock(r.ctx, conn)
 	if err != nil {
@@ -435,6 +445,7 @@ func RunConn(ctx context.Context, conn *pgx.Conn, opts Options) (res Result, err
 		"fixed_window_deleted", res.Tables.FixedWindow.Deleted,
 		"token_bucket_deleted", res.Tables.TokenBucket.Deleted,
 		"sliding_window_deleted", res.Tables.SlidingWindow.Deleted,
+		"concurrency_deleted", res.Tables.Concurrency.Deleted,
 		"batches", res.Batches, "stopped_early", res.StoppedEarly,
 		"elapsed", time.Since(start))
 	return res, err
@@ -596,7 +607,12 @@ type runner struct {
 	res    *Result
 	log    *slog.Logger
 	tables sqlops.CleanupTablesRow
-	cutoff time.Time // rows and partitions dead at or before it go
+	// canCleanConcurrency is false when the role may not read and delete
+	// pgrl_concurrency (granted the counter tables only, before migration
+	// 000019 added it): the run leaves that table alone.
+	canCleanConcurrency bool
+	role                string    // the role running the cleanup
+	cutoff              time.Time // rows and partitions dead at or before it go
 	// cutoffUs is cutoff in microseconds since the Unix epoch, as the
 	// statements take it: instants go in and out of them as integers,
 	// which no DateStyle or TimeZone of the session reads otherwise.
@@ -685,11 +701,28 @@ func (r *runner) run() error {
 	if err := r.table(TableSlidingWindow, &r.res.Tables.SlidingWindow); err != nil {
 		return err
 	}
+	// The tables of later migrations are cleaned where they exist, so
+	// that a schema at an older version is cleaned as before.
 	exists, err := r.q.RequestsExist(r.ctx, r.conn)
-	if err != nil || !exists {
+	if err != nil {
 		return err
 	}
-	return r.table(TableRequests, &r.res.Tables.Requests)
+	if exists {
+		if err := r.table(TableRequests, &r.res.Tables.Requests); err != nil {
+			return err
+		}
+	}
+	if exists, err = r.q.ConcurrencyExists(r.ctx, r.conn); err != nil || !exists {
+		return err
+	}
+	if !r.canCleanConcurrency {
+		r.log.Warn("cleanup left pgrl_concurrency alone: the role may not read and delete it, so the rows of "+
+			"concurrency limits whose slots have all lapsed stay",
+			"fix", "GRANT SELECT, DELETE ON "+pgx.Identifier{r.tables.SchemaName, TableConcurrency}.Sanitize()+
+				" TO "+pgx.Identifier{r.role}.Sanitize())
+		return nil
+	}
+	return r.table(TableConcurrency, &r.res.Tables.Concurrency)
 }
 
 // table deletes (or, in a dry run, counts) one table's dead rows.
@@ -709,6 +742,8 @@ func (r *runner) table(name string, tr *TableResult) error {
 			n, err = r.q.SlidingWindowCountExpired(r.ctx, r.conn, r.cutoffUs)
 		case TableRequests:
 			n, err = r.q.RequestCountExpired(r.ctx, r.conn, r.cutoffUs)
+		case TableConcurrency:
+			n, err = r.q.ConcurrencyCountExpired(r.ctx, r.conn, r.cutoffUs)
 		}
 		if err != nil {
 			return fmt.Errorf("count dead rows of %s: %w", name, err)
@@ -751,6 +786,8 @@ func (r *runner) table(name string, tr *TableResult) error {
 			n, err = r.q.TokenBucketDeleteFullBatch(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		case name == TableSlidingWindow:
 			n, err = r.q.SlidingWindowDeleteExpiredBatch(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
+		case name == TableConcurrency:
+			n, err = r.q.ConcurrencyDeleteExpiredBatch(r.ctx, r.conn, sqlops.ConcurrencyDeleteExpiredBatchParams{AtUs: r.cutoffUs, BatchSize: size})
 		}
 		if err != nil {
 			return fmt.Errorf("delete dead rows of %s (batch %d): %w", name, tr.Batches+1, err)
@@ -781,6 +818,8 @@ func (r *runner) deleteByKey(name string, size int32) (int64, error) {
 		return r.q.FixedWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.FixedWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
 	case TableTokenBucket:
 		return r.q.TokenBucketDeleteFullBatchByKey(r.ctx, r.conn, sqlops.TokenBucketDeleteFullBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
+	case TableConcurrency:
+		return r.q.ConcurrencyDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.ConcurrencyDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
 	default:
 		return r.q.SlidingWindowDeleteExpiredBatchByKey(r.ctx, r.conn, sqlops.SlidingWindowDeleteExpiredBatchByKeyParams{AtUs: r.cutoffUs.Int64, BatchSize: size})
 	}

@@ -305,6 +305,9 @@ func TestDryRunCountsAndDeletesNothing(t *testing.T) {
 		       now() + CASE WHEN i <= 13 THEN interval '-1 hour' ELSE interval '1 hour' END, '[]'
 		  FROM generate_series(1, 17) AS i`)
 	require.NoError(t, err)
+	// Concurrency limits: 29 keys whose every slot has lapsed, 6 holding one.
+	insertSlots(t, db, "lapsed", 29, -time.Hour)
+	insertSlots(t, db, "held", 6, time.Hour)
 
 	res, err := cleanup.Run(ctx, db, cleanup.Options{DryRun: true})
 	require.NoError(t, err)
@@ -313,7 +316,9 @@ func TestDryRunCountsAndDeletesNothing(t *testing.T) {
 	require.Equal(t, cleanup.TableResult{WouldDelete: 23}, res.Tables.TokenBucket)
 	require.Equal(t, cleanup.TableResult{WouldDelete: 19}, res.Tables.SlidingWindow)
 	require.Equal(t, cleanup.TableResult{WouldDelete: 13}, res.Tables.Requests)
+	require.Equal(t, cleanup.TableResult{WouldDelete: 29}, res.Tables.Concurrency)
 	require.Zero(t, res.Batches)
+	require.Equal(t, int64(35), countRows(t, db, "SELECT count(*) FROM pgrl_concurrency"))
 	require.Equal(t, int64(48), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
 	require.Equal(t, int64(30), countRows(t, db, "SELECT count(*) FROM pgrl_token_bucket"))
 	require.Equal(t, int64(24), countRows(t, db, "SELECT count(*) FROM pgrl_sliding_window"))
@@ -326,7 +331,9 @@ func TestDryRunCountsAndDeletesNothing(t *testing.T) {
 	require.Equal(t, cleanup.TableResult{Deleted: 23, Batches: 3, Vacuumed: true}, res.Tables.TokenBucket)
 	require.Equal(t, cleanup.TableResult{Deleted: 19, Batches: 2, Vacuumed: true}, res.Tables.SlidingWindow)
 	require.Equal(t, cleanup.TableResult{Deleted: 13, Batches: 2, Vacuumed: true}, res.Tables.Requests)
-	require.Equal(t, 11, res.Batches)
+	require.Equal(t, cleanup.TableResult{Deleted: 29, Batches: 3, Vacuumed: true}, res.Tables.Concurrency)
+	require.Equal(t, 14, res.Batches)
+	require.Equal(t, int64(6), countRows(t, db, "SELECT count(*) FROM pgrl_concurrency"))
 	require.Equal(t, int64(4), countRows(t, db, "SELECT count(*) FROM pgrl_request"))
 	require.Equal(t, int64(11), countRows(t, db, "SELECT count(*) FROM pgrl_fixed_window"))
 	require.Equal(t, int64(7), countRows(t, db, "SELECT count(*) FROM pgrl_token_bucket"))

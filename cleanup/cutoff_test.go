@@ -153,6 +153,7 @@ func insertDeadSince(t *testing.T, db *pgxpool.Pool, ago time.Duration) {
 		"INSERT INTO pgrl_fixed_window (key, expires_at, count, allowed) VALUES ('k', statement_timestamp() - $1 * interval '1 microsecond', 2, false)",
 		"INSERT INTO pgrl_token_bucket (key, tokens, updated_at, full_at, allowed) VALUES ('k', 0, statement_timestamp() - interval '1 hour', statement_timestamp() - $1 * interval '1 microsecond', false)",
 		"INSERT INTO pgrl_sliding_window (key, window_start, count, prev_count, expires_at, allowed) VALUES ('k', statement_timestamp() - interval '1 hour', 2, 0, statement_timestamp() - $1 * interval '1 microsecond', false)",
+		"INSERT INTO pgrl_concurrency (key, slots, expires_at, updated_at) SELECT 'k', ARRAY[ROW('t'::bytea, pgrl_epoch_us(x.e))::pgrl_slot], x.e, statement_timestamp() - interval '1 hour' FROM (SELECT statement_timestamp() - $1 * interval '1 microsecond' AS e) AS x",
 	} {
 		_, err := db.Exec(ctx, sql, us)
 		require.NoError(t, err)
@@ -160,7 +161,7 @@ func insertDeadSince(t *testing.T, db *pgxpool.Pool, ago time.Duration) {
 }
 
 func allRows(t *testing.T, db *pgxpool.Pool) int64 {
-	return countRows(t, db, "SELECT (SELECT count(*) FROM pgrl_fixed_window) + (SELECT count(*) FROM pgrl_token_bucket) + (SELECT count(*) FROM pgrl_sliding_window)")
+	return countRows(t, db, "SELECT (SELECT count(*) FROM pgrl_fixed_window) + (SELECT count(*) FROM pgrl_token_bucket) + (SELECT count(*) FROM pgrl_sliding_window) + (SELECT count(*) FROM pgrl_concurrency)")
 }
 
 // TestMaxGraceBoundsAnIdleTransaction: a transaction left open holds the
@@ -180,7 +181,7 @@ func TestMaxGraceBoundsAnIdleTransaction(t *testing.T) {
 
 	res, err := cleanup.Run(ctx, db, cleanup.Options{})
 	require.NoError(t, err)
-	require.Equal(t, int64(3), allRows(t, db), "rows dead only after the open transaction began are kept")
+	require.Equal(t, int64(4), allRows(t, db), "rows dead only after the open transaction began are kept")
 	require.False(t, res.Cutoff.After(txStart))
 	require.Contains(t, res.CutoffHeldBy, "transaction of pid")
 
@@ -209,7 +210,7 @@ func TestOpportunisticCleanupRespectsOpenTransactions(t *testing.T) {
 	o.Maybe(ctx, db)
 	o.Wait()
 	require.Equal(t, uint64(1), o.Started())
-	require.Equal(t, int64(3), allRows(t, db), "rows an open transaction can still read are kept")
+	require.Equal(t, int64(4), allRows(t, db), "rows an open transaction can still read are kept")
 
 	// Once it has ended, a run with a short grace (other tests' transactions
 	// may be open) removes them.

@@ -133,5 +133,6 @@ func (o *Opportunistic) runOnce(ctx context.Context, db *pgxpool.Pool) {
 		"fixed_window_deleted", res.Tables.FixedWindow.Deleted,
 		"token_bucket_deleted", res.Tables.TokenBucket.Deleted,
 		"sliding_window_deleted", res.Tables.SlidingWindow.Deleted,
+		"concurrency_deleted", res.Tables.Concurrency.Deleted,
 		"took", res.Duration)
 }

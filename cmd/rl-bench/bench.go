@@ -313,6 +313,7 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		Policy:          o.policy,
 		RequestIDs:      o.requestIDs,
 		SQLCheck:        o.sqlCheck,
+		Concurrency:     o.concurrency,
 		MaxInFlight:     o.maxInFlight,
 		Window:          benchWindow.String(),
 		Targets:         defaultTargets,
@@ -327,8 +328,18 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		return rep, err
 	}
 
+	algorithms := o.algorithms
+	if o.concurrency {
+		// An acquire against the fixed-window check, instead of the
+		// algorithms' raw and library paths.
+		algorithms = nil
+		rep.ConcurrencyLimit, rep.ConcurrencyWindow = concurrencyLimit, concurrencyLease.String()
+		if err := benchmarkConcurrency(ctx, o, connString, admin, versionNum, &rep, log); err != nil {
+			return rep, err
+		}
+	}
 	maxKeys := slices.Max(o.keys)
-	for _, a := range o.algorithms {
+	for _, a := range algorithms {
 		w := newWorkload(a, maxKeys, o)
 		pool, err := openPool(ctx, connString, o.schema, 1)
 		if err != nil {

@@ -29,6 +29,20 @@
 // every key is touched once before the measurement, so the measured checks
 // take the update path of the upsert, which is what a busy limiter does.
 //
+// --concurrency measures a concurrency limit instead: Limiter.Acquire of a
+// slot (Limit 1,000,000, so never refused; Window 30s) then its
+// Slot.Release, against Limiter.Allow of the fixed window, on one Database
+// with the library's defaults, interleaved the same way, for each number of
+// callers and key spread. It reports the acquire's p50 alone and with its
+// release, each as a ratio to the check's. Then it holds --hold-slots slots
+// at once (default 1, 100 and 1000, spread over at most --hold-keys keys,
+// each number by a Database of its own) for --hold-for (65s) with a
+// --hold-window (30s) lease, and counts the statements that extend them:
+// as they go through each Database's DB, in the rows of pgrl_concurrency
+// written meanwhile, and in pg_stat_statements when the server has it
+// loaded. It reports them per minute and per slot held per minute, beside
+// the keeper's schedule (3 per Window, for all the slots of a Database).
+//
 //	rl-bench --database-url postgres://user@host/db --duration 5s
 //	rl-bench --algorithms token_bucket --callers 1,8,32 --keys 1 --output json
 //

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/internal/loadtest"
 )
 
 func runBench(t *testing.T, args ...string) (int, string, string) {
@@ -132,6 +133,14 @@ func TestBenchUsageErrors(t *testing.T) {
 		{"--schema", ""},
 		{"--max-in-flight", "-1"},
 		{"stray"},
+		{"--concurrency", "--policy"},
+		{"--concurrency", "--request-ids"},
+		{"--concurrency", "--algorithms", "token_bucket"},
+		{"--hold-for", "1s"},
+		{"--concurrency", "--hold-window", "10ms"},
+		{"--concurrency", "--hold-slots", "0"},
+		{"--concurrency", "--hold-keys", "0"},
+		{"--concurrency", "--hold-for", "-1s"},
 	} {
 		code, _, stderr := runBench(t, args...)
 		if code != 2 {
@@ -154,4 +163,95 @@ func TestBenchUnreachableDatabase(t *testing.T) {
 func isRatioOf(ratio, num, den float64) bool {
 	slack := ratio*(0.05/num+0.05/den) + 0.001
 	return math.Abs(ratio-num/den) <= slack
+}
+
+// TestBenchConcurrency: --concurrency measures an acquire (with and
+// without its release) against the fixed-window check per case, on the
+// rows it populated, and counts the extensions of the slots it holds as
+// the keeper's schedule says, through its Databases and in the rows
+// written.
+func TestBenchConcurrency(t *testing.T) {
+	schema := dbtest.NewSchema(t)
+	const keys = 20
+	code, stdout, stderr := runBench(t,
+		"--database-url", dbtest.URL(), "--schema", schema, "--concurrency",
+		"--duration", "200ms", "--warmup", "50ms", "--callers", "1,2", "--keys", "20,1",
+		"--hold-slots", "1,10", "--hold-keys", "5", "--hold-window", "600ms", "--hold-for", "1100ms",
+		"--output", "json")
+	if code != 0 {
+		t.Fatalf("exit %d; stderr:\n%s", code, stderr)
+	}
+	var rep Report
+	if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+		t.Fatalf("output is not one JSON object: %v\n%s", err, stdout)
+	}
+	if !rep.Concurrency || len(rep.Cases) != 0 || len(rep.ConcurrencyCases) != 4 {
+		t.Fatalf("concurrency %v, %d algorithm cases, %d concurrency cases; want 2 callers × 2 key spreads",
+			rep.Concurrency, len(rep.Cases), len(rep.ConcurrencyCases))
+	}
+	for _, c := range rep.ConcurrencyCases {
+		if c.AllowChecks == 0 || c.Acquires == 0 || c.AllowOpsPerSec <= 0 || c.AcquireOpsPerSec <= 0 {
+			t.Errorf("%+v: a path ran nothing", c)
+		}
+		if c.AcquireP50Us <= 0 || c.AcquireP50Us > c.AcquireP99Us || c.AcquireReleaseP50Us > c.AcquireReleaseP99Us ||
+			c.AllowP50Us <= 0 || c.AllowP50Us > c.AllowP99Us {
+			t.Errorf("%+v: percentiles out of order", c)
+		}
+		if c.AcquireP50Us > c.AcquireReleaseP50Us {
+			t.Errorf("%+v: an acquire alone took longer than with its release", c)
+		}
+		if !isRatioOf(c.AcquireP50Ratio, c.AcquireP50Us, c.AllowP50Us) ||
+			!isRatioOf(c.AcquireReleaseP50Ratio, c.AcquireReleaseP50Us, c.AllowP50Us) {
+			t.Errorf("%+v: p50 ratios are not acquire/allow", c)
+		}
+	}
+
+	h := rep.Holds
+	if h == nil || len(h.Cases) != 2 || h.IntervalSeconds != 0.2 {
+		t.Fatalf("holds: %+v", h)
+	}
+	var statements int64
+	for _, c := range h.Cases {
+		// Extensions every 200ms from the first acquire: 5 in 1.1s.
+		if c.Lost != 0 || c.ExpectedStatements != 5 || c.Statements < 4 || c.Statements > 6 {
+			t.Errorf("%+v: want 5 extensions (4 to 6 on a busy machine) and no slot lost", c)
+		}
+		if c.ExpectedPerSlotPerMinute != loadtest.Round(300/float64(c.Slots), 6) ||
+			c.PerSlotPerMinute < 0.75*c.ExpectedPerSlotPerMinute || c.PerSlotPerMinute > 1.1*c.ExpectedPerSlotPerMinute {
+			t.Errorf("%+v: per slot per minute, want about 3 per Window of 0.6s over the slots", c)
+		}
+		statements += int64(c.Statements)
+	}
+	if h.Statements < statements || h.RowWrites != h.ExpectedRowWrites || h.RowWrites < 2*11+statements {
+		t.Errorf("holds: %d statements, %d rows written, %d expected", h.Statements, h.RowWrites, h.ExpectedRowWrites)
+	}
+	if h.PgStatStatementsCalls == nil && !strings.HasPrefix(h.PgStatStatements, "not read: ") {
+		t.Errorf("pg_stat_statements: %q", h.PgStatStatements)
+	}
+
+	// The populated rows are the ones the library acquired: one per key of
+	// the cases (20), and one per key of the slots held (1 and 5).
+	var n int
+	pool := dbtest.PoolOn(t, schema)
+	if err := pool.QueryRow(context.Background(), "SELECT count(*) FROM pgrl_concurrency").Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != keys+1+5 {
+		t.Errorf("pgrl_concurrency holds %d rows, want %d: the populated rows and the acquired ones differ", n, keys+6)
+	}
+
+	code, stdout, stderr = runBench(t,
+		"--database-url", dbtest.URL(), "--schema", schema, "--concurrency",
+		"--duration", "100ms", "--warmup", "0s", "--callers", "1", "--keys", "1", "--hold-for", "0s")
+	if code != 0 {
+		t.Fatalf("exit %d; stderr:\n%s", code, stderr)
+	}
+	for _, want := range []string{"acquire p50 µs", "acq+rel p50 µs", "allow p50 µs", "pgrl_concurrency", "Targets: HOT"} {
+		if !strings.Contains(stdout, want) {
+			t.Errorf("output lacks %q:\n%s", want, stdout)
+		}
+	}
+	if strings.Contains(stdout, "Slots held") {
+		t.Errorf("--hold-for 0 held slots:\n%s", stdout)
+	}
 }

@@ -40,6 +40,18 @@ type Report struct {
 	MaxInFlight int `json:"max_in_flight"`
 	// Cases holds one entry per algorithm, number of callers and key spread.
 	Cases []Case `json:"cases"`
+	// Concurrency reports whether the run measured acquires of a
+	// concurrency limit against fixed-window checks (--concurrency):
+	// ConcurrencyCases and Holds then hold its figures, and Cases is
+	// empty. ConcurrencyLimit and ConcurrencyWindow are the acquired
+	// limit's Limit and Window.
+	Concurrency       bool              `json:"concurrency,omitempty"`
+	ConcurrencyLimit  int64             `json:"concurrency_limit,omitempty"`
+	ConcurrencyWindow string            `json:"concurrency_window,omitempty"`
+	ConcurrencyCases  []ConcurrencyCase `json:"concurrency_cases,omitempty"`
+	// Holds is what holding slots cost (--concurrency, unless --hold-for
+	// is 0).
+	Holds *HoldReport `json:"holds,omitempty"`
 	// HotUpdateRatio maps each counter table updated during the run to the
 	// share of its updates that were HOT (n_tup_hot_upd / n_tup_upd).
 	HotUpdateRatio map[string]float64 `json:"hot_update_ratio"`
@@ -135,6 +147,12 @@ func printText(w io.Writer, r Report) error {
 	if r.SQLCheck {
 		coalescing = "off (the library path is SELECT allowed FROM pgrl_check(policy, key), one call per check)"
 	}
+	if r.Concurrency {
+		if err := printConcurrency(w, r, coalescing); err != nil {
+			return err
+		}
+		return printHOT(w, r)
+	}
 	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n\n",
 		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
@@ -147,17 +165,75 @@ func printText(w io.Writer, r Report) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	return printHOT(w, r)
+}
+
+// printHOT writes the HOT-update ratios and the targets.
+func printHOT(w io.Writer, r Report) error {
 	fmt.Fprintf(w, "\nHOT updates during the run (n_tup_hot_upd / n_tup_upd):\n")
 	for _, name := range sortedKeys(r.HotUpdateRatio) {
 		u := r.TableUpdates[name]
 		fmt.Fprintf(w, "  %-24s %.4f  (%d of %d)\n", name, r.HotUpdateRatio[name], u.HotUpdates, u.Updates)
 	}
-	fmt.Fprintf(w, "\nTargets: throughput ratio >= %.2f, p50 ratio <= %.2f, HOT ratio >= %.2f: ",
-		r.Targets.MinThroughputRatio, r.Targets.MaxP50Ratio, r.Targets.MinHotUpdateRatio)
+	if r.Concurrency {
+		// No target holds an acquire to the cost of a check.
+		fmt.Fprintf(w, "\nTargets: HOT ratio >= %.2f: ", r.Targets.MinHotUpdateRatio)
+	} else {
+		fmt.Fprintf(w, "\nTargets: throughput ratio >= %.2f, p50 ratio <= %.2f, HOT ratio >= %.2f: ",
+			r.Targets.MinThroughputRatio, r.Targets.MaxP50Ratio, r.Targets.MinHotUpdateRatio)
+	}
 	if r.TargetsMet {
 		fmt.Fprintln(w, "all met")
 		return nil
 	}
 	fmt.Fprintf(w, "missed\n  %s\n", strings.Join(r.TargetMisses, "\n  "))
+	return nil
+}
+
+// printConcurrency writes the --concurrency cases and the hold.
+func printConcurrency(w io.Writer, r Report, coalescing string) error {
+	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, acquire+release and fixed-window allow interleaved; "+
+		"concurrency Limit %d, Window %s; allow coalescing %s (an acquire goes out alone)\n\n",
+		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds,
+		r.ConcurrencyLimit, r.ConcurrencyWindow, coalescing)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "callers\tkeys\tallow ops/s\tacq+rel ops/s\tallow p50 µs\tacquire p50 µs\tratio\tacq+rel p50 µs\tratio\tallow p99 µs\tacquire p99 µs\tacq+rel p99 µs\t")
+	for _, c := range r.ConcurrencyCases {
+		fmt.Fprintf(tw, "%d\t%d\t%.0f\t%.0f\t%.1f\t%.1f\t%.3f\t%.1f\t%.3f\t%.1f\t%.1f\t%.1f\t\n",
+			c.Callers, c.Keys, c.AllowOpsPerSec, c.AcquireOpsPerSec, c.AllowP50Us, c.AcquireP50Us, c.AcquireP50Ratio,
+			c.AcquireReleaseP50Us, c.AcquireReleaseP50Ratio, c.AllowP99Us, c.AcquireP99Us, c.AcquireReleaseP99Us)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	for _, c := range r.ConcurrencyCases {
+		if c.AllowFallbacks > 0 || c.AcquireFallbacks > 0 {
+			fmt.Fprintf(w, "  %d callers, %d keys: %d allows and %d acquires answered by the failure policy, not PostgreSQL\n",
+				c.Callers, c.Keys, c.AllowFallbacks, c.AcquireFallbacks)
+		}
+	}
+	h := r.Holds
+	if h == nil {
+		return nil
+	}
+	fmt.Fprintf(w, "\nSlots held for %gs, Window %gs (an extension statement every %gs per Database):\n",
+		h.HoldSeconds, h.WindowSeconds, h.IntervalSeconds)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "slots\tkeys\theld s\tstatements\texpected\tper minute\tper slot per minute\texpected\tp50 ms\tmax ms\tlost\t")
+	for _, c := range h.Cases {
+		fmt.Fprintf(tw, "%d\t%d\t%.1f\t%d\t%d\t%.3f\t%.6f\t%.6f\t%.2f\t%.2f\t%d\t\n",
+			c.Slots, c.Keys, c.HeldSeconds, c.Statements, c.ExpectedStatements, c.StatementsPerMinute,
+			c.PerSlotPerMinute, c.ExpectedPerSlotPerMinute, c.StatementP50Ms, c.StatementMaxMs, c.Lost)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintf(w, "Extension statements counted through the Databases: %d; rows of pgrl_concurrency written: %d, expected %d "+
+		"(an acquire, a release, and a key of an extension each)\n", h.Statements, h.RowWrites, h.ExpectedRowWrites)
+	if h.PgStatStatementsCalls != nil {
+		fmt.Fprintf(w, "pg_stat_statements: %d (%s)\n", *h.PgStatStatementsCalls, h.PgStatStatements)
+	} else {
+		fmt.Fprintf(w, "pg_stat_statements: %s\n", h.PgStatStatements)
+	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"slices"
 	"time"
 
 	"github.com/pgrl/pgrl/internal/cli"
@@ -30,6 +31,12 @@ type options struct {
 	policy      bool
 	requestIDs  bool
 	sqlCheck    bool
+	// --concurrency and the hold it measures.
+	concurrency bool
+	holdSlots   []int
+	holdKeys    int
+	holdWindow  time.Duration
+	holdFor     time.Duration
 }
 
 func parseFlags(args []string, stderr io.Writer) (options, error) {
@@ -50,6 +57,11 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.BoolVar(&o.policy, "policy", false, "the library path reads its limit from a stored policy in each check's statement (Config.Policy, as package policy does); the raw path still sends the plain statement, so the ratio is the policy's cost")
 	fs.BoolVar(&o.sqlCheck, "sql-check", false, "the library path is the SQL function pgrl_check (a stored policy, called as any language would: SELECT allowed FROM pgrl_check(policy, key)) instead of the Go library; the raw path still sends the plain statement on the same rows, so the ratio is the function's cost")
 	fs.BoolVar(&o.requestIDs, "request-ids", false, "every check of the library path carries a request id of its own (ratelimit.RequestID), and is a statement of its own that stores its answer; the raw path still sends the plain statement, so the ratio is the request id's cost")
+	fs.BoolVar(&o.concurrency, "concurrency", false, "measure Limiter.Acquire and Slot.Release of a concurrency limit (Limit 1000000, so never refused; Window 30s) against Limiter.Allow of the fixed window, interleaved, instead of the algorithms; then hold --hold-slots slots for --hold-for and count the statements that extend them")
+	holdSlots := fs.String("hold-slots", "1,100,1000", "with --concurrency: comma-separated numbers of slots held at once, each by a Database of its own")
+	fs.IntVar(&o.holdKeys, "hold-keys", 100, "with --concurrency: the most keys the slots held spread over (min(slots, this))")
+	fs.DurationVar(&o.holdWindow, "hold-window", 30*time.Second, "with --concurrency: the Window (lease) of the slots held; they are extended every third of it")
+	fs.DurationVar(&o.holdFor, "hold-for", 65*time.Second, "with --concurrency: how long the slots are held; 0 skips the hold")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "", "write a Go CPU profile of the client (both paths) to this file, for go tool pprof")
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "Usage: rl-bench [flags]\n\nMeasures pgrl's checks against the raw SQL statement they send, per algorithm,\nnumber of callers and key spread, and reports the HOT-update ratio of each table.\n\nFlags:\n")
@@ -75,6 +87,12 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	if o.keys, err = cli.PositiveInts("--keys", *keys); err != nil {
 		return o, err
 	}
+	if o.holdSlots, err = cli.PositiveInts("--hold-slots", *holdSlots); err != nil {
+		return o, err
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	holdSet := set["hold-slots"] || set["hold-keys"] || set["hold-window"] || set["hold-for"]
 	switch {
 	case len(o.algorithms) == 0:
 		return o, errors.New("--algorithms: name at least one algorithm")
@@ -90,6 +108,20 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, errors.New("--request-ids with --policy or --spread: a check with a request id counts at the limiter's own figures on one row; drop one of them")
 	case o.sqlCheck && (o.policy || o.requestIDs || o.spread > 1):
 		return o, errors.New("--sql-check with --policy, --request-ids or --spread: pgrl_check reads its policy itself, on one row per key; drop one of them")
+	case o.concurrency && (o.policy || o.requestIDs || o.sqlCheck || o.spread > 1):
+		return o, errors.New("--concurrency with --policy, --request-ids, --sql-check or --spread: it compares an acquire with the plain fixed-window check; drop one of them")
+	case o.concurrency && set["algorithms"] && !slices.Equal(o.algorithms, []ratelimit.Algorithm{ratelimit.FixedWindow}):
+		return o, errors.New("--concurrency with --algorithms: an acquire is compared with the fixed-window check only; drop --algorithms")
+	case holdSet && !o.concurrency:
+		return o, errors.New("--hold-slots, --hold-keys, --hold-window and --hold-for go with --concurrency; add it or drop them")
+	case len(o.holdSlots) == 0:
+		return o, errors.New("--hold-slots: name at least one number of slots")
+	case o.holdKeys < 1:
+		return o, fmt.Errorf("--hold-keys %d: must be positive", o.holdKeys)
+	case o.holdWindow < ratelimit.MinSlotLease:
+		return o, fmt.Errorf("--hold-window %v: must be at least %v", o.holdWindow, ratelimit.MinSlotLease)
+	case o.holdFor < 0:
+		return o, fmt.Errorf("--hold-for %v: must not be negative", o.holdFor)
 	case o.maxInFlight < 0:
 		return o, fmt.Errorf("--max-in-flight %d: must not be negative", o.maxInFlight)
 	case o.schema == "":

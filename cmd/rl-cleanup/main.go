@@ -34,8 +34,9 @@ const usageText = `Usage: rl-cleanup [flags]
 
 Removes pgrl counter rows that can no longer change any decision: expired
 fixed windows, token buckets full again, sliding-window state older than two
-windows. Delete mode (the default) deletes them in bounded batches; partition
-mode (--mode partitions, for the partitioned layout) drops past partitions of
+windows, the rows of concurrency limits whose every slot has lapsed. Delete
+mode (the default) deletes them in bounded batches; partition mode (--mode
+partitions, for the partitioned layout) drops past partitions of
 pgrl_fixed_window whole and creates upcoming ones.
 
 Two overlapping runs never both work: the second prints
@@ -377,6 +378,7 @@ func printText(w io.Writer, res cleanup.Result) {
 	}
 	printTable(w, cleanup.TableTokenBucket, verb, res.DryRun, res.Tables.TokenBucket)
 	printTable(w, cleanup.TableSlidingWindow, verb, res.DryRun, res.Tables.SlidingWindow)
+	printTable(w, cleanup.TableConcurrency, verb, res.DryRun, res.Tables.Concurrency)
 	line := fmt.Sprintf("done in %s", res.Duration.Round(time.Millisecond))
 	if res.StoppedEarly {
 		line = fmt.Sprintf("stopped early (%s) after %s; run again to continue", res.StopReason, res.Duration.Round(time.Millisecond))

@@ -13,12 +13,14 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/dbtest"
+	"github.com/pgrl/pgrl/migration"
 )
 
 var (
@@ -173,7 +175,8 @@ func TestJSONOutputIsOneObject(t *testing.T) {
 	require.Contains(t, res.Tables, "pgrl_token_bucket")
 	require.Contains(t, res.Tables, "pgrl_sliding_window")
 	require.Contains(t, res.Tables, "pgrl_request")
-	require.Equal(t, 6, res.Batches)
+	require.Contains(t, res.Tables, "pgrl_concurrency")
+	require.Equal(t, 7, res.Batches)
 	require.NotNil(t, res.DurationMS)
 	require.False(t, res.StoppedEarly)
 	require.False(t, res.Skipped)
@@ -187,7 +190,85 @@ func TestTextOutput(t *testing.T) {
 	code, stdout, stderr := runCLI("--database-url", dbtest.URLWithSchema(schema))
 	require.Equal(t, cli.ExitOK, code, stderr)
 	require.Contains(t, stdout, "pgrl_fixed_window: deleted 10 rows in 1 batches")
+	require.Contains(t, stdout, "pgrl_concurrency: deleted 0 rows in 1 batches")
 	require.Contains(t, stdout, "done in")
+}
+
+// insertSlots inserts n rows of pgrl_concurrency holding one slot each,
+// keys prefix-1 to prefix-n, that lapses (and a row whose expires_at is)
+// the database clock plus in.
+func insertSlots(t *testing.T, db *pgxpool.Pool, prefix string, n int, in time.Duration) {
+	t.Helper()
+	_, err := db.Exec(context.Background(), `
+		INSERT INTO pgrl_concurrency (key, slots, expires_at, updated_at)
+		SELECT convert_to($1 || '-' || g, 'UTF8'),
+		       ARRAY[ROW(sha256(convert_to($1 || g, 'UTF8')), pgrl_epoch_us(x.e))::pgrl_slot], x.e,
+		       statement_timestamp() - interval '2 hours'
+		  FROM generate_series(1, $2::integer) AS g,
+		       LATERAL (SELECT statement_timestamp() + $3::bigint * interval '1 microsecond' AS e) AS x`,
+		prefix, n, in.Microseconds())
+	require.NoError(t, err)
+}
+
+// TestConcurrencyRowsCountedThenDeleted: the rows of concurrency limits
+// whose every slot has lapsed are counted by --dry-run and deleted by a
+// run, in JSON and in text; rows holding a live slot stay.
+func TestConcurrencyRowsCountedThenDeleted(t *testing.T) {
+	t.Parallel()
+	db, schema := dbtest.Pool(t)
+	insertSlots(t, db, "lapsed", 1234, -time.Hour)
+	insertSlots(t, db, "held", 5, time.Hour)
+	count := func() int64 {
+		var n int64
+		require.NoError(t, db.QueryRow(context.Background(), "SELECT count(*) FROM pgrl_concurrency").Scan(&n))
+		return n
+	}
+
+	code, stdout, stderr := runCLI("--database-url", dbtest.URLWithSchema(schema), "--dry-run", "--output", "json")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	var res struct {
+		Tables map[string]struct {
+			Deleted     int64 `json:"deleted"`
+			WouldDelete int64 `json:"would_delete"`
+			Batches     int   `json:"batches"`
+		} `json:"tables"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(stdout), &res))
+	require.Equal(t, int64(1234), res.Tables["pgrl_concurrency"].WouldDelete)
+	require.Equal(t, int64(1239), count())
+
+	code, stdout, stderr = runCLI("--database-url", dbtest.URLWithSchema(schema), "--dry-run")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "pgrl_concurrency: would delete 1234 rows\n")
+
+	code, stdout, stderr = runCLI("--database-url", dbtest.URLWithSchema(schema), "--batch-size", "500", "--output", "json")
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.NoError(t, json.Unmarshal([]byte(stdout), &res))
+	require.Equal(t, int64(1234), res.Tables["pgrl_concurrency"].Deleted)
+	require.Equal(t, 3, res.Tables["pgrl_concurrency"].Batches)
+	require.Equal(t, int64(5), count())
+}
+
+// TestOlderSchemaWithoutConcurrency: a schema migrated up to 000018, before
+// pgrl_concurrency, is cleaned as before and reports nothing of it.
+func TestOlderSchemaWithoutConcurrency(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	schema := dbtest.NewSchema(t)
+	m, err := migration.New(dbtest.URL(), migration.Config{Schema: schema})
+	require.NoError(t, err)
+	_, err = m.UpTo(ctx, 18)
+	require.NoError(t, m.Close())
+	require.NoError(t, err)
+	db := dbtest.PoolOn(t, schema)
+	insertExpired(t, db, 12)
+
+	code, stdout, stderr := runCLI("--database-url", dbtest.URLWithSchema(schema))
+	require.Equal(t, cli.ExitOK, code, stderr)
+	require.Contains(t, stdout, "pgrl_fixed_window: deleted 12 rows in 1 batches")
+	require.Contains(t, stdout, "pgrl_concurrency: deleted 0 rows in 0 batches")
+	require.Empty(t, stderr)
+	require.Zero(t, rows(t, db))
 }
 
 type procResult struct {

@@ -80,6 +80,9 @@ SELECT current_user::text AS role_name,
        coalesce(has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'SELECT')
                 AND has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'DELETE'), true)::boolean
            AS can_clean_sliding_window,
+       coalesce(has_table_privilege(to_regclass('pgrl_concurrency'::text), 'SELECT')
+                AND has_table_privilege(to_regclass('pgrl_concurrency'::text), 'DELETE'), true)::boolean
+           AS can_clean_concurrency,
        coalesce(has_table_privilege(to_regclass('pgrl_partition_settings'::text), 'SELECT'), true)::boolean
            AS can_read_partition_settings,
        coalesce((SELECT pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class AS c
@@ -93,6 +96,7 @@ type CleanupPrivilegesRow struct {
 	CanCleanFixedWindow      bool
 	CanCleanTokenBucket      bool
 	CanCleanSlidingWindow    bool
+	CanCleanConcurrency      bool
 	CanReadPartitionSettings bool
 	FixedWindowOwner         string
 	OwnsFixedWindow          bool
@@ -102,6 +106,9 @@ type CleanupPrivilegesRow struct {
 // so that a missing grant is named before anything is tried. (A schema
 // without USAGE hides the tables: RunConn asks internal/pgerr about it.)
 // The can_* columns are true when the table is absent (nothing to check).
+// can_clean_concurrency is false for a role granted the counter tables only
+// (before migration 000019 added pgrl_concurrency): the run then leaves that
+// table alone and warns.
 // fixed_window_owner names the role owning pgrl_fixed_window and owns_fixed_window
 // says whether the current role is it or a member of it (partition mode
 // creates, detaches and drops partitions, which only the owner may do).
@@ -113,6 +120,7 @@ func (q *Queries) CleanupPrivileges(ctx context.Context, db DBTX) (CleanupPrivil
 		&i.CanCleanFixedWindow,
 		&i.CanCleanTokenBucket,
 		&i.CanCleanSlidingWindow,
+		&i.CanCleanConcurrency,
 		&i.CanReadPartitionSettings,
 		&i.FixedWindowOwner,
 		&i.OwnsFixedWindow,
@@ -155,6 +163,7 @@ type CleanupTablesRow struct {
 //	pgrl_fixed_window    expires_at <= now (its window has ended)
 //	pgrl_token_bucket    full_at    <= now (the bucket would be full again)
 //	pgrl_sliding_window  expires_at <= now (two windows have passed)
+//	pgrl_concurrency     expires_at <= now (every slot of the key has lapsed)
 //
 // "now" is the database clock, statement_timestamp(), unless at_us pins it
 // (tests only; production leaves it nil). A check never writes a dead row: it only
@@ -235,6 +244,93 @@ func (q *Queries) CleanupUnlock(ctx context.Context, db DBTX) (bool, error) {
 	var unlocked bool
 	err := row.Scan(&unlocked)
 	return unlocked, err
+}
+
+const concurrencyCountExpired = `-- name: ConcurrencyCountExpired :one
+SELECT count(*)::bigint AS expired
+  FROM pgrl_concurrency AS t
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
+`
+
+// ConcurrencyCountExpired counts the concurrency rows whose every slot has
+// lapsed. expires_at is the latest lapse of any slot of the row (an acquire
+// and an extension only ever raise it), so a row dead by it holds nothing:
+// deleting it changes no acquire, which would find the same free places in
+// a missing row. A row whose expires_at is still ahead is never dead, even
+// when its slots were all released.
+func (q *Queries) ConcurrencyCountExpired(ctx context.Context, db DBTX, atUs pgtype.Int8) (int64, error) {
+	row := db.QueryRow(ctx, concurrencyCountExpired, atUs)
+	var expired int64
+	err := row.Scan(&expired)
+	return expired, err
+}
+
+const concurrencyDeleteExpiredBatch = `-- name: ConcurrencyDeleteExpiredBatch :execrows
+DELETE FROM pgrl_concurrency AS d
+ WHERE d.ctid = ANY (ARRAY(
+           SELECT x.ctid FROM pgrl_concurrency AS x
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                           statement_timestamp())
+            LIMIT $2::integer))
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + $1::bigint * interval '1 microsecond',
+                                statement_timestamp())
+`
+
+type ConcurrencyDeleteExpiredBatchParams struct {
+	AtUs      pgtype.Int8
+	BatchSize int32
+}
+
+// ConcurrencyDeleteExpiredBatch deletes up to batch_size concurrency rows
+// whose every slot has lapsed. An acquire or an extension that wrote the
+// row meanwhile raised its expires_at: the DELETE, which rechecks it on the
+// row's latest version, then leaves it. It returns how many it deleted;
+// fewer than batch_size means none are left.
+func (q *Queries) ConcurrencyDeleteExpiredBatch(ctx context.Context, db DBTX, arg ConcurrencyDeleteExpiredBatchParams) (int64, error) {
+	result, err := db.Exec(ctx, concurrencyDeleteExpiredBatch, arg.AtUs, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const concurrencyDeleteExpiredBatchByKey = `-- name: ConcurrencyDeleteExpiredBatchByKey :execrows
+DELETE FROM pgrl_concurrency AS d
+ WHERE d.key IN (
+           SELECT x.key FROM pgrl_concurrency AS x
+            WHERE x.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+            LIMIT $2::integer)
+   AND d.expires_at <= timestamptz 'epoch' + $1::bigint * interval '1 microsecond'
+`
+
+type ConcurrencyDeleteExpiredBatchByKeyParams struct {
+	AtUs      int64
+	BatchSize int32
+}
+
+// ConcurrencyDeleteExpiredBatchByKey is ConcurrencyDeleteExpiredBatch
+// naming rows by primary key, for Citus.
+func (q *Queries) ConcurrencyDeleteExpiredBatchByKey(ctx context.Context, db DBTX, arg ConcurrencyDeleteExpiredBatchByKeyParams) (int64, error) {
+	result, err := db.Exec(ctx, concurrencyDeleteExpiredBatchByKey, arg.AtUs, arg.BatchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const concurrencyExists = `-- name: ConcurrencyExists :one
+SELECT (to_regclass('pgrl_concurrency'::text) IS NOT NULL)::boolean AS concurrency_exists
+`
+
+// ConcurrencyExists reports whether pgrl_concurrency exists in the
+// search_path (migration 000019): a schema at an older version has none,
+// and its cleanup leaves the table out.
+func (q *Queries) ConcurrencyExists(ctx context.Context, db DBTX) (bool, error) {
+	row := db.QueryRow(ctx, concurrencyExists)
+	var concurrency_exists bool
+	err := row.Scan(&concurrency_exists)
+	return concurrency_exists, err
 }
 
 const fixedWindowCountExpired = `-- name: FixedWindowCountExpired :one

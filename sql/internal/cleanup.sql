@@ -4,6 +4,7 @@
 --   pgrl_fixed_window    expires_at <= now (its window has ended)
 --   pgrl_token_bucket    full_at    <= now (the bucket would be full again)
 --   pgrl_sliding_window  expires_at <= now (two windows have passed)
+--   pgrl_concurrency     expires_at <= now (every slot of the key has lapsed)
 -- "now" is the database clock, statement_timestamp(), unless at_us pins it
 -- (tests only; production leaves it nil). A check never writes a dead row: it only
 -- touches the current window, whose end lies after its own clock.
@@ -136,6 +137,39 @@ DELETE FROM pgrl_sliding_window AS d
    AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
                                 statement_timestamp());
 
+-- name: ConcurrencyExists :one
+-- ConcurrencyExists reports whether pgrl_concurrency exists in the
+-- search_path (migration 000019): a schema at an older version has none,
+-- and its cleanup leaves the table out.
+SELECT (to_regclass('pgrl_concurrency'::text) IS NOT NULL)::boolean AS concurrency_exists;
+
+-- name: ConcurrencyCountExpired :one
+-- ConcurrencyCountExpired counts the concurrency rows whose every slot has
+-- lapsed. expires_at is the latest lapse of any slot of the row (an acquire
+-- and an extension only ever raise it), so a row dead by it holds nothing:
+-- deleting it changes no acquire, which would find the same free places in
+-- a missing row. A row whose expires_at is still ahead is never dead, even
+-- when its slots were all released.
+SELECT count(*)::bigint AS expired
+  FROM pgrl_concurrency AS t
+ WHERE t.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
+
+-- name: ConcurrencyDeleteExpiredBatch :execrows
+-- ConcurrencyDeleteExpiredBatch deletes up to batch_size concurrency rows
+-- whose every slot has lapsed. An acquire or an extension that wrote the
+-- row meanwhile raised its expires_at: the DELETE, which rechecks it on the
+-- row's latest version, then leaves it. It returns how many it deleted;
+-- fewer than batch_size means none are left.
+DELETE FROM pgrl_concurrency AS d
+ WHERE d.ctid = ANY (ARRAY(
+           SELECT x.ctid FROM pgrl_concurrency AS x
+            WHERE x.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                           statement_timestamp())
+            LIMIT sqlc.arg(batch_size)::integer))
+   AND d.expires_at <= coalesce(timestamptz 'epoch' + sqlc.narg(at_us)::bigint * interval '1 microsecond',
+                                statement_timestamp());
+
 -- On Citus a ctid names a row of one shard only, and Citus refuses a
 -- modification whose WHERE uses ctid with a subquery it has to plan on its
 -- own. These batches name their rows by primary key instead: Citus runs the
@@ -171,6 +205,16 @@ DELETE FROM pgrl_token_bucket AS d
 DELETE FROM pgrl_sliding_window AS d
  WHERE d.key IN (
            SELECT x.key FROM pgrl_sliding_window AS x
+            WHERE x.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
+            LIMIT sqlc.arg(batch_size)::integer)
+   AND d.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
+
+-- name: ConcurrencyDeleteExpiredBatchByKey :execrows
+-- ConcurrencyDeleteExpiredBatchByKey is ConcurrencyDeleteExpiredBatch
+-- naming rows by primary key, for Citus.
+DELETE FROM pgrl_concurrency AS d
+ WHERE d.key IN (
+           SELECT x.key FROM pgrl_concurrency AS x
             WHERE x.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond'
             LIMIT sqlc.arg(batch_size)::integer)
    AND d.expires_at <= timestamptz 'epoch' + sqlc.arg(at_us)::bigint * interval '1 microsecond';
@@ -265,6 +309,9 @@ SELECT (extract(epoch FROM statement_timestamp()) * 1000000)::bigint AS now_us,
 -- so that a missing grant is named before anything is tried. (A schema
 -- without USAGE hides the tables: RunConn asks internal/pgerr about it.)
 -- The can_* columns are true when the table is absent (nothing to check).
+-- can_clean_concurrency is false for a role granted the counter tables only
+-- (before migration 000019 added pgrl_concurrency): the run then leaves that
+-- table alone and warns.
 -- fixed_window_owner names the role owning pgrl_fixed_window and owns_fixed_window
 -- says whether the current role is it or a member of it (partition mode
 -- creates, detaches and drops partitions, which only the owner may do).
@@ -278,6 +325,9 @@ SELECT current_user::text AS role_name,
        coalesce(has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'SELECT')
                 AND has_table_privilege(to_regclass('pgrl_sliding_window'::text), 'DELETE'), true)::boolean
            AS can_clean_sliding_window,
+       coalesce(has_table_privilege(to_regclass('pgrl_concurrency'::text), 'SELECT')
+                AND has_table_privilege(to_regclass('pgrl_concurrency'::text), 'DELETE'), true)::boolean
+           AS can_clean_concurrency,
        coalesce(has_table_privilege(to_regclass('pgrl_partition_settings'::text), 'SELECT'), true)::boolean
            AS can_read_partition_settings,
        coalesce((SELECT pg_get_userbyid(c.relowner) FROM pg_catalog.pg_class AS c
