@@ -178,7 +178,7 @@ func TestRolesCleanupRoleBothModes(t *testing.T) {
 	for _, stmt := range []string{
 		"GRANT USAGE ON SCHEMA " + s + " TO " + c,
 		"GRANT SELECT, DELETE ON " + s + ".pgrl_fixed_window, " + s + ".pgrl_token_bucket, " + s + ".pgrl_sliding_window, " +
-			s + ".pgrl_request TO " + c,
+			s + ".pgrl_request, " + s + ".pgrl_concurrency TO " + c,
 	} {
 		_, err := admin.Exec(ctx, stmt)
 		require.NoError(t, err, stmt)
