@@ -285,7 +285,8 @@ type slotKeeper struct {
 	seq     uint64
 	slots   map[*slotLease]struct{}
 	running bool
-	kick    chan struct{} // a slot was kept: its Window may be the shortest
+	every   time.Duration // the interval run keeps to now
+	kick    chan struct{} // a slot was kept whose Window is shorter than every allows
 }
 
 func newSlotKeeper(st *Database) *slotKeeper {
@@ -324,12 +325,16 @@ func (k *slotKeeper) keep(s *slotLease, sent time.Time) {
 	k.slots[s] = struct{}{}
 	if !k.running {
 		k.running = true
+		k.every = s.l.cfg.Window / 3
 		go k.run()
 		return
 	}
-	select {
-	case k.kick <- struct{}{}:
-	default:
+	if s.l.cfg.Window/3 < k.every {
+		k.every = s.l.cfg.Window / 3
+		select {
+		case k.kick <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -342,16 +347,19 @@ func (k *slotKeeper) drop(s *slotLease) {
 
 // run extends the slots held until none is; keep starts it again. It
 // extends every slot each interval, a third of the shortest Window among
-// them, so that two extensions can fail before a lease runs out.
+// them, counted from one extension's start to the next, and gives each
+// at most an interval: so two extensions can fail, even by hanging, and
+// the third still confirms a slot before its lease runs out.
 func (k *slotKeeper) run() {
 	every, ok := k.interval()
 	next := time.Now().Add(every)
 	for ok {
 		select {
 		case <-time.After(time.Until(next)):
+			start := time.Now()
 			k.renew(every)
 			every, ok = k.interval()
-			next = time.Now().Add(every)
+			next = start.Add(every)
 		case <-k.kick:
 			// A slot of a shorter Window may need its extension sooner.
 			if every, ok = k.interval(); ok && time.Now().Add(every).Before(next) {
@@ -377,6 +385,7 @@ func (k *slotKeeper) interval() (time.Duration, bool) {
 		k.running = false
 		return 0, false
 	}
+	k.every = every
 	return every, true
 }
 

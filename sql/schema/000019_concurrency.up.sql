@@ -73,14 +73,25 @@ $$;
 -- slots. A lapsed slot is never revived: another holder may have its place.
 CREATE FUNCTION pgrl_concurrency_renew(slots pgrl_slot[], now_us bigint, renewals pgrl_slot[])
     RETURNS pgrl_slot[]
-    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 AS $$
-    SELECT coalesce(array_agg(ROW(s.token, CASE WHEN r.until_us IS NULL THEN s.until_us
-                                               ELSE greatest(s.until_us, now_us + r.until_us) END)::pgrl_slot
-                              ORDER BY s.ord), '{}')
-      FROM unnest(slots) WITH ORDINALITY AS s(token, until_us, ord)
-      LEFT JOIN unnest(renewals) AS r(token, until_us) ON r.token = s.token
-     WHERE s.until_us > now_us
+DECLARE
+    s    pgrl_slot;
+    r    pgrl_slot;
+    live pgrl_slot[] := '{}';
+BEGIN
+    FOREACH s IN ARRAY coalesce(slots, '{}') LOOP
+        CONTINUE WHEN s.until_us <= now_us;
+        FOREACH r IN ARRAY coalesce(renewals, '{}') LOOP
+            IF r.token = s.token THEN
+                s.until_us := greatest(s.until_us, now_us + r.until_us);
+                EXIT;
+            END IF;
+        END LOOP;
+        live := live || s;
+    END LOOP;
+    RETURN live;
+END
 $$;
 
 -- pgrl_concurrency_holds reports whether token tok holds a live slot.
