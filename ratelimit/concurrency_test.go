@@ -380,3 +380,37 @@ func TestDroppedSlotIsReleased(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond, "the dropped slot is released")
 	require.Contains(t, logs.String(), "dropped without Release")
 }
+
+// An acquire answered after the lease it would grant had run out (it
+// waited on the key's row longer than the Window) holds nothing: it is
+// reported refused, and the place is freed.
+func TestAcquireAnsweredTooLateIsNotHeld(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, _ := dbtest.Pool(t)
+	const lease = 300 * time.Millisecond
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "late", Algorithm: ratelimit.Concurrency, Limit: 2, Window: lease},
+		ratelimit.DatabaseOptions{Timeout: 10 * time.Second})
+	first, d, err := l.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.NoError(t, first.Release(ctx))
+	// Lock the key's row for longer than the lease.
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, "SELECT 1 FROM pgrl_concurrency FOR UPDATE")
+	require.NoError(t, err)
+	go func() {
+		time.Sleep(2 * lease)
+		_ = tx.Rollback(ctx)
+	}()
+	s, d, err := l.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.Nil(t, s)
+	require.False(t, d.Allowed)
+	require.Contains(t, d.Reason, "lease")
+	require.Eventually(t, func() bool {
+		p, err := l.Peek(ctx, "k")
+		return err == nil && p.Used == 0
+	}, 5*time.Second, 20*time.Millisecond)
+}

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"log/slog"
 	"runtime"
 	"sync"
@@ -105,10 +106,32 @@ func (l *Limiter) acquire(ctx context.Context, tx pgx.Tx, key string) (*Slot, De
 	switch {
 	case d.ShadowDenied:
 		h.store = StorePolicy // a shadow limit's refusal holds nothing
+	case d.Store == StorePostgres && !time.Now().Before(l.leaseEnd(sent)):
+		// The answer came after the lease it granted had run out (the
+		// acquire waited longer than the Window): the place may be
+		// another's already. Not held; freed at once, best effort.
+		h.store = StorePolicy
+		go func() {
+			rctx, cancel := context.WithTimeout(context.Background(), l.st.opts.Timeout)
+			defer cancel()
+			_ = h.release(rctx, l.st.db)
+		}()
+		d.Allowed, d.Granted, d.RetryAfter = false, 0, 0
+		d.Reason = fmt.Sprintf("the acquire was answered %v after it was sent, when its lease of %v had run out: not held; try again", time.Since(sent).Round(time.Millisecond), l.cfg.Window)
+		return nil, d, nil
 	case d.Store == StorePostgres:
 		keeper.keep(h, sent)
 	}
 	return newSlot(h), d, nil
+}
+
+// leaseEnd is when a slot confirmed by a statement sent at sent counts as
+// lapsed here: its Window later, less a twentieth of it. PostgreSQL keeps
+// the slot a Window after the statement's own instant, later still, so
+// the margin is the time a holder has to stop its work after Done closes
+// before another may take the place.
+func (l *Limiter) leaseEnd(sent time.Time) time.Time {
+	return sent.Add(l.cfg.Window - l.cfg.Window/20)
 }
 
 // takeSlot is the check of an Acquire (ask.slot set) in the statement
@@ -318,7 +341,7 @@ func (k *slotKeeper) token() []byte {
 // runs out a Window after that, unless extended.
 func (k *slotKeeper) keep(s *slotLease, sent time.Time) {
 	s.mu.Lock()
-	s.deadline = sent.Add(s.l.cfg.Window)
+	s.deadline = s.l.leaseEnd(sent)
 	s.timer = time.AfterFunc(time.Until(s.deadline), s.lapse)
 	s.mu.Unlock()
 	k.mu.Lock()
@@ -349,8 +372,8 @@ func (k *slotKeeper) drop(s *slotLease) {
 // run extends the slots held until none is; keep starts it again. It
 // extends every slot each interval, a third of the shortest Window among
 // them, counted from one extension's start to the next, and gives each
-// at most an interval: so two extensions can fail, even by hanging, and
-// the third still confirms a slot before its lease runs out.
+// half an interval: so one extension can fail, even by hanging, and the
+// next still confirms a slot before its lease runs out here (leaseEnd).
 func (k *slotKeeper) run() {
 	every, ok := k.interval()
 	next := time.Now().Add(every)
@@ -390,8 +413,9 @@ func (k *slotKeeper) interval() (time.Duration, bool) {
 	return every, true
 }
 
-// renew sends one extension for every slot held, bounded by timeout.
-func (k *slotKeeper) renew(timeout time.Duration) {
+// renew sends one extension for every slot held, bounded by half of
+// interval.
+func (k *slotKeeper) renew(interval time.Duration) {
 	k.mu.Lock()
 	held := make([]*slotLease, 0, len(k.slots))
 	for s := range k.slots {
@@ -408,7 +432,7 @@ func (k *slotKeeper) renew(timeout time.Duration) {
 		p.TtlsUs = append(p.TtlsUs, s.l.windowUs)
 	}
 	sent := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	ctx, cancel := context.WithTimeout(context.Background(), interval/2)
 	rows, err := gen.New().ConcurrencyRenew(ctx, k.st.db, p)
 	cancel()
 	if err != nil {
@@ -424,7 +448,7 @@ func (k *slotKeeper) renew(timeout time.Duration) {
 	}
 	for _, s := range held {
 		if live[string(s.k)+string(s.token)] {
-			s.extend(sent.Add(s.l.cfg.Window))
+			s.extend(s.l.leaseEnd(sent))
 		} else {
 			s.lost()
 		}
