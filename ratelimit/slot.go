@@ -82,8 +82,8 @@ func (l *Limiter) Acquire(ctx context.Context, key string) (*Slot, Decision, err
 // the transaction ends: other acquires and releases of the key, and this
 // process's extensions of every slot it holds, wait for it. The lease
 // counts from the transaction's start (PostgreSQL's now()), not the
-// call's. Keep such transactions well under a third of the Window. There is no failure
-// policy: errors are returned.
+// call's. Keep such transactions well under a third of the Window. There
+// is no failure policy: errors are returned.
 func (l *Limiter) AcquireTx(ctx context.Context, tx pgx.Tx, key string) (*Slot, Decision, error) {
 	if tx == nil {
 		return nil, Decision{}, WithOutcome(ErrNilDB, OutcomeNotConsumed)
