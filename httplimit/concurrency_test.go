@@ -498,8 +498,8 @@ func TestNewRefusesConcurrencyMisuse(t *testing.T) {
 		{httplimit.Config{Limiter: slots, Key: key, Cost: one},
 			`Cost is set with "inflight", a concurrency limit; every request in flight holds one slot: drop Cost, and skip the requests that should not count by returning false from Key`},
 		{httplimit.Config{Limiter: mem, Key: key},
-			`Limiter "mem-slots" is a concurrency limit held by a *ratelimit.MemoryLimiter, which cannot hold slots; use a *ratelimit.Limiter (Database.Limiter)`},
-		{httplimit.Config{Limiter: keyedChecker{perKey{slots}}, Key: key}, `a concurrency limit held by a httplimit_test.keyedChecker, which cannot hold slots`},
+			`Limiter "mem-slots" is a concurrency limit held by a *ratelimit.MemoryLimiter; the middleware holds slots of a *ratelimit.Limiter only: use one (Database.Limiter)`},
+		{httplimit.Config{Limiter: keyedChecker{perKey{slots}}, Key: key}, `a concurrency limit held by a httplimit_test.keyedChecker; the middleware holds slots of a *ratelimit.Limiter only`},
 	} {
 		_, err := httplimit.New(c.cfg)
 		require.ErrorIs(t, err, httplimit.ErrInvalidConfig, c.want)

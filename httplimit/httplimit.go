@@ -441,7 +441,7 @@ func New(cfg Config) (*Middleware, error) {
 // *ratelimit.Limiter, which holds slots, and no Cost.
 func slotsOnly(cfg Config, lc ratelimit.Config) error {
 	if _, ok := cfg.Limiter.(*ratelimit.Limiter); !ok {
-		return invalid("Limiter %q is a concurrency limit held by a %T, which cannot hold slots; use a *ratelimit.Limiter (Database.Limiter), whose Acquire holds a slot for each request in flight", lc.Name, cfg.Limiter)
+		return invalid("Limiter %q is a concurrency limit held by a %T; the middleware holds slots of a *ratelimit.Limiter only: use one (Database.Limiter), whose Acquire holds a slot in PostgreSQL for each request in flight", lc.Name, cfg.Limiter)
 	}
 	if cfg.Cost != nil {
 		return invalid("Cost is set with %q, a concurrency limit; every request in flight holds one slot: drop Cost, and skip the requests that should not count by returning false from Key", lc.Name)
