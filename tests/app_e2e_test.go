@@ -186,12 +186,14 @@ func TestAppLoginLimitSharedByTwoProcesses(t *testing.T) {
 		if got := r.header.Get("RateLimit-Policy"); got != policy {
 			t.Errorf("login %d: RateLimit-Policy %q, want %q", i+1, got, policy)
 		}
-		// The per email+IP limit has the fewest left: 4, 3, 2, 1, 0. It is
-		// fully available again when the window after this one ends: in
-		// more than 60 s and at most 120 s.
-		m := regexp.MustCompile(`^"login-email-ip";r=(\d+);t=(\d+)$`).FindStringSubmatch(r.header.Get("RateLimit"))
-		if m == nil || m[1] != strconv.Itoa(4-i) {
-			t.Errorf("login %d: RateLimit %q, want r=%d", i+1, r.header.Get("RateLimit"), 4-i)
+		// Every limit has a member, the per email+IP limit first: it has
+		// the fewest left, 4, 3, 2, 1, 0. It is fully available again when
+		// the window after this one ends: in more than 60 s and at most
+		// 120 s. The per IP and per email limits follow, in rule order.
+		m := regexp.MustCompile(`^"login-email-ip";r=(\d+);t=(\d+), "login-ip";r=(\d+);t=\d+, "login-email";r=(\d+);t=\d+$`).
+			FindStringSubmatch(r.header.Get("RateLimit"))
+		if m == nil || m[1] != strconv.Itoa(4-i) || m[3] != strconv.Itoa(19-i) || m[4] != strconv.Itoa(49-i) {
+			t.Errorf("login %d: RateLimit %q, want r=%d, %d and %d", i+1, r.header.Get("RateLimit"), 4-i, 19-i, 49-i)
 		} else if tt, _ := strconv.Atoi(m[2]); tt < 60 || tt > 120 {
 			t.Errorf("login %d: RateLimit t=%d, want 60..120", i+1, tt)
 		}
@@ -219,7 +221,6 @@ func TestAppLoginLimitSharedByTwoProcesses(t *testing.T) {
 		"Content-Length":        strconv.Itoa(len(r.body)),
 		"Retry-After":           strconv.Itoa(retryAfter),
 		"Ratelimit-Policy":      policy,
-		"Ratelimit":             fmt.Sprintf(`"login-email-ip";r=0;t=%d`, retryAfter),
 		"X-Ratelimit-Limit":     "5",
 		"X-Ratelimit-Remaining": "0",
 	}
@@ -227,6 +228,13 @@ func TestAppLoginLimitSharedByTwoProcesses(t *testing.T) {
 		if got := r.header.Get(k); got != v {
 			t.Errorf("429 header %s = %q, want %q", k, got, v)
 		}
+	}
+	// The denying limit first, with Retry-After's wait; the others gave
+	// the sixth login's units back (all or nothing), so they still have
+	// 15 and 45 left.
+	if got, want := r.header.Get("RateLimit"), regexp.MustCompile(fmt.Sprintf(
+		`^"login-email-ip";r=0;t=%d, "login-ip";r=15;t=\d+, "login-email";r=45;t=\d+$`, retryAfter)); !want.MatchString(got) {
+		t.Errorf("429 header RateLimit = %q, want %s", got, want)
 	}
 	reset, err := strconv.ParseInt(r.header.Get("X-RateLimit-Reset"), 10, 64)
 	if err != nil || reset < before.Unix()+int64(retryAfter)-1 || reset > before.Unix()+121 {
