@@ -169,3 +169,119 @@ func TestGoGRPCMiddlewareLimiter(t *testing.T) {
 	_, err = client.Check(context.Background(), &healthpb.HealthCheckRequest{})
 	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
 }
+
+func slots(t *testing.T, name string, limit int64) *ratelimit.Limiter {
+	t.Helper()
+	pool, _ := dbtest.Pool(t)
+	return testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Algorithm: ratelimit.Concurrency, Limit: limit,
+		Window: 10 * time.Second})
+}
+
+// A concurrency limit holds a slot while each unary call runs: at most
+// Limit at once, the next refused with RetryInfo; the slot is given back
+// when the handler returns or panics, and the handler finds it in its
+// context.
+func TestConcurrencyUnary(t *testing.T) {
+	t.Parallel()
+	lim := slots(t, "grpc-inflight", 2)
+	rl, err := grpclimit.New(grpclimit.Config{Limiter: lim, Key: grpclimit.ByMethod})
+	require.NoError(t, err)
+	unary := rl.Unary()
+	info := &grpc.UnaryServerInfo{FullMethod: "/reports.Reports/Generate"}
+	held := func() int64 {
+		d, err := lim.Peek(context.Background(), info.FullMethod)
+		require.NoError(t, err)
+		return d.Used
+	}
+
+	finish := make(chan struct{})
+	entered := make(chan *ratelimit.Slot, 2)
+	done := make(chan error, 2)
+	for range 2 {
+		go func() {
+			_, err := unary(context.Background(), nil, info, func(ctx context.Context, _ any) (any, error) {
+				entered <- grpclimit.SlotFrom(ctx)
+				<-finish
+				return "report", nil
+			})
+			done <- err
+		}()
+	}
+	var inside []*ratelimit.Slot
+	for range 2 {
+		inside = append(inside, <-entered)
+	}
+	for _, s := range inside {
+		require.NotNil(t, s, "the handler finds its slot")
+		require.NoError(t, s.Err())
+	}
+	require.EqualValues(t, 2, held())
+	_, err = unary(context.Background(), nil, info, func(context.Context, any) (any, error) {
+		t.Error("a third call ran")
+		return nil, nil
+	})
+	ri := retryInfo(t, err)
+	require.Positive(t, ri.RetryDelay.AsDuration())
+	close(finish)
+	for range 2 {
+		require.NoError(t, <-done)
+	}
+	for _, s := range inside {
+		require.ErrorIs(t, s.Err(), ratelimit.ErrSlotReleased)
+	}
+	require.Zero(t, held(), "given back when the handlers returned")
+
+	func() {
+		defer func() { require.NotNil(t, recover()) }()
+		_, _ = unary(context.Background(), nil, info, func(context.Context, any) (any, error) { panic("boom") })
+	}()
+	require.Zero(t, held(), "given back when the handler panicked")
+}
+
+// A stream holds its slot until the handler returns: with a limit of one,
+// a second Watch is refused while the first is open, and admitted once it
+// was cancelled.
+func TestConcurrencyStream(t *testing.T) {
+	t.Parallel()
+	lim := slots(t, "grpc-watch", 1)
+	rl, err := grpclimit.New(grpclimit.Config{Limiter: lim, Key: grpclimit.ByMethod})
+	require.NoError(t, err)
+	client := serve(t, grpc.ChainStreamInterceptor(rl.Stream()))
+	ctx, cancel := context.WithCancel(context.Background())
+	s, err := client.Watch(ctx, &healthpb.HealthCheckRequest{})
+	require.NoError(t, err)
+	_, err = s.Recv()
+	require.NoError(t, err, "the first stream is admitted and served")
+	s2, err := client.Watch(context.Background(), &healthpb.HealthCheckRequest{})
+	require.NoError(t, err)
+	_, err = s2.Recv()
+	retryInfo(t, err)
+	cancel()
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		s, err := client.Watch(ctx, &healthpb.HealthCheckRequest{})
+		if err != nil {
+			return false
+		}
+		_, err = s.Recv()
+		return err == nil
+	}, 10*time.Second, 50*time.Millisecond, "the place of the cancelled stream is free again")
+}
+
+// A concurrency limit with Cost is refused; through go-grpc-middleware's
+// interceptor, which never says when a call ends, every call is refused
+// (that interceptor answers ResourceExhausted with Limit's message).
+func TestConcurrencyMisuse(t *testing.T) {
+	t.Parallel()
+	lim := slots(t, "grpc-misuse", 1)
+	_, err := grpclimit.New(grpclimit.Config{Limiter: lim, Key: grpclimit.ByMethod,
+		Cost: func(context.Context, string) int64 { return 1 }})
+	require.ErrorContains(t, err, "a call in flight holds one slot")
+	rl, err := grpclimit.New(grpclimit.Config{Limiter: lim, Key: grpclimit.ByMethod})
+	require.NoError(t, err)
+	client := serve(t, grpc.ChainUnaryInterceptor(grpcratelimit.UnaryServerInterceptor(rl)))
+	_, err = client.Check(context.Background(), &healthpb.HealthCheckRequest{})
+	require.Equal(t, codes.ResourceExhausted, status.Code(err), "%v", err)
+	require.Contains(t, status.Convert(err).Message(), "Unary and Stream")
+}
