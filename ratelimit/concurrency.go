@@ -74,7 +74,8 @@ func (concurrency) refund(context.Context, *Limiter, DB, []byte, reservation, in
 	return 0, errAcquireOnly
 }
 
-// acquire takes a slot of the stored key k for token, in one statement.
+// acquireSlot is an Acquire's check in the statement stage (ask.slot
+// set): it takes a slot of the stored key k for token, in one statement.
 func (l *Limiter) acquireSlot(ctx context.Context, db DB, k, token []byte) (Decision, error) {
 	r, err := l.q.ConcurrencyAcquire(ctx, db, gen.ConcurrencyAcquireParams{
 		Key: k, Token: token, At: l.at(), TtlUs: l.windowUs, MaxHeld: l.cfg.Limit,

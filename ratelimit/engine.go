@@ -131,7 +131,7 @@ func (l *Limiter) takeOnce(ctx context.Context, db DB, k []byte, a ask) (Decisio
 // takeKey is take for a key already in its stored form.
 func (l *Limiter) takeKey(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
 	if a.slot != nil {
-		return l.takeSlot(ctx, db, k, a)
+		return l.acquireSlot(ctx, db, k, a.slot)
 	}
 	if a.id != nil {
 		return l.takeOnce(ctx, db, k, a)

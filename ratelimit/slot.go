@@ -111,11 +111,7 @@ func (l *Limiter) acquire(ctx context.Context, tx pgx.Tx, key string) (*Slot, De
 		// acquire waited longer than the Window): the place may be
 		// another's already. Not held; freed at once, best effort.
 		h.store = StorePolicy
-		go func() {
-			rctx, cancel := context.WithTimeout(context.Background(), l.st.opts.Timeout)
-			defer cancel()
-			_ = h.release(rctx, l.st.db)
-		}()
+		h.releaseLater()
 		d.Allowed, d.Granted, d.RetryAfter = false, 0, 0
 		d.Reason = fmt.Sprintf("the acquire was answered %v after it was sent, when its lease of %v had run out: not held; try again", time.Since(sent).Round(time.Millisecond), l.cfg.Window)
 		return nil, d, nil
@@ -132,12 +128,6 @@ func (l *Limiter) acquire(ctx context.Context, tx pgx.Tx, key string) (*Slot, De
 // before another may take the place.
 func (l *Limiter) leaseEnd(sent time.Time) time.Time {
 	return sent.Add(l.cfg.Window - l.cfg.Window/20)
-}
-
-// takeSlot is the check of an Acquire (ask.slot set) in the statement
-// stage.
-func (l *Limiter) takeSlot(ctx context.Context, db DB, k []byte, a ask) (Decision, error) {
-	return l.acquireSlot(ctx, db, k, a.slot)
 }
 
 // newSlot is the Slot of h, released by the garbage collector if it is
@@ -166,14 +156,19 @@ func (s *Slot) Key() string { return s.h.key }
 // reached (within the Database's Timeout), the error is returned and the
 // slot, no longer extended, lapses after the Window: the key holds one
 // place too few until then, never one too many.
-func (s *Slot) Release(ctx context.Context) error { return s.h.giveBack(ctx) }
+func (s *Slot) Release(ctx context.Context) error { return s.h.giveBack(ctx, nil) }
 
-func (s *slotLease) giveBack(ctx context.Context) error {
+// giveBack is Release (tx nil: on the Database, within its Timeout) and
+// ReleaseTx.
+func (s *slotLease) giveBack(ctx context.Context, tx pgx.Tx) error {
 	if !s.end(ErrSlotReleased) {
 		return nil
 	}
 	switch s.store {
 	case StorePostgres:
+		if tx != nil {
+			return s.l.explain(ctx, s.release(ctx, tx))
+		}
 		cctx, cancel := context.WithTimeout(ctx, s.l.st.opts.Timeout)
 		defer cancel()
 		return s.l.explain(ctx, s.release(cctx, s.l.st.db))
@@ -189,17 +184,7 @@ func (s *Slot) ReleaseTx(ctx context.Context, tx pgx.Tx) error {
 	if tx == nil {
 		return ErrNilDB
 	}
-	h := s.h
-	if !h.end(ErrSlotReleased) {
-		return nil
-	}
-	switch h.store {
-	case StorePostgres:
-		return h.l.explain(ctx, h.release(ctx, tx))
-	case StoreMemory:
-		h.m.give(h.key)
-	}
-	return nil
+	return s.h.giveBack(ctx, tx)
 }
 
 // Acquire takes a slot of key from a concurrency limit kept in this
@@ -267,6 +252,13 @@ func (s *slotLease) lapse() {
 	if !late || !s.end(ErrSlotLost) {
 		return
 	}
+	s.releaseLater()
+}
+
+// releaseLater sends the slot's release in the background, bounded by the
+// Database's Timeout, for a slot that may still be live in PostgreSQL
+// though this process no longer counts it.
+func (s *slotLease) releaseLater() {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), s.l.st.opts.Timeout)
 		defer cancel()
@@ -292,7 +284,7 @@ func (s *slotLease) abandon() {
 	}
 	logger.Warn("pgrl: a slot was dropped without Release; releasing it now (release every slot: defer slot.Release)",
 		"limit", name)
-	go func() { _ = s.giveBack(context.Background()) }() // bounded by the Database's Timeout
+	go func() { _ = s.giveBack(context.Background(), nil) }() // bounded by the Database's Timeout
 }
 
 // lost marks the slot lost: an extension found it no longer live.
