@@ -116,6 +116,7 @@ type Stats struct {
 // it.
 type Limiter struct {
 	c    ratelimit.Checker // what Peek, Reset and Config answer from
+	id   uint64            // AllowAll holds several limiters' entries in the order of id
 	name string
 	// source returns the limiter that decides key's checks now: always
 	// the same for New; for NewPolicy, the policy's as its Cache holds it,
@@ -260,7 +261,7 @@ func start(c ratelimit.Checker, name string, src func(string) (*source, error), 
 		now = time.Now
 	}
 	lim := &Limiter{
-		c: c, name: name, source: src, opts: opts, now: now, seed: maphash.MakeSeed(),
+		c: c, id: ids.Add(1), name: name, source: src, opts: opts, now: now, seed: maphash.MakeSeed(),
 		stop: make(chan struct{}), done: make(chan struct{}),
 	}
 	for i := range lim.shards {
@@ -368,9 +369,48 @@ func (x *Limiter) allow(ctx context.Context, key string, opts []ratelimit.Option
 
 // check decides one check with e held.
 func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.Option) (ratelimit.Decision, error) {
-	src, err := x.source(e.key)
+	st, err := x.prepare(ctx, e, a)
 	if err != nil {
 		return ratelimit.Decision{}, err
+	}
+	if e.left >= a.n {
+		return x.takeLocal(e, st.now, a.n), nil
+	}
+	if st.cold && !x.opts.Eager || st.src.l.BreakerOpen() {
+		// A key's first check (or its first after it went idle) is the
+		// caller's own, coalesced with other checks: a key checked once
+		// costs what it costs without a lease. With the breaker open, the
+		// failure policy answers the caller's own check too, so that the
+		// memory tier counts what the caller asked, not a slice.
+		d, err := st.src.l.Allow(ctx, e.key, opts...)
+		x.count(d, err)
+		return d, err
+	}
+	d, err := x.refill(ctx, e, a, st)
+	if err != nil {
+		return d, err
+	}
+	if d.Store != ratelimit.StorePostgres {
+		return passThrough(d, a), nil
+	}
+	return x.settle(e, a, d, true), nil
+}
+
+// state is what prepare learnt of an entry before its check.
+type state struct {
+	src  *source
+	now  time.Time // the local instant of the check
+	cold bool      // the key's first check, or its first after Idle
+	live bool      // the entry's units, if any, are of the current window
+}
+
+// prepare readies e, held, for a check of a: it follows a change of the
+// key's source (NewPolicy), refuses a cost the limit can never admit,
+// drops an expired slice's units and marks the key used.
+func (x *Limiter) prepare(ctx context.Context, e *entry, a ask) (state, error) {
+	src, err := x.source(e.key)
+	if err != nil {
+		return state{}, err
 	}
 	if e.src != src {
 		// The policy or the key's override changed since the slice was
@@ -383,7 +423,7 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		e.src, e.dbNow, e.expires = src, time.Time{}, time.Time{}
 	}
 	if !a.upTo && a.n > src.capacity {
-		return ratelimit.Decision{}, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, src.cfg.Name, src.capacity)
+		return state{}, fmt.Errorf("%w: cost %d for %q can never be admitted: the limit admits at most %d at once; raise the limit or split the work", ratelimit.ErrCostExceedsLimit, a.n, src.cfg.Name, src.capacity)
 	}
 	now := x.now()
 	cold := e.lastUse.IsZero() || now.Sub(e.lastUse) >= x.opts.Idle
@@ -392,31 +432,26 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 		x.dropped.Add(e.left)
 		e.left = 0
 	}
-	live := now.Before(e.expires)
-	if e.left >= a.n {
-		e.left -= a.n
-		x.usedLocally.Add(a.n)
-		x.local.Add(1)
-		return x.localDecision(e, now, a.n), nil
-	}
-	if cold && !x.opts.Eager || src.l.BreakerOpen() {
-		// A key's first check (or its first after it went idle) is the
-		// caller's own, coalesced with other checks: a key checked once
-		// costs what it costs without a lease. With the breaker open, the
-		// failure policy answers the caller's own check too, so that the
-		// memory tier counts what the caller asked, not a slice.
-		d, err := src.l.Allow(ctx, e.key, opts...)
-		x.count(d, err)
-		return d, err
-	}
-	start := now
-	d, err := src.l.Allow(ctx, e.key, x.slice(e, a, live))
+	return state{src: src, now: now, cold: cold, live: now.Before(e.expires)}, nil
+}
+
+// takeLocal gives n of e's units to a check, with no statement.
+func (x *Limiter) takeLocal(e *entry, now time.Time, n int64) ratelimit.Decision {
+	e.left -= n
+	x.usedLocally.Add(n)
+	x.local.Add(1)
+	return x.localDecision(e, now, n)
+}
+
+// refill asks the database for e's next slice, sized for a, and adds the
+// units granted to e. A decision PostgreSQL did not make (the failure
+// policy's) is returned as it is and leaves e as it was.
+func (x *Limiter) refill(ctx context.Context, e *entry, a ask, st state) (ratelimit.Decision, error) {
+	src, start := st.src, st.now
+	d, err := src.l.Allow(ctx, e.key, x.slice(e, a, st.live))
 	x.count(d, err)
-	if err != nil {
+	if err != nil || d.Store != ratelimit.StorePostgres {
 		return d, err
-	}
-	if d.Store != ratelimit.StorePostgres {
-		return passThrough(d, a), nil
 	}
 	if d.Granted > 0 {
 		x.slices.Add(1)
@@ -440,26 +475,39 @@ func (x *Limiter) check(ctx context.Context, e *entry, a ask, opts []ratelimit.O
 	e.left += d.Granted
 	e.expires, e.local, e.dbNow, e.resetAt = expires, start, d.Now, d.ResetAt
 	e.used, e.remaining = d.Used, d.Remaining
-	take := a.n
+	return d, nil
+}
+
+// settle answers a check of a from e just after refill returned d: it
+// takes the check's units from e when e holds them and take is set, and
+// otherwise denies it (under Penalty the held units pay for the attempt).
+// An all-or-nothing group whose other member denied settles with take
+// unset: nothing is taken and the units stay for later checks.
+func (x *Limiter) settle(e *entry, a ask, d ratelimit.Decision, take bool) ratelimit.Decision {
+	n := a.n
 	if a.upTo {
-		take = min(a.n, e.left)
+		n = min(a.n, e.left)
 	}
-	if take == 0 || e.left < take {
-		if src.cfg.Penalty {
+	if n == 0 || e.left < n {
+		if e.src.cfg.Penalty {
 			// Every attempt counts its whole cost: the statement counted
 			// what the held units did not cover, and the held units pay
 			// the rest.
 			x.dropped.Add(e.left)
 			e.left = 0
 		}
-		return x.denied(e, d), nil
+		return x.denied(e, d)
 	}
-	e.left -= take
-	x.usedLocally.Add(take)
 	out := d
-	out.Allowed, out.Granted, out.RetryAfter, out.ShadowDenied = true, take, 0, false
+	out.Allowed, out.RetryAfter, out.ShadowDenied = true, 0, false
+	out.Granted = 0
+	if take {
+		e.left -= n
+		x.usedLocally.Add(n)
+		out.Granted = n
+	}
 	out.Used, out.Remaining = max(d.Used-e.left, 0), d.Remaining+e.left
-	return out, nil
+	return out
 }
 
 // count counts a decision of the limiter.

@@ -39,6 +39,11 @@ type leaseChildConfig struct {
 	WindowMs  int64               `json:"window_ms"`
 	Size      int64               `json:"size"`
 	Penalty   bool                `json:"penalty"`
+	// Group checks the limit together with two others a hundred times as
+	// large (same algorithm, window and Size), all or nothing with
+	// lease.AllowAll, as a login checks its three: the tallies are the
+	// first limit's.
+	Group bool `json:"group"`
 }
 
 // leaseCommand is one line sent to a child: "run" checks for DurationMs
@@ -88,6 +93,14 @@ func TestLeaseChildProcess(t *testing.T) {
 		Penalty: cfg.Penalty},
 		ratelimit.DatabaseOptions{Timeout: 10 * time.Second})
 	require.NoError(t, err)
+	var others [2]*ratelimit.Limiter
+	if cfg.Group {
+		for i := range others {
+			others[i], err = testkit.New(pool, ratelimit.Config{Name: fmt.Sprintf("%s-other-%d", cfg.Name, i), Algorithm: cfg.Algorithm,
+				Limit: 100 * cfg.Limit, Window: window, Penalty: cfg.Penalty}, ratelimit.DatabaseOptions{Timeout: 10 * time.Second})
+			require.NoError(t, err)
+		}
+	}
 	fmt.Println("ready")
 	in := bufio.NewScanner(os.Stdin)
 	var held *lease.Limiter // the "take" command's limiter, never closed
@@ -112,9 +125,32 @@ func TestLeaseChildProcess(t *testing.T) {
 			}
 			r.Stats = held.Stats()
 		case "run":
-			r = leaseRun(ctx, x, c, window.Microseconds())
-			if err := x.Close(ctx); err != nil && r.Error == "" {
-				r.Error = err.Error()
+			check := func(ctx context.Context, key string) (ratelimit.Decision, error) { return x.Allow(ctx, key) }
+			var xs []*lease.Limiter
+			if cfg.Group {
+				for _, o := range others {
+					y, err := lease.New(o, lease.Options{Size: cfg.Size, DB: pool})
+					require.NoError(t, err)
+					xs = append(xs, y)
+				}
+				check = func(ctx context.Context, key string) (ratelimit.Decision, error) {
+					md, err := lease.AllowAll(ctx, ratelimit.AllOrNothing, lease.Check{Limiter: x, Key: key},
+						lease.Check{Limiter: xs[0], Key: "ip"}, lease.Check{Limiter: xs[1], Key: key + "-email"})
+					if err != nil {
+						return ratelimit.Decision{}, err
+					}
+					d := md.Decisions[0]
+					if !md.Allowed {
+						d.Allowed, d.Granted = false, 0
+					}
+					return d, nil
+				}
+			}
+			r = leaseRun(ctx, check, c, window.Microseconds())
+			for _, y := range append(xs, x) {
+				if err := y.Close(ctx); err != nil && r.Error == "" {
+					r.Error = err.Error()
+				}
 			}
 			r.Stats = x.Stats()
 		}
@@ -127,7 +163,7 @@ func TestLeaseChildProcess(t *testing.T) {
 // turn until the deadline, each tallying what it admitted by key and by
 // the aligned window of the decision's Now (a slice's answers fall in the
 // window their units were counted in).
-func leaseRun(ctx context.Context, x *lease.Limiter, c leaseCommand, windowUs int64) leaseReport {
+func leaseRun(ctx context.Context, check func(context.Context, string) (ratelimit.Decision, error), c leaseCommand, windowUs int64) leaseReport {
 	type at struct {
 		key int
 		win int64
@@ -150,7 +186,7 @@ func leaseRun(ctx context.Context, x *lease.Limiter, c leaseCommand, windowUs in
 			var failure string
 			for i := g; time.Now().Before(deadline); i++ {
 				k := i % len(keys)
-				d, err := x.Allow(ctx, keys[k])
+				d, err := check(ctx, keys[k])
 				if err != nil {
 					failure = err.Error()
 					break
@@ -237,7 +273,10 @@ func runAll(t *testing.T, children []*child, c leaseCommand) []leaseReport {
 // and for the fixed window, in every window the run covered from start to
 // end where the key was short of quota (demand of twice the limit, or a
 // check denied), it is at least the limit less the documented shortfall
-// bound: one slice (Size) per process.
+// bound: one slice (Size) per process. Each case runs alone, under
+// Penalty, and as the first of three limits checked together with
+// lease.AllowAll (the others a hundred times as large), where the same
+// bounds hold for the groups admitted.
 func TestLeaseMultiprocessNeverOver(t *testing.T) {
 	_, schema := dbtest.Pool(t)
 	cases := []struct {
@@ -257,14 +296,18 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 	for _, a := range ratelimit.Algorithms {
 		for _, c := range cases {
 			for _, keys := range []int{1, 16} {
-				for _, penalty := range []bool{false, true} {
+				for _, mode := range []string{"alone", "penalty", "group"} {
+					penalty, group := mode == "penalty", mode == "group"
+					if group && (c.limit > 1000 || a == ratelimit.TokenBucket && keys > 1) {
+						continue // the small limits show it
+					}
 					if penalty && c.limit > 1000 {
 						continue // every denied check is a statement: the small limits show it
 					}
 					if penalty && a == ratelimit.TokenBucket {
 						continue // refused: a penalised bucket's debt would shrink under leases
 					}
-					t.Run(fmt.Sprintf("%s/limit=%d/keys=%d/penalty=%v", a, c.limit, keys, penalty), func(t *testing.T) {
+					t.Run(fmt.Sprintf("%s/limit=%d/keys=%d/%s", a, c.limit, keys, mode), func(t *testing.T) {
 						ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 						defer cancel()
 						// Spread over 16 keys, each key gets a 16th of the demand:
@@ -287,8 +330,8 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 							windowMs, duration = 24*3600*1000, 1500
 						}
 						cfg := leaseChildConfig{
-							Name: fmt.Sprintf("lease-%s-%d-%d-%v", a, c.limit, keys, penalty), Algorithm: a,
-							Limit: c.limit, WindowMs: windowMs, Size: c.size, Penalty: penalty,
+							Name: fmt.Sprintf("lease-%s-%d-%d-%s", a, c.limit, keys, mode), Algorithm: a,
+							Limit: c.limit, WindowMs: windowMs, Size: c.size, Penalty: penalty, Group: group,
 						}
 						children := startLeaseChildren(t, ctx, schema, cfg, leaseProcesses)
 						reports := runAll(t, children, leaseCommand{Op: "run", Keys: keys, DurationMs: duration})

@@ -123,7 +123,7 @@ func TestLeasedEndToEnd(t *testing.T) {
 	if err := json.Unmarshal(stdout.Bytes(), &rep); err != nil {
 		t.Fatalf("output is not a report: %v\n%s", err, stdout.String())
 	}
-	if rep.LeaseSize != 50 || rep.Algorithm != "fixed_window" || len(rep.Leased) != 6 || len(rep.Unleased) != 2 {
+	if rep.LeaseSize != 50 || rep.Algorithm != "fixed_window" || len(rep.Leased) != 9 || len(rep.Unleased) != 1 {
 		t.Fatalf("lease size %d, algorithm %s, leased %v, unleased %v", rep.LeaseSize, rep.Algorithm, rep.Leased, rep.Unleased)
 	}
 	if len(rep.Cases) != 1 || len(rep.MixCases) != 1 {
@@ -154,7 +154,7 @@ func TestLeasedEndToEnd(t *testing.T) {
 	if err := printText(&text, rep); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"leased (package lease, Size 50, Share 1, Idle 1m0s): vsredis, contact", "not leased: login-email-ip", "lease, 4 callers, 10 keys:", "lease, mix, 4 callers:", "never over the limit: held"} {
+	for _, want := range []string{"leased (package lease, Size 50, Share 1, Idle 1m0s): vsredis, login-email-ip, login-ip, login-email, contact", "not leased: beacon", "lease, 4 callers, 10 keys:", "lease, mix, 4 callers:", "never over the limit: held"} {
 		if !bytes.Contains(text.Bytes(), []byte(want)) {
 			t.Errorf("text report lacks %q:\n%s", want, text.String())
 		}

@@ -14,10 +14,9 @@ import (
 
 // With --lease-size N, pgrl's limiters in the key-space cases and in the
 // application mix are wrapped with lease.New (Size N) where package lease
-// supports them: a fixed or sliding window (--algorithm), checked alone.
-// The limits a login checks together stay unleased (ratelimit.AllowAll takes
-// *ratelimit.Limiter), as do the beacon (in memory), --compare-coalescing's
-// and --variant's paths, and the populate step.
+// supports them; a login's three limits are checked together with
+// lease.AllowAll. The beacon (in memory), --compare-coalescing's and
+// --variant's paths, and the populate step stay unleased.
 
 // LeaseStats are lease.Stats summed over a case's leased limiters, over the
 // whole case (warm-up and every slice, measured or not), read after Close
@@ -149,37 +148,16 @@ func leasedCheck(l *leasedLimit, keys []string) loadtest.Check {
 	}
 }
 
-// allowAllLimits reports the limits of the mix that an endpoint checks
-// together with others, in one ratelimit.AllowAll.
-func allowAllLimits() [numMixLimits]bool {
-	var out [numMixLimits]bool
-	for _, e := range appEndpoints {
-		if len(e.limits) > 1 {
-			for _, l := range e.limits {
-				out[l] = true
-			}
-		}
-	}
-	return out
-}
-
 // leasedMixLimits are the names of the mix's limits a leased run leases,
 // and the others, with why they are not leased.
 func leasedMixLimits() (leased, unleased []string) {
-	together := allowAllLimits()
-	var login, memory []string
-	for i, l := range appLimits {
-		switch {
-		case l.memory:
+	var memory []string
+	for _, l := range appLimits {
+		if l.memory {
 			memory = append(memory, l.name)
-		case together[i]:
-			login = append(login, l.name)
-		default:
+		} else {
 			leased = append(leased, l.name)
 		}
-	}
-	if len(login) > 0 {
-		unleased = append(unleased, strings.Join(login, ", ")+" (checked together in one ratelimit.AllowAll, which takes *ratelimit.Limiter)")
 	}
 	if len(memory) > 0 {
 		unleased = append(unleased, strings.Join(memory, ", ")+" (in process memory)")

@@ -11,6 +11,7 @@ import (
 	"github.com/go-redis/redis_rate/v10"
 
 	"github.com/pgrl/pgrl/internal/loadtest"
+	"github.com/pgrl/pgrl/lease"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -78,12 +79,11 @@ func newMixLimiters(db ratelimit.DB, o options) (*mixLimiters, error) {
 	return m, nil
 }
 
-// lease wraps the database limiters that are checked alone with lease.New
-// (leasedMixLimits); the limits a login checks together stay unleased.
+// lease wraps every database limiter of the mix with lease.New; a login's
+// three limits are then checked together with lease.AllowAll.
 func (m *mixLimiters) lease(o options, db ratelimit.DB, set *leaseSet) error {
-	together := allowAllLimits()
 	for i, l := range m.db {
-		if l == nil || together[i] {
+		if l == nil {
 			continue
 		}
 		ll, err := set.wrap(l, o, db)
@@ -121,6 +121,33 @@ func (m *mixLimiters) allow(ctx context.Context, c mixCheck) (pg bool, err error
 	return want == ratelimit.StorePostgres, nil
 }
 
+// allowAll decides a login's checks, all or nothing: with ratelimit.AllowAll
+// in one statement, or, leased, with lease.AllowAll from the limits'
+// slices (each admitted check verified and counted as a leased one).
+func (m *mixLimiters) allowAll(ctx context.Context, cs []mixCheck) (ratelimit.MultiDecision, error) {
+	if m.leased[cs[0].limit] == nil {
+		checks := make([]ratelimit.Check, len(cs))
+		for i, c := range cs {
+			checks[i] = ratelimit.Check{Limiter: m.db[c.limit], Key: c.key}
+		}
+		return ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, checks...)
+	}
+	checks := make([]lease.Check, len(cs))
+	for i, c := range cs {
+		checks[i] = lease.Check{Limiter: m.leased[c.limit].Limiter, Key: c.key}
+	}
+	md, err := lease.AllowAll(ctx, ratelimit.AllOrNothing, checks...)
+	if err != nil || !md.Allowed {
+		return md, err
+	}
+	for i, c := range cs {
+		if err := m.leased[c.limit].admit(c.key, md.Decisions[i]); err != nil {
+			return md, err
+		}
+	}
+	return md, nil
+}
+
 // pgrlMixCheck makes request k of the mix with pgrl: a login's three limits
 // in one AllowAll decision, all or nothing, as the example application
 // does; any other endpoint's one check with Allow.
@@ -138,17 +165,13 @@ func pgrlMixCheck(mix *appMix, lims *mixLimiters, t *checkTally) loadtest.Check 
 			}
 			return nil
 		}
-		checks := make([]ratelimit.Check, len(req.checks))
-		for i, c := range req.checks {
-			checks[i] = ratelimit.Check{Limiter: lims.db[c.limit], Key: c.key}
-		}
-		md, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, checks...)
+		md, err := lims.allowAll(ctx, req.checks)
 		if err != nil {
 			return err
 		}
 		for i, d := range md.Decisions {
-			if !d.Allowed || d.Store != ratelimit.StorePostgres {
-				return fmt.Errorf("%s: check of %s %q: allowed=%v store=%v: the mix measures admitted checks decided by PostgreSQL",
+			if !d.Allowed || (d.Store != ratelimit.StorePostgres && d.Store != ratelimit.StoreLease) {
+				return fmt.Errorf("%s: check of %s %q: allowed=%v store=%v: the mix measures admitted checks decided by PostgreSQL or a lease",
 					appEndpoints[req.endpoint].name, appLimits[req.checks[i].limit].name, req.checks[i].key, d.Allowed, d.Store)
 			}
 		}
