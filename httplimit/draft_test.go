@@ -20,7 +20,8 @@ import (
 
 // The fields are checked here with an independent parser of structured
 // fields (RFC 9651), against the examples of
-// draft-ietf-httpapi-ratelimit-headers-10, sections 3.2 and 4.2.
+// draft-ietf-httpapi-ratelimit-headers-11, sections 3.2 and 4.2 (the same
+// as -10's: -11 changed what r and t mean, not how they are written).
 
 // parseField parses a RateLimit-Policy or RateLimit field value as the
 // draft defines both: a List of Items whose values are Strings.
