@@ -58,7 +58,9 @@ type member struct {
 // Under ratelimit.ConsumeAll every check is decided on its own, as Allow
 // decides it.
 //
-// The checks' keys must differ within a limiter (ratelimit.ErrDuplicateCheck
+// The limiters must be made on one ratelimit.Database
+// (ratelimit.ErrMixedDatabases otherwise), and the checks' keys must differ
+// within a limiter (ratelimit.ErrDuplicateCheck
 // otherwise; merge them into one check with the summed cost). Decisions
 // answered from a slice have Store ratelimit.StoreLease.
 func AllowAll(ctx context.Context, mode ratelimit.MultiMode, checks ...Check) (ratelimit.MultiDecision, error) {
@@ -173,6 +175,9 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 		st, err := m.x.prepare(ctx, m.e, m.a)
 		if err != nil {
 			return ratelimit.MultiDecision{}, fmt.Errorf("check %d (%q): %w", i, m.x.name, err)
+		}
+		if i > 0 && st.src.l.Database() != ms[0].st.src.l.Database() {
+			return ratelimit.MultiDecision{}, fmt.Errorf("%w: check %d (%q) leases a limiter of another ratelimit.Database than check 0 (%q); lease limiters made on one Database, as ratelimit.AllowAll checks them together", ratelimit.ErrMixedDatabases, i, m.x.name, ms[0].x.name)
 		}
 		m.st = st
 		if m.e.left < m.a.n {

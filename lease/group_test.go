@@ -213,6 +213,15 @@ func TestAllowAllRefusesBadGroups(t *testing.T) {
 	for i, l := range g.lims {
 		require.Zero(t, peekUsed(t, l, []string{"k", "k", "k"}[i]), "nothing was counted")
 	}
+	// A limiter of another Database: refused on every group, whether the
+	// slices would have answered it or not.
+	pool, _ := dbtest.Pool(t)
+	other := newLease(t, testkit.NewLimiter(t, pool, ratelimit.Config{Name: "other", Limit: 10, Window: time.Minute}, ratelimit.DatabaseOptions{}), Options{Eager: true, Size: 5})
+	for range 3 {
+		_, err = AllowAll(ctx, ratelimit.AllOrNothing, Check{Limiter: g.leases[0], Key: "k"}, Check{Limiter: other, Key: "k"})
+		require.ErrorIs(t, err, ratelimit.ErrMixedDatabases)
+		require.Contains(t, err.Error(), "lease limiters made on one Database")
+	}
 	require.NoError(t, g.leases[2].Close(ctx))
 	_, err = AllowAll(ctx, ratelimit.AllOrNothing, g.checks("p", "i", "e")...)
 	require.ErrorIs(t, err, ErrClosed)

@@ -129,6 +129,10 @@ func singleConn(db DB) bool {
 // the database.
 func (l *Limiter) BreakerOpen() bool { return l.st.breaker.open.Load() }
 
+// Database is the Database the limiter was made on: limiters of one
+// Database may be checked together (AllowAll).
+func (l *Limiter) Database() *Database { return l.st }
+
 // Config returns the limiter's configuration, defaults filled in.
 func (l *Limiter) Config() Config { return l.cfg }
 
