@@ -3,6 +3,7 @@ package lease
 import (
 	"context"
 	"math"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -212,6 +213,15 @@ func TestAllowAllRefusesBadGroups(t *testing.T) {
 	require.Equal(t, ratelimit.OutcomeNotConsumed, ratelimit.OutcomeOf(err))
 	for i, l := range g.lims {
 		require.Zero(t, peekUsed(t, l, []string{"k", "k", "k"}[i]), "nothing was counted")
+	}
+	// An empty key and a key of a megabyte are keys as any other (hashed),
+	// cold and then warm.
+	for range 2 {
+		for _, key := range []string{"", strings.Repeat("k", 1<<20)} {
+			md, err := AllowAll(ctx, ratelimit.AllOrNothing, Check{Limiter: g.leases[0], Key: "p"}, Check{Limiter: g.leases[1], Key: key})
+			require.NoError(t, err, "key of %d bytes", len(key))
+			require.True(t, md.Allowed)
+		}
 	}
 	// A limiter of another Database: refused on every group, whether the
 	// slices would have answered it or not.
