@@ -51,6 +51,7 @@ import (
 	"time"
 
 	"github.com/pgrl/pgrl/clientip"
+	"github.com/pgrl/pgrl/lease"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -131,6 +132,12 @@ type Rule struct {
 	// set instead of Limiter: each request is checked with the limiter
 	// Keyed.For returns for its key.
 	Keyed KeyedLimiter
+	// Leased is a leased limit (package lease), set instead of Limiter:
+	// its checks are answered from slices of its quota. Rules are then
+	// all leased, or none: lease.AllowAll decides leased rules together
+	// in Mode, from their slices, and their limiters must send their
+	// statements to one database.
+	Leased *lease.Limiter
 	// Key returns the request's key for this limit; false skips this
 	// limit (the others still apply). Defaults to Config.Key.
 	Key KeyFunc
@@ -302,6 +309,7 @@ type rule struct {
 	checker Checker
 	limiter *ratelimit.Limiter // set for Rules
 	keyed   KeyedLimiter       // set for a limit resolved per key
+	leased  *lease.Limiter     // set for a leased rule
 	key     KeyFunc
 	cost    CostFunc
 	slots   *ratelimit.Limiter // set for a concurrency limit: Acquire, not Allow
@@ -379,15 +387,29 @@ func New(cfg Config) (*Middleware, error) {
 		names := map[string]int{}
 		for i, rr := range cfg.Rules {
 			var lc ratelimit.Config
+			set := 0
+			for _, ok := range []bool{rr.Limiter != nil, rr.Keyed != nil, rr.Leased != nil} {
+				if ok {
+					set++
+				}
+			}
 			switch {
-			case rr.Limiter != nil && rr.Keyed != nil:
-				return nil, invalid("rule %d has both Limiter and Keyed; set one", i)
+			case set > 1:
+				return nil, invalid("rule %d sets more than one of Limiter, Keyed and Leased; set one", i)
 			case rr.Limiter != nil:
 				lc = rr.Limiter.Config()
 			case rr.Keyed != nil:
 				lc = rr.Keyed.Config()
+			case rr.Leased != nil:
+				lc = rr.Leased.Config()
+				if i > 0 && cfg.Rules[0].Leased == nil {
+					return nil, invalid("rule %d (%q) is leased and rule 0 is not; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name)
+				}
 			default:
-				return nil, invalid("rule %d has no Limiter (nor Keyed)", i)
+				return nil, invalid("rule %d has no Limiter (nor Keyed, nor Leased)", i)
+			}
+			if rr.Leased == nil && i > 0 && cfg.Rules[0].Leased != nil {
+				return nil, invalid("rule 0 is leased and rule %d (%q) is not; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name)
 			}
 			if lc.Algorithm == ratelimit.Concurrency {
 				return nil, invalid("rule %d (%q) is a concurrency limit; Rules are rates decided together by ratelimit.AllowAll, and a slot is held while the handler runs: give it a middleware of its own (Config.Limiter) and nest the two, inflight.Handler(rules.Handler(h))", i, lc.Name)
@@ -413,7 +435,10 @@ func New(cfg Config) (*Middleware, error) {
 			if err != nil {
 				return nil, fmt.Errorf("rule %d: %w", i, err)
 			}
-			r.limiter, r.keyed = rr.Limiter, rr.Keyed
+			r.limiter, r.keyed, r.leased = rr.Limiter, rr.Keyed, rr.Leased
+			if rr.Leased != nil {
+				r.checker = rr.Leased
+			}
 			if j, dup := names[r.name]; dup {
 				return nil, invalid("rules %d and %d are both named %q in the RateLimit fields; set Rule.Policy to tell them apart", j, i, r.name)
 			}
@@ -717,6 +742,13 @@ func (m *Middleware) decide(ctx context.Context, act []active, opts []ratelimit.
 			return ratelimit.MultiDecision{}, err
 		}
 		return single(d), nil
+	}
+	if act[0].r.leased != nil {
+		checks := make([]lease.Check, len(act))
+		for i, a := range act {
+			checks[i] = lease.Check{Limiter: a.r.leased, Key: a.key, Cost: a.cost}
+		}
+		return lease.AllowAll(ctx, m.mode, checks...)
 	}
 	checks := make([]ratelimit.Check, len(act))
 	for i, a := range act {

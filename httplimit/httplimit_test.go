@@ -21,6 +21,7 @@ import (
 	"github.com/pgrl/pgrl/httplimit"
 	"github.com/pgrl/pgrl/internal/dbtest"
 	"github.com/pgrl/pgrl/internal/testkit"
+	"github.com/pgrl/pgrl/lease"
 	"github.com/pgrl/pgrl/ratelimit"
 )
 
@@ -784,4 +785,57 @@ func TestRequestIDHeader(t *testing.T) {
 	_, err = httplimit.New(httplimit.Config{Limiter: mem, Key: httplimit.Constant("k"), RequestIDHeader: "Idempotency-Key"})
 	require.ErrorIs(t, err, httplimit.ErrInvalidConfig)
 	require.ErrorContains(t, err, "keeps request ids")
+}
+
+// TestRulesLeased: a login's three limits leased and decided together by
+// lease.AllowAll: the fields are those of the plain rules, the pair's
+// limit denies its sixth attempt, and once the keys are warm the checks
+// are answered from slices (no statement).
+func TestRulesLeased(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	c := testkit.NewClock(base)
+	d := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{Now: c.Now})
+	leased := func(cfg ratelimit.Config, size int64) *lease.Limiter {
+		x, err := lease.New(testkit.Limiter(t, d, cfg), lease.Options{Size: size, Now: c.Now, Idle: time.Hour})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = x.Close(context.Background()) })
+		return x
+	}
+	pair := leased(ratelimit.Config{Name: "login-pair", Limit: 5, Window: time.Minute}, 5)
+	ip := leased(ratelimit.Config{Name: "login-ip", Limit: 100, Window: time.Minute}, 10)
+	email := leased(ratelimit.Config{Name: "login-email", Limit: 100, Window: time.Minute}, 10)
+	srv, reached := server(t, httplimit.Config{
+		Rules: []httplimit.Rule{
+			{Leased: pair, Key: httplimit.Combine(httplimit.ByHeader("X-Email"), httplimit.ByIP(nil))},
+			{Leased: ip, Key: httplimit.ByIP(nil)},
+			{Leased: email, Key: httplimit.ByHeader("X-Email")},
+		},
+	})
+	const policies = `"login-pair";q=5;w=60, "login-ip";q=100;w=60, "login-email";q=100;w=60`
+	for i := 1; i <= 5; i++ {
+		r := get(t, srv, "X-Email", "a@example.com")
+		require.Equal(t, http.StatusOK, r.status, "attempt %d", i)
+		require.Equal(t, policies, r.header.Get("RateLimit-Policy"))
+		require.Equal(t, fmt.Sprintf(`"login-pair";r=%d;t=50, "login-ip";r=%d;t=50, "login-email";r=%d;t=50`, 5-i, 100-i, 100-i),
+			r.header.Get("RateLimit"), "attempt %d", i)
+	}
+	r := get(t, srv, "X-Email", "a@example.com")
+	require.Equal(t, http.StatusTooManyRequests, r.status)
+	require.Equal(t, "50", r.header.Get("Retry-After"))
+	require.Equal(t, `"login-pair";r=0;t=50, "login-ip";r=95;t=50, "login-email";r=95;t=50`, r.header.Get("RateLimit"),
+		"the denied attempt took nothing from the others")
+	require.Equal(t, 5, *reached)
+	st := ip.Stats()
+	require.Equal(t, int64(1), st.Slices, "one slice answered the address's warm checks")
+	require.Equal(t, int64(4), st.LocalDecisions, "attempts 3 to 5 and the denied one, from the slice")
+
+	_, err := httplimit.New(httplimit.Config{Key: httplimit.ByIP(nil), Rules: []httplimit.Rule{
+		{Leased: pair}, {Limiter: testkit.Limiter(t, d, ratelimit.Config{Name: "plain", Limit: 1, Window: time.Minute})},
+	}})
+	require.ErrorIs(t, err, httplimit.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "lease every rule (lease.New), or none")
+	_, err = httplimit.New(httplimit.Config{Key: httplimit.ByIP(nil), Rules: []httplimit.Rule{{Leased: pair, Limiter: testkit.Limiter(t, d, ratelimit.Config{Name: "both", Limit: 1, Window: time.Minute})}}})
+	require.ErrorIs(t, err, httplimit.ErrInvalidConfig)
+	require.Contains(t, err.Error(), "set one")
 }

@@ -58,8 +58,8 @@ type member struct {
 // Under ratelimit.ConsumeAll every check is decided on its own, as Allow
 // decides it.
 //
-// The limiters must be made on one ratelimit.Database
-// (ratelimit.ErrMixedDatabases otherwise), and the checks' keys must differ
+// The limiters must send their statements to one database, as
+// ratelimit.AllowAll requires (ratelimit.ErrMixedDatabases otherwise), and the checks' keys must differ
 // within a limiter (ratelimit.ErrDuplicateCheck
 // otherwise; merge them into one check with the summed cost). Decisions
 // answered from a slice have Store ratelimit.StoreLease.
@@ -176,8 +176,8 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 		if err != nil {
 			return ratelimit.MultiDecision{}, fmt.Errorf("check %d (%q): %w", i, m.x.name, err)
 		}
-		if i > 0 && st.src.l.Database() != ms[0].st.src.l.Database() {
-			return ratelimit.MultiDecision{}, fmt.Errorf("%w: check %d (%q) leases a limiter of another ratelimit.Database than check 0 (%q); lease limiters made on one Database, as ratelimit.AllowAll checks them together", ratelimit.ErrMixedDatabases, i, m.x.name, ms[0].x.name)
+		if i > 0 && !st.src.l.SameDatabase(ms[0].st.src.l) {
+			return ratelimit.MultiDecision{}, fmt.Errorf("%w: check %d (%q) leases a limiter of another database than check 0 (%q); lease limiters made on one pool, as ratelimit.AllowAll checks them together", ratelimit.ErrMixedDatabases, i, m.x.name, ms[0].x.name)
 		}
 		m.st = st
 		if m.e.left < m.a.n {
@@ -220,8 +220,13 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 		case allowed:
 			decs[i] = m.x.takeLocal(m.e, m.st.now, m.a.n)
 		default:
+			// Allowed, but another check denied: nothing is taken. Used
+			// and Remaining are what the check saw with its units taken,
+			// as ratelimit.AllowAll reports them.
 			m.x.local.Add(1)
 			decs[i] = m.x.localDecision(m.e, m.st.now, 0)
+			decs[i].Used += m.a.n
+			decs[i].Remaining -= m.a.n
 		}
 	}
 	return multi(decs), nil

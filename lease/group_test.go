@@ -230,7 +230,7 @@ func TestAllowAllRefusesBadGroups(t *testing.T) {
 	for range 3 {
 		_, err = AllowAll(ctx, ratelimit.AllOrNothing, Check{Limiter: g.leases[0], Key: "k"}, Check{Limiter: other, Key: "k"})
 		require.ErrorIs(t, err, ratelimit.ErrMixedDatabases)
-		require.Contains(t, err.Error(), "lease limiters made on one Database")
+		require.Contains(t, err.Error(), "lease limiters made on one pool")
 	}
 	require.NoError(t, g.leases[2].Close(ctx))
 	_, err = AllowAll(ctx, ratelimit.AllOrNothing, g.checks("p", "i", "e")...)

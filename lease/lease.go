@@ -482,7 +482,9 @@ func (x *Limiter) refill(ctx context.Context, e *entry, a ask, st state) (rateli
 // takes the check's units from e when e holds them and take is set, and
 // otherwise denies it (under Penalty the held units pay for the attempt).
 // An all-or-nothing group whose other member denied settles with take
-// unset: nothing is taken and the units stay for later checks.
+// unset: nothing is taken and the units stay for later checks, and Used
+// and Remaining are what the check saw with its units taken, as
+// ratelimit.AllowAll reports them.
 func (x *Limiter) settle(e *entry, a ask, d ratelimit.Decision, take bool) ratelimit.Decision {
 	n := a.n
 	if a.upTo {
@@ -500,13 +502,15 @@ func (x *Limiter) settle(e *entry, a ask, d ratelimit.Decision, take bool) ratel
 	}
 	out := d
 	out.Allowed, out.RetryAfter, out.ShadowDenied = true, 0, false
-	out.Granted = 0
+	left := e.left - n // as the check saw it: its units taken
 	if take {
-		e.left -= n
+		e.left = left
 		x.usedLocally.Add(n)
 		out.Granted = n
+	} else {
+		out.Granted = 0
 	}
-	out.Used, out.Remaining = max(d.Used-e.left, 0), d.Remaining+e.left
+	out.Used, out.Remaining = max(d.Used-left, 0), d.Remaining+left
 	return out
 }
 

@@ -129,9 +129,10 @@ func singleConn(db DB) bool {
 // the database.
 func (l *Limiter) BreakerOpen() bool { return l.st.breaker.open.Load() }
 
-// Database is the Database the limiter was made on: limiters of one
-// Database may be checked together (AllowAll).
-func (l *Limiter) Database() *Database { return l.st }
+// SameDatabase reports whether l and o send their statements to one
+// database (their Databases were made on the same pool or connection), so
+// that AllowAll may check them together.
+func (l *Limiter) SameDatabase(o *Limiter) bool { return o != nil && l.st.db == o.st.db }
 
 // Config returns the limiter's configuration, defaults filled in.
 func (l *Limiter) Config() Config { return l.cfg }
