@@ -617,7 +617,7 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		{httplimit.Config{Limiter: l, Key: key, Rules: []httplimit.Rule{{Limiter: l2, Key: key}}}, "both Limiter and Rules"},
 		{httplimit.Config{Rules: []httplimit.Rule{{Limiter: l}}}, `rule 0 ("a") has no Key`},
 		{httplimit.Config{Rules: []httplimit.Rule{{Key: key}}}, "rule 0 has no Limiter"},
-		{httplimit.Config{Rules: []httplimit.Rule{{Key: key, Limiter: l, Keyed: perKey{l}}}}, "rule 0 has both Limiter and Keyed"},
+		{httplimit.Config{Rules: []httplimit.Rule{{Key: key, Limiter: l, Keyed: perKey{l}}}}, "rule 0 sets more than one of Limiter, Keyed and Leased"},
 		{httplimit.Config{Key: key, Rules: []httplimit.Rule{{Limiter: l}, {Limiter: l2, Policy: "a"}}}, `rules 0 and 1 are both named "a"`},
 		{httplimit.Config{Key: key, Policy: "x", Rules: []httplimit.Rule{{Limiter: l}}}, "Policy is set with Rules"},
 		{httplimit.Config{Limiter: utf, Key: key}, `policy name "connexion-é" has a byte`},
