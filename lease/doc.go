@@ -37,6 +37,12 @@
 // refused, and there are no checks in a transaction (a Limiter has no …Tx
 // methods).
 //
+// AllowAll decides several leased limits of one request together, as
+// ratelimit.AllowAll does (a login's per email and address, per address
+// and per email limits): in memory when every key's slice holds what its
+// check asks, all or nothing, a denied request taking no unit from any
+// slice.
+//
 // Limiter.Stats counts slices, units and decisions; package metrics exports
 // them to Prometheus (metrics.NewLeaseCollector).
 //
