@@ -44,6 +44,62 @@ func BenchmarkLocalCheck(b *testing.B) {
 	})
 }
 
+// BenchmarkLocalGroup compares a leased AllowAll of three limits answered
+// from their slices with three ratelimit.MemoryLimiter checks, one
+// goroutine each: a login's three limits.
+func BenchmarkLocalGroup(b *testing.B) {
+	ctx := context.Background()
+	cfg := ratelimit.Config{Limit: math.MaxInt64 / 2, Window: time.Hour}
+	names := []string{"pair", "ip", "email"}
+	b.Run("lease", func(b *testing.B) {
+		pool, _ := dbtest.Pool(b)
+		d := testkit.NewDatabase(b, pool, ratelimit.DatabaseOptions{})
+		var checks []Check
+		for _, name := range names {
+			c := cfg
+			c.Name = name
+			x, err := New(testkit.Limiter(b, d, c), Options{Eager: true, Size: 1 << 40, Idle: time.Hour})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer func() { _ = x.Close(ctx) }()
+			checks = append(checks, Check{Limiter: x, Key: "k-" + name})
+		}
+		if _, err := AllowAll(ctx, ratelimit.AllOrNothing, checks...); err != nil { // takes the slices
+			b.Fatal(err)
+		}
+		benchChecks(b, func() (ratelimit.Decision, error) {
+			md, err := AllowAll(ctx, ratelimit.AllOrNothing, checks...)
+			return ratelimit.Decision{Allowed: md.Allowed}, err
+		})
+		for _, c := range checks {
+			if s := c.Limiter.Stats(); s.Slices != 1 {
+				b.Fatalf("%d slices: some groups were not answered locally", s.Slices)
+			}
+		}
+	})
+	b.Run("memory", func(b *testing.B) {
+		var ms []*ratelimit.MemoryLimiter
+		for _, name := range names {
+			c := cfg
+			c.Name = name
+			m, err := ratelimit.NewMemory(c, ratelimit.MemoryOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ms = append(ms, m)
+		}
+		benchChecks(b, func() (ratelimit.Decision, error) {
+			for i, m := range ms {
+				if d, err := m.Allow(ctx, "k-"+names[i]); err != nil || !d.Allowed {
+					return d, err
+				}
+			}
+			return ratelimit.Decision{Allowed: true}, nil
+		})
+	})
+}
+
 func benchChecks(b *testing.B, check func() (ratelimit.Decision, error)) {
 	b.Helper()
 	b.ReportAllocs()

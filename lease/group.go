@@ -69,27 +69,20 @@ func AllowAll(ctx context.Context, mode ratelimit.MultiMode, checks ...Check) (r
 }
 
 func allowAll(ctx context.Context, mode ratelimit.MultiMode, checks []Check) (ratelimit.MultiDecision, error) {
-	ms, err := members(mode, checks)
+	ms, order, err := members(mode, checks)
 	if err != nil {
 		return ratelimit.MultiDecision{}, err
 	}
 	if mode == ratelimit.ConsumeAll {
 		decs := make([]ratelimit.Decision, len(ms))
-		for i, m := range ms {
+		for i := range ms {
+			m := &ms[i]
 			if decs[i], err = m.x.allow(ctx, checks[i].Key, []ratelimit.Option{ratelimit.Cost(m.a.n)}); err != nil {
 				return ratelimit.MultiDecision{}, fmt.Errorf("check %d (%q): %w", i, m.x.name, err)
 			}
 		}
 		return multi(decs), nil
 	}
-	// Hold every entry, in one order for all groups.
-	order := make([]int, len(ms))
-	for i := range order {
-		order[i] = i
-	}
-	slices.SortFunc(order, func(i, j int) int {
-		return cmp.Or(cmp.Compare(ms[i].x.id, ms[j].x.id), cmp.Compare(checks[i].Key, checks[j].Key))
-	})
 	for {
 		held, err := hold(ctx, ms, order, checks)
 		if err != nil {
@@ -106,44 +99,48 @@ func allowAll(ctx context.Context, mode ratelimit.MultiMode, checks []Check) (ra
 	}
 }
 
-// members validates a group's checks.
-func members(mode ratelimit.MultiMode, checks []Check) ([]*member, error) {
+// members validates a group's checks, and returns them with the order in
+// which their entries are held: by limiter, then key, one order for every
+// group (a limiter and key twice would be adjacent in it, and is refused).
+func members(mode ratelimit.MultiMode, checks []Check) ([]member, []int, error) {
 	if len(checks) == 0 {
-		return nil, ratelimit.ErrEmptyMulti
+		return nil, nil, ratelimit.ErrEmptyMulti
 	}
 	if mode != ratelimit.AllOrNothing && mode != ratelimit.ConsumeAll {
-		return nil, fmt.Errorf("%w: %d; use ratelimit.AllOrNothing or ratelimit.ConsumeAll", ratelimit.ErrInvalidMultiMode, mode)
+		return nil, nil, fmt.Errorf("%w: %d; use ratelimit.AllOrNothing or ratelimit.ConsumeAll", ratelimit.ErrInvalidMultiMode, mode)
 	}
-	ms := make([]*member, len(checks))
-	type id struct {
-		x   *Limiter
-		key string
-	}
-	seen := map[id]int{}
+	ms := make([]member, len(checks))
+	order := make([]int, len(checks))
 	for i, c := range checks {
 		if c.Limiter == nil {
-			return nil, fmt.Errorf("%w: check %d; give each check the *lease.Limiter of its limit", ErrNilLimiter, i)
+			return nil, nil, fmt.Errorf("%w: check %d; give each check the *lease.Limiter of its limit", ErrNilLimiter, i)
 		}
 		if c.Limiter.closed.Load() {
-			return nil, fmt.Errorf("check %d (%q): %w", i, c.Limiter.name, ErrClosed)
+			return nil, nil, fmt.Errorf("check %d (%q): %w", i, c.Limiter.name, ErrClosed)
 		}
 		if c.Cost < 0 {
-			return nil, fmt.Errorf("%w: %d in check %d (%q); a check asks for at least 1 unit (0 means 1)", ratelimit.ErrInvalidCost, c.Cost, i, c.Limiter.name)
+			return nil, nil, fmt.Errorf("%w: %d in check %d (%q); a check asks for at least 1 unit (0 means 1)", ratelimit.ErrInvalidCost, c.Cost, i, c.Limiter.name)
 		}
-		if j, dup := seen[id{c.Limiter, c.Key}]; dup {
-			return nil, fmt.Errorf("%w: checks %d and %d (%q, same key); merge them into one check with the summed cost", ratelimit.ErrDuplicateCheck, j, i, c.Limiter.name)
-		}
-		seen[id{c.Limiter, c.Key}] = i
-		ms[i] = &member{x: c.Limiter, a: ask{n: max(c.Cost, 1)}}
+		ms[i] = member{x: c.Limiter, a: ask{n: max(c.Cost, 1)}}
+		order[i] = i
 	}
-	return ms, nil
+	slices.SortFunc(order, func(i, j int) int {
+		return cmp.Or(cmp.Compare(ms[i].x.id, ms[j].x.id), cmp.Compare(checks[i].Key, checks[j].Key), cmp.Compare(i, j))
+	})
+	for k := 1; k < len(order); k++ {
+		i, j := order[k-1], order[k]
+		if ms[i].x == ms[j].x && checks[i].Key == checks[j].Key {
+			return nil, nil, fmt.Errorf("%w: checks %d and %d (%q, same key); merge them into one check with the summed cost", ratelimit.ErrDuplicateCheck, i, j, ms[i].x.name)
+		}
+	}
+	return ms, order, nil
 }
 
 // hold takes the entries of ms in order. It reports false, holding
 // none, when one of them was removed before it was held.
-func hold(ctx context.Context, ms []*member, order []int, checks []Check) (bool, error) {
+func hold(ctx context.Context, ms []member, order []int, checks []Check) (bool, error) {
 	for k, i := range order {
-		m := ms[i]
+		m := &ms[i]
 		if m.x.closed.Load() {
 			releaseFirst(ms, order, k)
 			return false, fmt.Errorf("check %d (%q): %w", i, m.x.name, ErrClosed)
@@ -162,16 +159,17 @@ func hold(ctx context.Context, ms []*member, order []int, checks []Check) (bool,
 }
 
 // releaseFirst releases the entries of the first n members in order.
-func releaseFirst(ms []*member, order []int, n int) {
+func releaseFirst(ms []member, order []int, n int) {
 	for _, i := range order[:n] {
 		ms[i].e.release()
 	}
 }
 
 // decideGroup decides an all-or-nothing group whose entries are held.
-func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, error) {
+func decideGroup(ctx context.Context, ms []member) (ratelimit.MultiDecision, error) {
 	local, own := true, false
-	for i, m := range ms {
+	for i := range ms {
+		m := &ms[i]
 		st, err := m.x.prepare(ctx, m.e, m.a)
 		if err != nil {
 			return ratelimit.MultiDecision{}, fmt.Errorf("check %d (%q): %w", i, m.x.name, err)
@@ -187,7 +185,8 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 	}
 	decs := make([]ratelimit.Decision, len(ms))
 	if local {
-		for i, m := range ms {
+		for i := range ms {
+			m := &ms[i]
 			decs[i] = m.x.takeLocal(m.e, m.st.now, m.a.n)
 		}
 		return multi(decs), nil
@@ -199,7 +198,8 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 		return ratelimit.MultiDecision{}, err
 	}
 	allowed := true
-	for _, m := range ms {
+	for i := range ms {
+		m := &ms[i]
 		switch {
 		case m.fix:
 			allowed = allowed && m.d.Allowed // a shadow denial is allowed
@@ -208,7 +208,8 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 			allowed = false
 		}
 	}
-	for i, m := range ms {
+	for i := range ms {
+		m := &ms[i]
 		switch {
 		case m.fix:
 			decs[i] = passThrough(m.d, m.a)
@@ -234,13 +235,15 @@ func decideGroup(ctx context.Context, ms []*member) (ratelimit.MultiDecision, er
 
 // sendOwn sends the group's own checks through ratelimit.AllowAll: a key
 // that is cold, or a breaker that is open, gets no slice.
-func sendOwn(ctx context.Context, ms []*member) (ratelimit.MultiDecision, error) {
+func sendOwn(ctx context.Context, ms []member) (ratelimit.MultiDecision, error) {
 	own := make([]ratelimit.Check, len(ms))
-	for i, m := range ms {
+	for i := range ms {
+		m := &ms[i]
 		own[i] = ratelimit.Check{Limiter: m.st.src.l, Key: m.e.key, Cost: m.a.n}
 	}
 	md, err := ratelimit.AllowAll(ctx, ratelimit.AllOrNothing, own...)
-	for i, m := range ms {
+	for i := range ms {
+		m := &ms[i]
 		var d ratelimit.Decision
 		if err == nil {
 			d = md.Decisions[i]
@@ -252,10 +255,10 @@ func sendOwn(ctx context.Context, ms []*member) (ratelimit.MultiDecision, error)
 
 // refillShort takes the next slice of every member whose entry holds too
 // few units, all at once, so that their statements are coalesced.
-func refillShort(ctx context.Context, ms []*member) error {
+func refillShort(ctx context.Context, ms []member) error {
 	var short []*member
-	for _, m := range ms {
-		if m.e.left < m.a.n {
+	for i := range ms {
+		if m := &ms[i]; m.e.left < m.a.n {
 			short = append(short, m)
 		}
 	}
