@@ -59,8 +59,8 @@ type member struct {
 // decides it.
 //
 // The limiters must send their statements to one database, as
-// ratelimit.AllowAll requires (ratelimit.ErrMixedDatabases otherwise), and the checks' keys must differ
-// within a limiter (ratelimit.ErrDuplicateCheck
+// ratelimit.AllowAll requires (ratelimit.ErrMixedDatabases otherwise), and
+// the checks' keys must differ within a limiter (ratelimit.ErrDuplicateCheck
 // otherwise; merge them into one check with the summed cost). Decisions
 // answered from a slice have Store ratelimit.StoreLease.
 func AllowAll(ctx context.Context, mode ratelimit.MultiMode, checks ...Check) (ratelimit.MultiDecision, error) {
