@@ -504,10 +504,12 @@ func TestMaxDurationStopsTheRun(t *testing.T) {
 	require.Equal(t, "max-duration", res.StopReason)
 	require.Less(t, res.Tables.FixedWindow.Deleted, int64(990))
 	require.Greater(t, res.Tables.FixedWindow.Deleted, int64(0))
-	// It stops between batches: past the budget by about a pause and a
-	// batch (a batch costs less than the baseline's whole run); allow three
-	// such runs for a busy machine's noise.
-	require.Less(t, res.Duration, 2*budget+pause)
+	// It stops between batches: past the budget by a pause and a batch,
+	// which a busy machine stretches (one batch took over 100 ms beside a
+	// 2-core CPU load, three times the baseline). Bounded by four budgets:
+	// without the cap the run needs 98 pauses at the least, 4.9 budgets,
+	// so a run this short was cut by it.
+	require.Less(t, res.Duration, 4*budget)
 }
 
 // TestChurnKeepsTableSizeBounded writes many keys over several windows
