@@ -414,3 +414,25 @@ func TestAcquireAnsweredTooLateIsNotHeld(t *testing.T) {
 		return err == nil && p.Used == 0
 	}, 5*time.Second, 20*time.Millisecond)
 }
+
+// TestReleaseOfALapsedSlotReportsItLost: a slot whose lease ran out in
+// PostgreSQL before its holder noticed (the database's clock moved past
+// it: a holder stalled longer than the margin looks the same) is released
+// without error, and Err then says it was lost, not released.
+func TestReleaseOfALapsedSlotReportsItLost(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	c := testkit.NewClock(time.Now())
+	l := concurrencyLimiter(t, "lapsed-release", 1, time.Minute, ratelimit.DatabaseOptions{Now: c.Now})
+	s, d, err := l.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	c.Add(2 * time.Minute) // the database's clock only: no extension was made
+	other, d, err := l.Acquire(ctx, "k")
+	require.NoError(t, err)
+	require.True(t, d.Allowed, "the lapsed slot's place is free")
+	require.NoError(t, s.Release(ctx))
+	require.ErrorIs(t, s.Err(), ratelimit.ErrSlotLost, "released after it had lapsed")
+	require.NoError(t, other.Release(ctx))
+	require.ErrorIs(t, other.Err(), ratelimit.ErrSlotReleased)
+}

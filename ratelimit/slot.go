@@ -142,6 +142,10 @@ func newSlot(h *slotLease) *Slot {
 func (s *Slot) Done() <-chan struct{} { return s.h.done }
 
 // Err is nil while the slot is held, then ErrSlotReleased or ErrSlotLost.
+// After Release it is ErrSlotLost too when PostgreSQL no longer held the
+// slot by then: it had lapsed (its holder was cut off from PostgreSQL, or
+// stalled, for longer than the margin before Done could close), so the
+// hold was not exclusive to its end.
 func (s *Slot) Err() error {
 	s.h.mu.Lock()
 	defer s.h.mu.Unlock()
@@ -152,10 +156,11 @@ func (s *Slot) Err() error {
 func (s *Slot) Key() string { return s.h.key }
 
 // Release gives the slot back. Releasing again, or releasing a slot that
-// was lost, does nothing and returns nil. When PostgreSQL cannot be
-// reached (within the Database's Timeout), the error is returned and the
-// slot, no longer extended, lapses after the Window: the key holds one
-// place too few until then, never one too many.
+// was lost, does nothing and returns nil. A slot PostgreSQL no longer held
+// (it had lapsed) returns nil too, and Err reports ErrSlotLost. When
+// PostgreSQL cannot be reached (within the Database's Timeout), the error
+// is returned and the slot, no longer extended, lapses after the Window:
+// the key holds one place too few until then, never one too many.
 func (s *Slot) Release(ctx context.Context) error { return s.h.giveBack(ctx, nil) }
 
 // giveBack is Release (tx nil: on the Database, within its Timeout) and
@@ -166,12 +171,19 @@ func (s *slotLease) giveBack(ctx context.Context, tx pgx.Tx) error {
 	}
 	switch s.store {
 	case StorePostgres:
-		if tx != nil {
-			return s.l.explain(ctx, s.release(ctx, tx))
+		call, db := ctx, DB(tx)
+		if tx == nil {
+			cctx, cancel := context.WithTimeout(ctx, s.l.st.opts.Timeout)
+			defer cancel()
+			call, db = cctx, s.l.st.db
 		}
-		cctx, cancel := context.WithTimeout(ctx, s.l.st.opts.Timeout)
-		defer cancel()
-		return s.l.explain(ctx, s.release(cctx, s.l.st.db))
+		held, err := s.release(call, db)
+		if err == nil && !held {
+			s.mu.Lock()
+			s.err = ErrSlotLost
+			s.mu.Unlock()
+		}
+		return s.l.explain(ctx, err)
 	case StoreMemory:
 		s.m.give(s.key)
 	}
@@ -206,9 +218,11 @@ func (m *MemoryLimiter) Acquire(_ context.Context, key string) (*Slot, Decision,
 	return newSlot(h), d, nil
 }
 
-func (s *slotLease) release(ctx context.Context, db DB) error {
-	_, err := s.l.q.ConcurrencyRelease(ctx, db, gen.ConcurrencyReleaseParams{Key: s.k, Token: s.token, At: s.l.at()})
-	return err
+// release gives the slot back in PostgreSQL; held reports whether it
+// still held it (no row: it had lapsed, or the key was reset).
+func (s *slotLease) release(ctx context.Context, db DB) (held bool, err error) {
+	n, err := s.l.q.ConcurrencyRelease(ctx, db, gen.ConcurrencyReleaseParams{Key: s.k, Token: s.token, At: s.l.at()})
+	return n > 0, err
 }
 
 // end marks the slot no longer held, for err; false when it already was.
@@ -262,7 +276,7 @@ func (s *slotLease) releaseLater() {
 	go func() {
 		ctx, cancel := context.WithTimeout(context.Background(), s.l.st.opts.Timeout)
 		defer cancel()
-		_ = s.release(ctx, s.l.st.db)
+		_, _ = s.release(ctx, s.l.st.db)
 	}()
 }
 
