@@ -51,8 +51,14 @@ func startChild(t *testing.T, ctx context.Context, test string, env ...string) *
 // send writes one command line.
 func (c *child) send(t *testing.T, line string) {
 	t.Helper()
-	_, err := io.WriteString(c.stdin, line+"\n")
-	require.NoError(t, err)
+	if _, err := io.WriteString(c.stdin, line+"\n"); err != nil {
+		// The child is gone: what it printed last says why.
+		var last []string
+		for c.out.Scan() {
+			last = append(last, c.out.Text())
+		}
+		t.Fatalf("child: %v; its last output:\n%s\n%s", err, strings.Join(last[max(0, len(last)-40):], "\n"), c.stderr.String())
+	}
 }
 
 // read decodes the next answer into v.
