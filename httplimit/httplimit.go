@@ -402,14 +402,15 @@ func New(cfg Config) (*Middleware, error) {
 				lc = rr.Keyed.Config()
 			case rr.Leased != nil:
 				lc = rr.Leased.Config()
-				if i > 0 && cfg.Rules[0].Leased == nil {
-					return nil, invalid("rule %d (%q) is leased and rule 0 is not; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name)
-				}
 			default:
 				return nil, invalid("rule %d has no Limiter (nor Keyed, nor Leased)", i)
 			}
-			if rr.Leased == nil && i > 0 && cfg.Rules[0].Leased != nil {
-				return nil, invalid("rule 0 is leased and rule %d (%q) is not; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name)
+			if leased := rr.Leased != nil; leased != (cfg.Rules[0].Leased != nil) {
+				state := "leased"
+				if !leased {
+					state = "not leased"
+				}
+				return nil, invalid("rule %d (%q) is %s and rule 0 is not; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name, state)
 			}
 			if lc.Algorithm == ratelimit.Concurrency {
 				return nil, invalid("rule %d (%q) is a concurrency limit; Rules are rates decided together by ratelimit.AllowAll, and a slot is held while the handler runs: give it a middleware of its own (Config.Limiter) and nest the two, inflight.Handler(rules.Handler(h))", i, lc.Name)
