@@ -406,11 +406,11 @@ func New(cfg Config) (*Middleware, error) {
 				return nil, invalid("rule %d has no Limiter (nor Keyed, nor Leased)", i)
 			}
 			if leased := rr.Leased != nil; leased != (cfg.Rules[0].Leased != nil) {
-				state := [2]string{"not leased", "leased"}
+				state := "not leased but rule 0 is"
 				if leased {
-					state[0], state[1] = state[1], state[0]
+					state = "leased but rule 0 is not"
 				}
-				return nil, invalid("rule %d (%q) is %s but rule 0 is %s; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name, state[0], state[1])
+				return nil, invalid("rule %d (%q) is %s; Rules are decided together, by lease.AllowAll when leased and by ratelimit.AllowAll otherwise: lease every rule (lease.New), or none", i, lc.Name, state)
 			}
 			if lc.Algorithm == ratelimit.Concurrency {
 				return nil, invalid("rule %d (%q) is a concurrency limit; Rules are rates decided together by ratelimit.AllowAll, and a slot is held while the handler runs: give it a middleware of its own (Config.Limiter) and nest the two, inflight.Handler(rules.Handler(h))", i, lc.Name)
