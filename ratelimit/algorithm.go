@@ -45,6 +45,11 @@ type algorithm interface {
 	// takeMany decides checks of distinct stored keys in one statement,
 	// as if one after another, and returns their decisions in order.
 	takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error)
+	// takeManyPolicy is takeMany with the figures read from the stored
+	// policy and each key's override (okeys[i] is keys[i] stored under the
+	// policy's name) in the same statement. A key whose policy changed is
+	// not counted: decided[i] is false.
+	takeManyPolicy(ctx context.Context, l *Limiter, db DB, keys, okeys [][]byte, costs []int64) (decs []Decision, decided []bool, err error)
 	// takeUpTo grants k as many of n units as are left, in one statement.
 	takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error)
 	// takeQueue decides q's checks, several per key, in one statement,
@@ -101,24 +106,32 @@ func algorithmOf(a Algorithm) algorithm {
 // return it); decide receives the key's index in keys. A statement must
 // return one row per key, each of a key of the batch.
 func inKeyOrder[R any](keys [][]byte, rows []R, err error, keyHex func(R) string, decide func(R, int) Decision) ([]Decision, error) {
-	if err != nil {
-		return nil, err
-	}
-	if len(rows) != len(keys) {
+	if err == nil && len(rows) != len(keys) {
 		return nil, fmt.Errorf("ratelimit: batched statement returned %d rows for %d checks", len(rows), len(keys))
+	}
+	out, _, err := someInKeyOrder(keys, rows, err, keyHex, decide)
+	return out, err
+}
+
+// someInKeyOrder is inKeyOrder for a statement that may leave keys out:
+// decided[i] reports whether keys[i] came back.
+func someInKeyOrder[R any](keys [][]byte, rows []R, err error, keyHex func(R) string, decide func(R, int) Decision) ([]Decision, []bool, error) {
+	if err != nil {
+		return nil, nil, err
 	}
 	index := make(map[string]int, len(keys))
 	for i, k := range keys {
 		index[string(k)] = i
 	}
 	out := make([]Decision, len(keys))
+	decided := make([]bool, len(keys))
 	for _, row := range rows {
 		k, herr := hex.DecodeString(keyHex(row))
 		i, ok := index[string(k)]
-		if herr != nil || !ok {
-			return nil, errors.New("ratelimit: batched statement returned an unknown key")
+		if herr != nil || !ok || decided[i] {
+			return nil, nil, errors.New("ratelimit: batched statement returned an unknown key")
 		}
-		out[i] = decide(row, i)
+		out[i], decided[i] = decide(row, i), true
 	}
-	return out, nil
+	return out, decided, nil
 }

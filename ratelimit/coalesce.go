@@ -69,6 +69,10 @@ type pendingCheck struct {
 	skey []byte // the stored key, sent to the database
 	id   string // the row's identity in the coalescer's maps: table and stored key
 	ask  ask
+	// policy: the check counts at its limiter's stored policy, read in
+	// the statement (Config.Policy): a single check that asks for its
+	// whole cost.
+	policy bool
 	// group is the all-or-nothing decision the check is part of (0: none;
 	// see checkQueue), numbered per statement by send.
 	group int32
@@ -92,6 +96,20 @@ func (r *pendingCheck) checks() []*pendingCheck {
 	return []*pendingCheck{r}
 }
 
+// alone decides r, a single check, in a statement of its own.
+func (r *pendingCheck) alone(ctx context.Context) (Decision, error) {
+	return r.l.takeStored(ctx, r.l.st.db, r.key, r.skey, r.ask)
+}
+
+// figures are what r counts against (see statements).
+func (r *pendingCheck) figures() figures {
+	f := r.l.figures()
+	if r.policy {
+		f.policy = r.l.cfg.Policy
+	}
+	return f
+}
+
 // finish tells r's caller that r.d and r.err are set.
 func (r *pendingCheck) finish() {
 	if r.wake != nil {
@@ -106,7 +124,8 @@ func newCoalescer(maxBatch, maxInFlight int) *coalescer {
 // take decides one check of l, alone or in a batch.
 func (c *coalescer) take(ctx context.Context, l *Limiter, key string, a ask) (Decision, error) {
 	skey := l.key(key)
-	r := &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: l.alg.table() + string(skey), ask: a}
+	r := &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: l.alg.table() + string(skey), ask: a,
+		policy: l.cfg.Policy != "" && !a.upTo}
 	if err := c.submit(r); err != nil {
 		return Decision{}, err
 	}
@@ -377,7 +396,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	if len(batch) == 1 && batch[0].members == nil {
 		r := batch[0]
 		sent := r.l.localNow()
-		r.d, r.err = r.l.takeKey(ctx, r.l.st.db, r.skey, r.ask)
+		r.d, r.err = r.alone(ctx)
 		c.remember(r, sent)
 		r.finish()
 		return
@@ -397,22 +416,23 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		sent := l.localNow()
 		err := c.takeMany(ctx, group)
 		var pgErr *pgconn.PgError
-		if err != nil && errors.As(err, &pgErr) && statementOutcome(err, false) == OutcomeNotConsumed &&
-			!connectionEnded(pgErr) {
-			// The statement failed as a whole, and was rolled back: decide
-			// each check (each group) on its own so that every error
-			// reaches the check it belongs to. Not when the server ended
-			// the connection (it is going away, or an operator ended the
-			// backend): every check of the batch gets that error and its
-			// outcome.
-			if pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
+		if errors.Is(err, errPolicyMismatch) || err != nil && errors.As(err, &pgErr) &&
+			statementOutcome(err, false) == OutcomeNotConsumed && !connectionEnded(pgErr) {
+			// The statement failed as a whole, and was rolled back (or a
+			// stored policy no longer matched, and it decided nothing):
+			// decide each check (each group) on its own so that every
+			// error reaches the check it belongs to. Not when the server
+			// ended the connection (it is going away, or an operator ended
+			// the backend): every check of the batch gets that error and
+			// its outcome.
+			if pgErr != nil && pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
 				l.st.opts.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
 					"limiter", l.cfg.Name, "error", pgErr.Message)
 			}
 			for _, unit := range units(group) {
 				if unit[0].group == 0 {
 					r := unit[0]
-					r.d, r.err = r.l.takeKey(ctx, r.l.st.db, r.skey, r.ask)
+					r.d, r.err = r.alone(ctx)
 					continue
 				}
 				decs, uerr := unit[0].l.alg.takeQueue(ctx, unit[0].l.st.db, newCheckQueue(unit))
@@ -461,7 +481,8 @@ func units(checks []*pendingCheck) [][]*pendingCheck {
 // checks under a pinned clock (DatabaseOptions.Now, for tests) share a
 // statement only when they read the same instant. A statement counts each
 // key against one limiter's figures: a check of a key that the statement holds
-// with other figures (two limiters of one name that differ) starts the
+// with other figures (two limiters of one name that differ, or one check
+// that reads a stored policy and one that does not) starts the
 // algorithm's next statement, which the round trip sends after it, so that
 // a key's checks are still decided in their order.
 func statements(batch []*pendingCheck) [][]*pendingCheck {
@@ -495,7 +516,7 @@ func statements(batch []*pendingCheck) [][]*pendingCheck {
 		conflict := !ok
 		for _, m := range unit {
 			f, had := held(o, m.skey)
-			conflict = conflict || had && f != m.l.figures()
+			conflict = conflict || had && f != m.figures()
 		}
 		if conflict {
 			o = &open{group: len(groups), keys: map[string]figures{}}
@@ -503,7 +524,7 @@ func statements(batch []*pendingCheck) [][]*pendingCheck {
 			groups = append(groups, nil)
 		}
 		for _, m := range unit {
-			o.keys[string(m.skey)] = m.l.figures()
+			o.keys[string(m.skey)] = m.figures()
 		}
 		groups[o.group] = append(groups[o.group], unit...)
 	}
@@ -529,10 +550,11 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 	simple := !c.queuesOnly.Load()
 	seen := make(map[string]bool, len(group))
 	for _, r := range group {
-		simple = simple && r.l == l && !r.ask.upTo && !seen[r.id] && r.group == 0
+		simple = simple && r.l == l && !r.ask.upTo && r.policy == group[0].policy && !seen[r.id] && r.group == 0
 		seen[r.id] = true
 	}
 	var decs []Decision
+	var decided []bool // with a stored policy: the checks the statement decided
 	var err error
 	if simple {
 		keys := make([][]byte, len(group))
@@ -540,7 +562,16 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		for i, r := range group {
 			keys[i], costs[i] = r.skey, r.ask.n
 		}
-		decs, err = l.alg.takeMany(ctx, l, l.st.db, keys, costs)
+		if group[0].policy {
+			// Every check reads the policy.
+			okeys := make([][]byte, len(group))
+			for i, r := range group {
+				okeys[i] = l.policyKey(r.key, r.skey)
+			}
+			decs, decided, err = l.alg.takeManyPolicy(ctx, l, l.st.db, keys, okeys, costs)
+		} else {
+			decs, err = l.alg.takeMany(ctx, l, l.st.db, keys, costs)
+		}
 		if kind, pgErr := pgerr.Classify(err); kind == pgerr.Unsupported {
 			// Nothing was counted: the statement was refused whole.
 			if c.queuesOnly.CompareAndSwap(false, true) {
@@ -557,6 +588,12 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		return err
 	}
 	for i, r := range group {
+		if decided != nil && !decided[i] {
+			// Its policy no longer matches: the statement left it out,
+			// counting nothing. Alone, it learns why.
+			r.d, r.err = r.alone(ctx)
+			continue
+		}
 		r.d = decs[i]
 	}
 	return nil

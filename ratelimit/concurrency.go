@@ -62,6 +62,10 @@ func (concurrency) takeMany(context.Context, *Limiter, DB, [][]byte, []int64) ([
 	return nil, errAcquireOnly
 }
 
+func (concurrency) takeManyPolicy(context.Context, *Limiter, DB, [][]byte, [][]byte, []int64) ([]Decision, []bool, error) {
+	return nil, nil, errAcquireOnly
+}
+
 func (concurrency) takeUpTo(context.Context, *Limiter, DB, []byte, int64) (Decision, error) {
 	return Decision{}, errAcquireOnly
 }

@@ -80,11 +80,17 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision,
 		d, err := l.pickShard(a.retryCost()).take(ctx, db, key, a)
 		return l.spreadDecision(d), err
 	}
+	return l.takeStored(ctx, db, key, l.key(key), a)
+}
+
+// takeStored is take for key, whose stored form is k: at the stored
+// policy, read in the statement, for a limiter that has one (Config.Policy)
+// and a check that asks for its whole cost.
+func (l *Limiter) takeStored(ctx context.Context, db DB, key string, k []byte, a ask) (Decision, error) {
 	if l.cfg.Policy != "" && !a.upTo {
-		k := l.key(key)
 		return l.alg.takePolicy(ctx, l, db, k, l.policyKey(key, k), a.n)
 	}
-	return l.takeKey(ctx, db, l.key(key), a)
+	return l.takeKey(ctx, db, k, a)
 }
 
 // policyKey is key as pgrl_policy_override stores it: under the policy's

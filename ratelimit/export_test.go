@@ -35,20 +35,22 @@ func TakeMany(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]
 	return ds, nil
 }
 
-// SendBatch sends checks of distinct keys as the coalescer sends one
-// statement, skipping the per-call validation, and returns each check's
-// decision and error as the caller would see them.
+// SendBatch sends checks as the coalescer sends one batch, skipping the
+// per-call validation, and returns each check's decision and error as the
+// caller would see them. A limiter with a stored policy reads it, as
+// Allow's checks do.
 func SendBatch(ctx context.Context, l *Limiter, keys []string, costs []int64) ([]Decision, []error) {
 	batch := make([]*pendingCheck, len(keys))
 	for i, key := range keys {
 		skey := l.key(key)
-		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]}}
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: costs[i]},
+			policy: l.cfg.Policy != ""}
 	}
 	newCoalescer(len(keys), 1).send(batch)
 	ds := make([]Decision, len(batch))
 	errs := make([]error, len(batch))
 	for i, r := range batch {
-		ds[i], errs[i] = r.d, mapErr(r.err)
+		ds[i], errs[i] = r.ask.settle(r.d), mapErr(r.err)
 	}
 	return ds, errs
 }

@@ -53,6 +53,18 @@ func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byt
 		})
 }
 
+func (fixedWindow) takeManyPolicy(ctx context.Context, l *Limiter, db DB, keys, okeys [][]byte, costs []int64) ([]Decision, []bool, error) {
+	rows, err := sqlops.New().FixedWindowTakeManyPolicy(ctx, db, sqlops.FixedWindowTakeManyPolicyParams{
+		Keys: keys, OverrideKeys: okeys, Costs: costs, At: l.at(), WindowUs: l.windowUs,
+		Policy: l.cfg.Policy, KeyMode: keyModeText(l.cfg.KeyMode),
+	})
+	return someInKeyOrder(keys, rows, err, func(row sqlops.FixedWindowTakeManyPolicyRow) string { return row.KeyHex },
+		func(row sqlops.FixedWindowTakeManyPolicyRow, _ int) Decision {
+			s := l.applied(Rate{Limit: row.MaxCount, Window: l.cfg.Window})
+			return s.fixedDecision(row.Allowed, row.Count, usTime(row.ExpiresAtUs), usTime(row.NowUs))
+		})
+}
+
 func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {
 	r, err := l.q.FixedWindowTakeUpTo(ctx, db, gen.FixedWindowTakeUpToParams{
 		Key: k, N: n, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -71,6 +83,9 @@ func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
+	}
+	if q.policies != nil {
+		return fixedWindow{}.takePolicyQueue(ctx, db, q, p)
 	}
 	var rows []sqlops.FixedWindowTakeChecksRow
 	var err error
@@ -97,6 +112,25 @@ func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		})
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+// takePolicyQueue is takeQueue for a queue with rows that read their
+// stored policy (checkQueue.policies): each check is decided at the limit
+// its row read.
+func (fixedWindow) takePolicyQueue(ctx context.Context, db DB, q *checkQueue, p sqlops.FixedWindowTakeChecksParams) ([]Decision, error) {
+	rows, err := sqlops.New().FixedWindowTakePolicyChecks(ctx, db, sqlops.FixedWindowTakePolicyChecksParams{
+		Keys: p.Keys, MaxCounts: p.MaxCounts, WindowsUs: p.WindowsUs, Penalties: p.Penalties, Runs: p.Runs,
+		Ends: p.Ends, Rows: p.Rows, Costs: p.Costs, UpTo: p.UpTo, Vetoes: p.Vetoes, Mins: p.Mins, Shares: p.Shares,
+		At: p.At, Policies: q.policies, OverrideKeys: q.overrideKeys, KeyModes: q.keyModes,
+	})
+	if err == nil && len(rows) == 0 && len(q.costs) > 0 {
+		return nil, errPolicyMismatch
+	}
+	return inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakePolicyChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.FixedWindowTakePolicyChecksRow, _ ask) Decision {
+			s := l.applied(Rate{Limit: r.MaxCount, Window: l.cfg.Window})
+			return s.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
+		})
 }
 
 // refund takes n units off the window r counted them in, by a check of

@@ -74,12 +74,12 @@ func newLimiter(st *Database, cfg Config) (*Limiter, error) {
 	if err := l.initShare(); err != nil {
 		return nil, err
 	}
-	if cfg.Spread <= 1 && cfg.Policy == "" && cfg.Algorithm != Concurrency {
+	if cfg.Spread <= 1 && cfg.Algorithm != Concurrency {
 		// The store's coalescer (nil for a *pgx.Conn or a pgx.Tx, which
 		// serve one statement at a time). A spread limit's rows coalesce
-		// on their own. A check that reads a stored policy goes out alone:
-		// the queue statements take their figures from the caller. An
-		// Acquire goes out alone too: it holds a slot, it counts nothing.
+		// on their own. A check that reads a stored policy reads it in the
+		// batch's statement (the …TakePolicyChecks statements). An Acquire
+		// goes out alone: it holds a slot, it counts nothing.
 		l.coalescer = st.coalescer
 	}
 	if cfg.Spread > 1 {

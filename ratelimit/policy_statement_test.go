@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -221,4 +223,182 @@ func b2i(b bool) int64 {
 		return 1
 	}
 	return 0
+}
+
+// Coalesced checks of a limiter with a stored policy read it in their
+// batch's statement: batches of checks of three keys (each key once, which
+// the set-based statement decides, or one key several times, which the
+// check queue does; the "vip" key under an override) decide exactly as the same
+// checks made one by one at the figures stored when the batch ran, with
+// the policy and the override changed by plain SQL between batches, for
+// every algorithm.
+func TestPolicyBatchMatchesGivenRate(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		for _, penalty := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/penalty=%v", alg, penalty), func(t *testing.T) {
+				rng := rand.New(rand.NewPCG(uint64(len(alg))+7, uint64(b2i(penalty))))
+				c := testkit.NewClock(base)
+				name := fmt.Sprintf("batch-%s-%v", alg, penalty)
+				setPolicy(t, pool, name, alg, 5, time.Minute, 0, penalty)
+				stored := testkit.NewLimiter(t, pool, ratelimit.Config{
+					Name: name, Policy: name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty, DenyCacheSize: -1,
+				}, ratelimit.DatabaseOptions{Now: c.Now})
+				require.True(t, ratelimit.Coalesces(stored), "a limiter with a stored policy coalesces")
+				given := testkit.NewLimiter(t, pool, ratelimit.Config{Name: "given-" + name, Algorithm: alg, Limit: 5, Window: time.Minute, Penalty: penalty, DenyCacheSize: -1}, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+				policyRate := ratelimit.Rate{Limit: 5, Window: time.Minute}
+				var vip *ratelimit.Rate
+				for step := range 120 {
+					switch rng.IntN(6) {
+					case 0:
+						policyRate.Limit = 2 + rng.Int64N(8)
+						setPolicy(t, pool, name, alg, policyRate.Limit, time.Minute, 0, penalty)
+					case 1:
+						if rng.IntN(3) == 0 {
+							vip = nil
+							setOverride(t, pool, name, "vip", 0, 0, 0, nil)
+						} else {
+							r := ratelimit.Rate{Limit: 2 + rng.Int64N(12), Window: time.Minute}
+							if alg == ratelimit.TokenBucket && rng.IntN(2) == 0 {
+								r.Window = time.Duration(1+rng.IntN(3)) * 30 * time.Second
+							}
+							setOverride(t, pool, name, "vip", r.Limit, 0, r.Window, nil)
+							vip = &r
+						}
+					}
+					c.Add(time.Duration(rng.Int64N(int64(20 * time.Second))))
+					rateOf := func(key string) ratelimit.Rate {
+						if key == "vip" && vip != nil {
+							return *vip
+						}
+						return policyRate
+					}
+					var keys []string
+					if rng.IntN(2) == 0 {
+						keys = []string{"a", "b", "vip"}
+						rng.Shuffle(3, func(i, j int) { keys[i], keys[j] = keys[j], keys[i] })
+						keys = keys[:2+rng.IntN(2)]
+					} else {
+						for range 2 + rng.IntN(6) {
+							keys = append(keys, []string{"a", "b", "vip"}[rng.IntN(3)])
+						}
+					}
+					costs := make([]int64, len(keys))
+					for i := range costs {
+						costs[i] = 1 + rng.Int64N(2)
+					}
+					got, errs := ratelimit.SendBatch(ctx, stored, keys, costs)
+					for i, key := range keys {
+						require.NoError(t, errs[i], "step %d, check %d", step, i)
+						want, err := given.Allow(ctx, key, ratelimit.Cost(costs[i]), ratelimit.AtRate(rateOf(key)))
+						require.NoError(t, err, "step %d", step)
+						require.Equal(t, want, got[i], "step %d, check %d: %d of key %q at %+v", step, i, costs[i], key, rateOf(key))
+					}
+				}
+			})
+		}
+	}
+}
+
+// A batch with a check whose stored policy no longer matches its limiter
+// decides nothing at first: every check is then decided on its own, so
+// that the changed one gets ErrPolicyChanged, counting nothing, and the
+// others their decisions, each counted once.
+func TestPolicyBatchWithAChangedPolicy(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	c := testkit.NewClock(base)
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		name := "batch-moved-" + string(alg)
+		setPolicy(t, pool, name, alg, 10, time.Minute, 0, false)
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 10, Window: time.Minute, OnFailure: ratelimit.FailOpen, DenyCacheSize: -1}, ratelimit.DatabaseOptions{Now: c.Now})
+		used := func(key string) int64 {
+			t.Helper()
+			p, err := l.Peek(ctx, key)
+			require.NoError(t, err)
+			return p.Used
+		}
+		_, errs := ratelimit.SendBatch(ctx, l, []string{"k", "other", "k"}, []int64{1, 1, 1})
+		require.Equal(t, []error{nil, nil, nil}, errs, alg)
+		require.Equal(t, int64(2), used("k"), alg)
+		if alg == ratelimit.TokenBucket {
+			// A bucket has no window to move: change its algorithm.
+			setPolicy(t, pool, name, ratelimit.FixedWindow, 10, time.Minute, 0, false)
+		} else {
+			setOverride(t, pool, name, "k", 0, 0, time.Hour, nil)
+		}
+		ds, errs := ratelimit.SendBatch(ctx, l, []string{"other", "k", "other", "k"}, []int64{1, 1, 2, 1})
+		if alg == ratelimit.TokenBucket {
+			for i, err := range errs {
+				require.ErrorIs(t, err, ratelimit.ErrPolicyChanged, "%s check %d", alg, i)
+			}
+			continue
+		}
+		// Each key once: the set-based statement decides the others, and
+		// leaves the changed key out.
+		one, oneErrs := ratelimit.SendBatch(ctx, l, []string{"k", "third"}, []int64{1, 3})
+		require.ErrorIs(t, oneErrs[0], ratelimit.ErrPolicyChanged, alg)
+		require.NoError(t, oneErrs[1], alg)
+		require.True(t, one[1].Allowed, alg)
+		require.Equal(t, int64(3), one[1].Used, "%s: counted once", alg)
+		require.ErrorIs(t, errs[1], ratelimit.ErrPolicyChanged, alg)
+		require.ErrorIs(t, errs[3], ratelimit.ErrPolicyChanged, alg)
+		require.NoError(t, errs[0], alg)
+		require.NoError(t, errs[2], alg)
+		require.True(t, ds[0].Allowed && ds[2].Allowed, alg)
+		require.Equal(t, []int64{2, 4}, []int64{ds[0].Used, ds[2].Used}, "%s: each counted once", alg)
+		setOverride(t, pool, name, "k", 0, 0, 0, nil)
+		require.Equal(t, int64(2), used("k"), "%s: the changed key counted nothing", alg)
+	}
+}
+
+// Concurrent checks of one limiter with a stored policy share round trips,
+// and admit exactly the stored limit, not the limiter's own: 16
+// goroutines, 2 keys, one under an override.
+func TestPolicyCoalescedExact(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		name := "coalesced-" + string(alg)
+		setPolicy(t, pool, name, alg, 40, time.Hour, 0, false)
+		setOverride(t, pool, name, "vip", 70, 0, 0, nil)
+		// The limiter believes 1,000: the stored 40 (70 for "vip") decides.
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 1000, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{})
+		var admitted [2]atomic.Int64
+		var wg sync.WaitGroup
+		errs := make(chan error, 16)
+		for g := range 16 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := range 10 {
+					k := (g + i) % 2
+					d, err := l.Allow(ctx, []string{"plain", "vip"}[k])
+					if err != nil {
+						errs <- err
+						return
+					}
+					if d.Store != ratelimit.StorePostgres {
+						errs <- fmt.Errorf("decided by %v", d.Store)
+						return
+					}
+					if d.Allowed {
+						admitted[k].Add(1)
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			require.NoError(t, err, alg)
+		}
+		require.Equal(t, int64(40), admitted[0].Load(), alg)
+		require.Equal(t, int64(70), admitted[1].Load(), alg)
+		require.Positive(t, ratelimit.BatchedChecks(l), "%s: checks shared round trips", alg)
+	}
 }

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -91,7 +92,23 @@ type checkQueue struct {
 	// request is the request id of the queue's one check, or nil: the
 	// statement stores its answer, or returns the one stored (RequestID).
 	request *requestRef
+	// policies is nil unless a row's checks read their figures from a
+	// stored policy (pendingCheck.policy): then per row, that policy's
+	// name (empty for a row counted at its limiter's figures), the key as
+	// the policy's overrides store it, and the key mode the policy must
+	// have, for the …TakePolicyChecks statements.
+	policies     []string
+	overrideKeys [][]byte
+	keyModes     []string
 }
+
+// errPolicyMismatch: a …TakePolicyChecks statement found a row's stored
+// policy changed under its limiter, and decided nothing (no check was
+// counted). The coalescer then decides each check on its own.
+var errPolicyMismatch = errors.New("ratelimit: a stored policy no longer matches its limiter; nothing was counted")
+
+// policyRow reports whether row (0-based) reads its stored policy.
+func (q *checkQueue) policyRow(row int) bool { return q.policies != nil && q.policies[row] != "" }
 
 // requestRef is where a check with a request id stores its answer: under
 // the counter row's stored key and the id's hash, kept retainUs.
@@ -105,6 +122,7 @@ type requestRef struct {
 type figures struct {
 	limit, windowUs, burst int64
 	penalty                bool
+	policy                 string // the stored policy the row reads, if any
 }
 
 func (l *Limiter) figures() figures {
@@ -175,6 +193,16 @@ func newCheckQueue(checks []*pendingCheck) *checkQueue {
 	for j, i := range q.at {
 		r := checks[i]
 		q.rows[j] = byKey[string(r.skey)]
+		if r.policy && q.policies == nil {
+			q.policies = make([]string, len(q.keys))
+			q.overrideKeys = make([][]byte, len(q.keys))
+			q.keyModes = make([]string, len(q.keys))
+		}
+		if row := q.rows[j] - 1; r.policy {
+			q.policies[row] = r.l.cfg.Policy
+			q.overrideKeys[row] = r.l.policyKey(r.key, r.skey)
+			q.keyModes[row] = keyModeText(r.l.cfg.KeyMode)
+		}
 		// A partial grant asks for at most its row's capacity (a spread
 		// row's is its share).
 		q.costs[j], q.upTo[j], q.vetoes[j] = r.l.cfg.ceiling(r.ask).n, r.ask.upTo, !r.l.cfg.Shadow

@@ -55,6 +55,18 @@ func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]b
 		})
 }
 
+func (slidingWindow) takeManyPolicy(ctx context.Context, l *Limiter, db DB, keys, okeys [][]byte, costs []int64) ([]Decision, []bool, error) {
+	rows, err := sqlops.New().SlidingWindowTakeManyPolicy(ctx, db, sqlops.SlidingWindowTakeManyPolicyParams{
+		Keys: keys, OverrideKeys: okeys, Costs: costs, At: l.at(), WindowUs: l.windowUs,
+		Policy: l.cfg.Policy, KeyMode: keyModeText(l.cfg.KeyMode),
+	})
+	return someInKeyOrder(keys, rows, err, func(row sqlops.SlidingWindowTakeManyPolicyRow) string { return row.KeyHex },
+		func(row sqlops.SlidingWindowTakeManyPolicyRow, i int) Decision {
+			s := l.applied(Rate{Limit: row.MaxCount, Window: l.cfg.Window})
+			return s.slidingDecision(row.Allowed, usTime(row.WindowStartUs), row.Count, row.PrevCount, usTime(row.NowUs), costs[i])
+		})
+}
+
 func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {
 	r, err := l.q.SlidingWindowTakeUpTo(ctx, db, gen.SlidingWindowTakeUpToParams{
 		Key: k, N: n, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -73,6 +85,9 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
+	}
+	if q.policies != nil {
+		return slidingWindow{}.takePolicyQueue(ctx, db, q, p)
 	}
 	var rows []sqlops.SlidingWindowTakeChecksRow
 	var err error
@@ -100,6 +115,26 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 		})
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+// takePolicyQueue is takeQueue for a queue with rows that read their
+// stored policy (checkQueue.policies): each check is decided at the limit
+// its row read.
+func (slidingWindow) takePolicyQueue(ctx context.Context, db DB, q *checkQueue, p sqlops.SlidingWindowTakeChecksParams) ([]Decision, error) {
+	rows, err := sqlops.New().SlidingWindowTakePolicyChecks(ctx, db, sqlops.SlidingWindowTakePolicyChecksParams{
+		Keys: p.Keys, MaxCounts: p.MaxCounts, WindowsUs: p.WindowsUs, Penalties: p.Penalties, Runs: p.Runs,
+		Ends: p.Ends, Rows: p.Rows, Costs: p.Costs, UpTo: p.UpTo, Vetoes: p.Vetoes, Mins: p.Mins, Shares: p.Shares,
+		At: p.At, Policies: q.policies, OverrideKeys: q.overrideKeys, KeyModes: q.keyModes,
+	})
+	if err == nil && len(rows) == 0 && len(q.costs) > 0 {
+		return nil, errPolicyMismatch
+	}
+	return inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakePolicyChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.SlidingWindowTakePolicyChecksRow, a ask) Decision {
+			s := l.applied(Rate{Limit: r.MaxCount, Window: l.cfg.Window})
+			return s.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs),
+				a.retryCost()).granting(r.Granted)
+		})
 }
 
 // refund takes n units off the window r counted them in: from the row's

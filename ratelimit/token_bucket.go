@@ -105,6 +105,18 @@ func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byt
 		})
 }
 
+func (tokenBucket) takeManyPolicy(ctx context.Context, l *Limiter, db DB, keys, okeys [][]byte, costs []int64) ([]Decision, []bool, error) {
+	rows, err := sqlops.New().TokenBucketTakeManyPolicy(ctx, db, sqlops.TokenBucketTakeManyPolicyParams{
+		Keys: keys, OverrideKeys: okeys, Costs: costs, At: l.at(),
+		Policy: l.cfg.Policy, KeyMode: keyModeText(l.cfg.KeyMode),
+	})
+	return someInKeyOrder(keys, rows, err, func(row sqlops.TokenBucketTakeManyPolicyRow) string { return row.KeyHex },
+		func(row sqlops.TokenBucketTakeManyPolicyRow, i int) Decision {
+			s := l.applied(Rate{Limit: row.Limit, Window: time.Duration(row.WindowUs) * time.Microsecond, Burst: row.Burst})
+			return s.tokenDecision(row.Allowed, math.Float64frombits(uint64(row.TokensBits)), usTime(row.UpdatedAtUs), usTime(row.FullAtUs), costs[i])
+		})
+}
+
 func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n int64) (Decision, error) {
 	r, err := l.q.TokenBucketTakeUpTo(ctx, db, gen.TokenBucketTakeUpToParams{
 		Key: k, N: n, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs, Penalty: l.cfg.Penalty,
@@ -123,6 +135,9 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
 		Runs:         q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
+	}
+	if q.policies != nil {
+		return tokenBucket{}.takePolicyQueue(ctx, db, q, p)
 	}
 	var rows []sqlops.TokenBucketTakeChecksRow
 	var err error
@@ -149,6 +164,29 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 		})
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+// takePolicyQueue is takeQueue for a queue with rows that read their
+// stored policy (checkQueue.policies): each check of such a row is decided
+// at the rate its row read (a plain row's checks come back with rate 0).
+func (tokenBucket) takePolicyQueue(ctx context.Context, db DB, q *checkQueue, p sqlops.TokenBucketTakeChecksParams) ([]Decision, error) {
+	rows, err := sqlops.New().TokenBucketTakePolicyChecks(ctx, db, sqlops.TokenBucketTakePolicyChecksParams{
+		Keys: p.Keys, Capacities: p.Capacities, RefillsPerUs: p.RefillsPerUs, Penalties: p.Penalties,
+		Runs: p.Runs, Ends: p.Ends, Rows: p.Rows, Costs: p.Costs, UpTo: p.UpTo, Vetoes: p.Vetoes, Mins: p.Mins,
+		Shares: p.Shares, At: p.At, Policies: q.policies, OverrideKeys: q.overrideKeys, KeyModes: q.keyModes,
+	})
+	if err == nil && len(rows) == 0 && len(q.costs) > 0 {
+		return nil, errPolicyMismatch
+	}
+	return inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakePolicyChecksRow) int32 { return r.CheckIndex },
+		func(l *Limiter, r sqlops.TokenBucketTakePolicyChecksRow, a ask) Decision {
+			s := &l.shape
+			if r.Limit > 0 {
+				s = l.applied(Rate{Limit: r.Limit, Window: time.Duration(r.WindowUs) * time.Microsecond, Burst: r.Burst})
+			}
+			return s.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs),
+				usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
+		})
 }
 
 // refund puts n tokens back, by a check of cost -n: the bucket refilled to

@@ -139,7 +139,7 @@ func printText(w io.Writer, r Report) error {
 		coalescing = "off"
 	}
 	if r.Policy {
-		coalescing = "off (the library reads a stored policy in each check's statement)"
+		coalescing += " (the library reads a stored policy in each check's statement, coalesced or not)"
 	}
 	if r.RequestIDs {
 		coalescing = "off (every check carries a request id of its own, and is a statement of its own)"

@@ -98,6 +98,129 @@ func (q *Queries) FixedWindowTakeChecks(ctx context.Context, db DBTX, arg FixedW
 	return items, nil
 }
 
+const fixedWindowTakePolicyChecks = `-- name: FixedWindowTakePolicyChecks :many
+WITH f AS MATERIALIZED (
+    SELECT r.k,
+           r.policy = '' OR p.name IS NOT NULL
+               AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = r.window_us
+               AS valid,
+           CASE WHEN r.policy = '' THEN r.max_count ELSE coalesce(o."limit", p."limit") END AS max_count,
+           CASE WHEN r.policy = '' THEN r.penalty ELSE p.penalty END AS penalty
+      FROM (SELECT k, ($12::text[])[k] AS policy, ($13::bytea[])[k] AS override_key,
+                   ($14::text[])[k] AS key_mode, ($15::bigint[])[k] AS max_count,
+                   ($2::bigint[])[k] AS window_us, ($16::boolean[])[k] AS penalty
+              FROM generate_subscripts($12::text[], 1) AS k) AS r
+      LEFT JOIN pgrl_policy AS p
+        ON p.name = r.policy AND p.algorithm = 'fixed_window' AND p.key_mode = r.key_mode
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = r.override_key
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($11::timestamptz))
+), g AS (
+    SELECT bool_and(f.valid) AS ok, array_agg(f.max_count ORDER BY f.k) AS max_counts,
+           array_agg(f.penalty ORDER BY f.k) AS penalties
+      FROM f
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us,
+       f.max_count::bigint AS max_count
+  FROM g
+ CROSS JOIN LATERAL pgrl_fixed_window_take_checks(
+           CASE WHEN g.ok THEN $1::bytea[] ELSE '{}' END, g.max_counts, $2::bigint[], g.penalties,
+           CASE WHEN g.ok THEN $3::integer[] ELSE '{}' END, $4::integer[], $5::integer[],
+           $6::bigint[], $7::boolean[], $8::boolean[], $9::bigint[], $10::bigint[],
+           $11::timestamptz) AS q
+  JOIN f ON f.k = ($5::integer[])[q.check_index]
+`
+
+type FixedWindowTakePolicyChecksParams struct {
+	Keys         [][]byte
+	WindowsUs    []int64
+	Runs         []int32
+	Ends         []int32
+	Rows         []int32
+	Costs        []int64
+	UpTo         []bool
+	Vetoes       []bool
+	Mins         []int64
+	Shares       []int64
+	At           *time.Time
+	Policies     []string
+	OverrideKeys [][]byte
+	KeyModes     []string
+	MaxCounts    []int64
+	Penalties    []bool
+}
+
+type FixedWindowTakePolicyChecksRow struct {
+	CheckIndex  int32
+	Granted     int64
+	Count       int64
+	Allowed     bool
+	ExpiresAtUs int64
+	NowUs       int64
+	MaxCount    int64
+}
+
+// FixedWindowTakePolicyChecks is FixedWindowTakeChecks with rows that read
+// their figures from a stored policy (ratelimit.Config.Policy), so that
+// concurrent checks of a policy's limiters share a round trip as other
+// checks do: policies[k] names row k's policy (empty for a row counted at
+// the figures given), override_keys[k] is its key as the policy's
+// overrides store it, and key_modes[k] how the policy must store keys. A
+// policy row's figures are read as FixedWindowTakePolicy reads them: the
+// policy's, or those of the key's override while it lasts. When any policy
+// row no longer matches (its policy is missing, or is now another
+// algorithm or key mode, or has another window for that key), no check is
+// decided, nothing is counted and no row comes back: the caller then
+// decides each check on its own, and the one whose policy changed learns
+// it. The check function is then given no rows and no runs, so that this
+// holds whatever plan the statement gets. max_count is the limit each
+// check was counted against.
+func (q *Queries) FixedWindowTakePolicyChecks(ctx context.Context, db DBTX, arg FixedWindowTakePolicyChecksParams) ([]FixedWindowTakePolicyChecksRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakePolicyChecks,
+		arg.Keys,
+		arg.WindowsUs,
+		arg.Runs,
+		arg.Ends,
+		arg.Rows,
+		arg.Costs,
+		arg.UpTo,
+		arg.Vetoes,
+		arg.Mins,
+		arg.Shares,
+		arg.At,
+		arg.Policies,
+		arg.OverrideKeys,
+		arg.KeyModes,
+		arg.MaxCounts,
+		arg.Penalties,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakePolicyChecksRow
+	for rows.Next() {
+		var i FixedWindowTakePolicyChecksRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.Count,
+			&i.Allowed,
+			&i.ExpiresAtUs,
+			&i.NowUs,
+			&i.MaxCount,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const slidingWindowTakeChecks = `-- name: SlidingWindowTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
@@ -176,6 +299,119 @@ func (q *Queries) SlidingWindowTakeChecks(ctx context.Context, db DBTX, arg Slid
 	return items, nil
 }
 
+const slidingWindowTakePolicyChecks = `-- name: SlidingWindowTakePolicyChecks :many
+WITH f AS MATERIALIZED (
+    SELECT r.k,
+           r.policy = '' OR p.name IS NOT NULL
+               AND round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint = r.window_us
+               AS valid,
+           CASE WHEN r.policy = '' THEN r.max_count ELSE coalesce(o."limit", p."limit") END AS max_count,
+           CASE WHEN r.policy = '' THEN r.penalty ELSE p.penalty END AS penalty
+      FROM (SELECT k, ($12::text[])[k] AS policy, ($13::bytea[])[k] AS override_key,
+                   ($14::text[])[k] AS key_mode, ($15::bigint[])[k] AS max_count,
+                   ($2::bigint[])[k] AS window_us, ($16::boolean[])[k] AS penalty
+              FROM generate_subscripts($12::text[], 1) AS k) AS r
+      LEFT JOIN pgrl_policy AS p
+        ON p.name = r.policy AND p.algorithm = 'sliding_window' AND p.key_mode = r.key_mode
+      LEFT JOIN pgrl_policy_override AS o
+        ON o.policy = p.name AND o.key = r.override_key
+       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($11::timestamptz))
+), g AS (
+    SELECT bool_and(f.valid) AS ok, array_agg(f.max_count ORDER BY f.k) AS max_counts,
+           array_agg(f.penalty ORDER BY f.k) AS penalties
+      FROM f
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
+       q.window_start_us::bigint AS window_start_us, q.count::bigint AS count,
+       q.prev_count::bigint AS prev_count, q.allowed::boolean AS allowed, q.now_us::bigint AS now_us,
+       f.max_count::bigint AS max_count
+  FROM g
+ CROSS JOIN LATERAL pgrl_sliding_window_take_checks(
+           CASE WHEN g.ok THEN $1::bytea[] ELSE '{}' END, g.max_counts, $2::bigint[], g.penalties,
+           CASE WHEN g.ok THEN $3::integer[] ELSE '{}' END, $4::integer[], $5::integer[],
+           $6::bigint[], $7::boolean[], $8::boolean[], $9::bigint[], $10::bigint[],
+           $11::timestamptz) AS q
+  JOIN f ON f.k = ($5::integer[])[q.check_index]
+`
+
+type SlidingWindowTakePolicyChecksParams struct {
+	Keys         [][]byte
+	WindowsUs    []int64
+	Runs         []int32
+	Ends         []int32
+	Rows         []int32
+	Costs        []int64
+	UpTo         []bool
+	Vetoes       []bool
+	Mins         []int64
+	Shares       []int64
+	At           *time.Time
+	Policies     []string
+	OverrideKeys [][]byte
+	KeyModes     []string
+	MaxCounts    []int64
+	Penalties    []bool
+}
+
+type SlidingWindowTakePolicyChecksRow struct {
+	CheckIndex    int32
+	Granted       int64
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+	MaxCount      int64
+}
+
+// SlidingWindowTakePolicyChecks is SlidingWindowTakeChecks with rows that
+// read their figures from a stored policy, as FixedWindowTakePolicyChecks.
+func (q *Queries) SlidingWindowTakePolicyChecks(ctx context.Context, db DBTX, arg SlidingWindowTakePolicyChecksParams) ([]SlidingWindowTakePolicyChecksRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakePolicyChecks,
+		arg.Keys,
+		arg.WindowsUs,
+		arg.Runs,
+		arg.Ends,
+		arg.Rows,
+		arg.Costs,
+		arg.UpTo,
+		arg.Vetoes,
+		arg.Mins,
+		arg.Shares,
+		arg.At,
+		arg.Policies,
+		arg.OverrideKeys,
+		arg.KeyModes,
+		arg.MaxCounts,
+		arg.Penalties,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakePolicyChecksRow
+	for rows.Next() {
+		var i SlidingWindowTakePolicyChecksRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+			&i.MaxCount,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const tokenBucketTakeChecks = `-- name: TokenBucketTakeChecks :many
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
        q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
@@ -240,6 +476,137 @@ func (q *Queries) TokenBucketTakeChecks(ctx context.Context, db DBTX, arg TokenB
 			&i.UpdatedAtUs,
 			&i.FullAtUs,
 			&i.Allowed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const tokenBucketTakePolicyChecks = `-- name: TokenBucketTakePolicyChecks :many
+WITH f AS MATERIALIZED (
+    SELECT x.k, x.valid, x.capacity, x.refill_per_us, x.penalty,
+           coalesce(x."limit", 0) AS "limit", coalesce(x.window_us, 0) AS window_us, coalesce(x.burst, 0) AS burst
+      FROM (SELECT r.k, r.policy = '' OR p.name IS NOT NULL AS valid,
+                   CASE WHEN r.policy = '' THEN r.capacity
+                        ELSE coalesce(o.burst, p.burst, o."limit", p."limit")::float8 END AS capacity,
+                   CASE WHEN r.policy = '' THEN r.refill_per_us
+                        ELSE coalesce(o."limit", p."limit")::float8
+                             / round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::float8
+                   END AS refill_per_us,
+                   CASE WHEN r.policy = '' THEN r.penalty ELSE p.penalty END AS penalty,
+                   coalesce(o."limit", p."limit") AS "limit",
+                   round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::bigint AS window_us,
+                   coalesce(o.burst, p.burst, o."limit", p."limit") AS burst
+              FROM (SELECT k, ($11::text[])[k] AS policy, ($12::bytea[])[k] AS override_key,
+                           ($13::text[])[k] AS key_mode, ($14::float8[])[k] AS capacity,
+                           ($15::float8[])[k] AS refill_per_us, ($16::boolean[])[k] AS penalty
+                      FROM generate_subscripts($11::text[], 1) AS k) AS r
+              LEFT JOIN pgrl_policy AS p
+                ON p.name = r.policy AND p.algorithm = 'token_bucket' AND p.key_mode = r.key_mode
+              LEFT JOIN pgrl_policy_override AS o
+                ON o.policy = p.name AND o.key = r.override_key
+               AND (o.expires_at IS NULL OR o.expires_at > pgrl_now($10::timestamptz))
+               AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
+               AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
+                   * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
+                   <= coalesce(o."limit", p."limit")::numeric * 31557600000000000) AS x
+), g AS (
+    SELECT bool_and(f.valid) AS ok, array_agg(f.capacity ORDER BY f.k) AS capacities,
+           array_agg(f.refill_per_us ORDER BY f.k) AS refills_per_us, array_agg(f.penalty ORDER BY f.k) AS penalties
+      FROM f
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed,
+       f."limit"::bigint AS "limit", f.window_us::bigint AS window_us, f.burst::bigint AS burst
+  FROM g
+ CROSS JOIN LATERAL pgrl_token_bucket_take_checks(
+           CASE WHEN g.ok THEN $1::bytea[] ELSE '{}' END, g.capacities, g.refills_per_us, g.penalties,
+           CASE WHEN g.ok THEN $2::integer[] ELSE '{}' END, $3::integer[], $4::integer[],
+           $5::bigint[], $6::boolean[], $7::boolean[], $8::bigint[], $9::bigint[],
+           $10::timestamptz) AS q
+  JOIN f ON f.k = ($4::integer[])[q.check_index]
+`
+
+type TokenBucketTakePolicyChecksParams struct {
+	Keys         [][]byte
+	Runs         []int32
+	Ends         []int32
+	Rows         []int32
+	Costs        []int64
+	UpTo         []bool
+	Vetoes       []bool
+	Mins         []int64
+	Shares       []int64
+	At           *time.Time
+	Policies     []string
+	OverrideKeys [][]byte
+	KeyModes     []string
+	Capacities   []float64
+	RefillsPerUs []float64
+	Penalties    []bool
+}
+
+type TokenBucketTakePolicyChecksRow struct {
+	CheckIndex  int32
+	Granted     int64
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+	Limit       int64
+	WindowUs    int64
+	Burst       int64
+}
+
+// TokenBucketTakePolicyChecks is TokenBucketTakeChecks with rows that read
+// their rate from a stored policy, as FixedWindowTakePolicyChecks. A key
+// has one bucket whatever its rate, so a token bucket policy may
+// change its window; an override the policy no longer admits is ignored,
+// as in TokenBucketTakePolicy. capacities and refills_per_us are a plain
+// row's figures; a policy row's are its burst, and its limit over its
+// window. limit, window_us and burst are the rate each check was counted
+// at (0 for a plain row).
+func (q *Queries) TokenBucketTakePolicyChecks(ctx context.Context, db DBTX, arg TokenBucketTakePolicyChecksParams) ([]TokenBucketTakePolicyChecksRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakePolicyChecks,
+		arg.Keys,
+		arg.Runs,
+		arg.Ends,
+		arg.Rows,
+		arg.Costs,
+		arg.UpTo,
+		arg.Vetoes,
+		arg.Mins,
+		arg.Shares,
+		arg.At,
+		arg.Policies,
+		arg.OverrideKeys,
+		arg.KeyModes,
+		arg.Capacities,
+		arg.RefillsPerUs,
+		arg.Penalties,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakePolicyChecksRow
+	for rows.Next() {
+		var i TokenBucketTakePolicyChecksRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+			&i.Limit,
+			&i.WindowUs,
+			&i.Burst,
 		); err != nil {
 			return nil, err
 		}

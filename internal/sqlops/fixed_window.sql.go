@@ -107,6 +107,104 @@ func (q *Queries) FixedWindowTakeMany(ctx context.Context, db DBTX, arg FixedWin
 	return items, nil
 }
 
+const fixedWindowTakeManyPolicy = `-- name: FixedWindowTakeManyPolicy :many
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
+SELECT ($1::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
+       p.ts AS updated_at, f.max_count, f.penalty
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us($2::timestamptz), $3::bigint) AS end_us
+        OFFSET 0) AS p,
+       LATERAL (SELECT i, coalesce(o."limit", pol."limit") AS max_count, pol.penalty
+                  FROM generate_subscripts($1::bytea[], 1) AS i
+                  JOIN pgrl_policy AS pol
+                    ON pol.name = $4::text AND pol.algorithm = 'fixed_window' AND pol.key_mode = $5::text
+                  LEFT JOIN pgrl_policy_override AS o
+                    ON o.policy = pol.name AND o.key = ($6::bytea[])[i]
+                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                 WHERE round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::bigint
+                       = $3::bigint) AS f,
+       LATERAL pgrl_fixed_window_take(p.end_us, 0, ($7::bigint[])[f.i], f.max_count, f.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                       CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                            ELSE 9223372036854775807 END,
+                                       excluded.policy_limit, excluded.policy_penalty, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                         CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                              ELSE 9223372036854775807 END,
+                                         excluded.policy_limit, excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
+          pgrl_us(updated_at) AS now_us, policy_limit::bigint AS max_count
+`
+
+type FixedWindowTakeManyPolicyParams struct {
+	Keys         [][]byte
+	At           *time.Time
+	WindowUs     int64
+	Policy       string
+	KeyMode      string
+	OverrideKeys [][]byte
+	Costs        []int64
+}
+
+type FixedWindowTakeManyPolicyRow struct {
+	KeyHex      string
+	Count       int64
+	ExpiresAtUs int64
+	Allowed     bool
+	NowUs       int64
+	MaxCount    int64
+}
+
+// FixedWindowTakeManyPolicy is FixedWindowTakeMany with the limit stored in
+// the database, read in this same statement for each key under the rules
+// of FixedWindowTakePolicy: policy's row, and the key's override
+// (override_keys[i] is keys[i]'s key stored under the policy's own name)
+// while it lasts. A key whose policy no longer matches (see there) is not
+// counted and does not come back: the caller decides it on its own. The
+// figures read for each key reach the update arm in the proposed row
+// (excluded.policy_limit, excluded.policy_penalty), and the update arm reads
+// the check's cost back from it as FixedWindowTakeMany's does. max_count is
+// the limit that was applied.
+func (q *Queries) FixedWindowTakeManyPolicy(ctx context.Context, db DBTX, arg FixedWindowTakeManyPolicyParams) ([]FixedWindowTakeManyPolicyRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeManyPolicy,
+		arg.Keys,
+		arg.At,
+		arg.WindowUs,
+		arg.Policy,
+		arg.KeyMode,
+		arg.OverrideKeys,
+		arg.Costs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeManyPolicyRow
+	for rows.Next() {
+		var i FixedWindowTakeManyPolicyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.Count,
+			&i.ExpiresAtUs,
+			&i.Allowed,
+			&i.NowUs,
+			&i.MaxCount,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const fixedWindowTakePolicy = `-- name: FixedWindowTakePolicy :one
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
 SELECT $1::bytea, pgrl_from_epoch_us(f.end_us),

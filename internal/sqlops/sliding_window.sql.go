@@ -117,6 +117,123 @@ func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg Slidin
 	return items, nil
 }
 
+const slidingWindowTakeManyPolicy = `-- name: SlidingWindowTakeManyPolicy :many
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
+                                      policy_limit, policy_penalty)
+SELECT ($1::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
+       0::bigint AS prev_count, pgrl_from_epoch_us(p.start_us + 2 * p.window_us) AS expires_at, s.allowed,
+       p.ts AS updated_at, f.max_count, f.penalty
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us($2::timestamptz), $3::bigint) AS start_us,
+               $3::bigint AS window_us
+        OFFSET 0) AS p,
+       LATERAL (SELECT i, coalesce(o."limit", pol."limit") AS max_count, pol.penalty
+                  FROM generate_subscripts($1::bytea[], 1) AS i
+                  JOIN pgrl_policy AS pol
+                    ON pol.name = $4::text AND pol.algorithm = 'sliding_window'
+                   AND pol.key_mode = $5::text
+                  LEFT JOIN pgrl_policy_override AS o
+                    ON o.policy = pol.name AND o.key = ($6::bytea[])[i]
+                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                 WHERE round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::bigint
+                       = $3::bigint) AS f,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, p.window_us, ($7::bigint[])[f.i],
+                                        f.max_count, f.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us
+                                    + 2 * $3::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
+          allowed, pgrl_us(updated_at) AS now_us, policy_limit::bigint AS max_count
+`
+
+type SlidingWindowTakeManyPolicyParams struct {
+	Keys         [][]byte
+	At           *time.Time
+	WindowUs     int64
+	Policy       string
+	KeyMode      string
+	OverrideKeys [][]byte
+	Costs        []int64
+}
+
+type SlidingWindowTakeManyPolicyRow struct {
+	KeyHex        string
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+	MaxCount      int64
+}
+
+// SlidingWindowTakeManyPolicy is SlidingWindowTakeMany with the limit
+// stored in the database, read for each key under the rules of
+// FixedWindowTakeManyPolicy: a key whose policy no longer matches is not
+// counted and does not come back. max_count is the limit that was applied.
+func (q *Queries) SlidingWindowTakeManyPolicy(ctx context.Context, db DBTX, arg SlidingWindowTakeManyPolicyParams) ([]SlidingWindowTakeManyPolicyRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeManyPolicy,
+		arg.Keys,
+		arg.At,
+		arg.WindowUs,
+		arg.Policy,
+		arg.KeyMode,
+		arg.OverrideKeys,
+		arg.Costs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeManyPolicyRow
+	for rows.Next() {
+		var i SlidingWindowTakeManyPolicyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+			&i.MaxCount,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const slidingWindowTakePolicy = `-- name: SlidingWindowTakePolicy :one
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
                                       policy_limit, policy_penalty)

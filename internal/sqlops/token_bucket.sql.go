@@ -164,6 +164,148 @@ func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBuc
 	return items, nil
 }
 
+const tokenBucketTakeManyPolicy = `-- name: TokenBucketTakeManyPolicy :many
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us,
+                                    policy_limit, policy_window_us, policy_burst, policy_penalty)
+SELECT ($1::bytea[])[f.i] AS key, s.tokens, p.ts AS updated_at,
+       pgrl_token_bucket_full_at(p.ts, s.tokens, f.burst::float8, f."limit"::float8 / f.window_us::float8) AS full_at,
+       s.allowed, pgrl_token_bucket_lease_epoch_us(p.now_us) AS lease_epoch_us,
+       f."limit", f.window_us, f.burst, f.penalty
+  FROM (SELECT pgrl_now($2::timestamptz) AS ts, pgrl_now_us($2::timestamptz) AS now_us
+        OFFSET 0) AS p,
+       LATERAL (SELECT i, coalesce(o."limit", pol."limit") AS "limit",
+                       round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::bigint AS window_us,
+                       coalesce(o.burst, pol.burst, o."limit", pol."limit") AS burst, pol.penalty
+                  FROM generate_subscripts($1::bytea[], 1) AS i
+                  JOIN pgrl_policy AS pol
+                    ON pol.name = $3::text AND pol.algorithm = 'token_bucket' AND pol.key_mode = $4::text
+                  LEFT JOIN pgrl_policy_override AS o
+                    ON o.policy = pol.name AND o.key = ($5::bytea[])[i]
+                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                   AND coalesce(o.burst, pol.burst, o."limit", pol."limit") <= 9007199254740992
+                   AND coalesce(o.burst, pol.burst, o."limit", pol."limit")::numeric
+                       * round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::numeric
+                       <= coalesce(o."limit", pol."limit")::numeric * 31557600000000000) AS f,
+       LATERAL pgrl_token_bucket_take(f.burst::float8, p.now_us, p.now_us, ($6::bigint[])[f.i], f.burst::float8,
+                                      f."limit"::float8 / f.window_us::float8, f.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty
+                                             THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
+                                             ELSE excluded.policy_burst + 1 END,
+                                        (excluded.policy_burst
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us))::float8,
+                                        excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                        excluded.policy_penalty, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                                      CASE WHEN excluded.allowed OR excluded.policy_penalty
+                                                           THEN (excluded.policy_burst::float8
+                                                                 - excluded.tokens)::bigint
+                                                           ELSE excluded.policy_burst + 1 END,
+                                                      (excluded.policy_burst
+                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                  t.leased_prev,
+                                                                                  excluded.lease_epoch_us))::float8,
+                                                      excluded.policy_limit::float8
+                                                      / excluded.policy_window_us::float8,
+                                                      excluded.policy_penalty, false)).tokens,
+                              excluded.policy_burst::float8,
+                              excluded.policy_limit::float8 / excluded.policy_window_us::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         CASE WHEN excluded.allowed OR excluded.policy_penalty
+                                              THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
+                                              ELSE excluded.policy_burst + 1 END,
+                                         (excluded.policy_burst
+                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                     excluded.lease_epoch_us))::float8,
+                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                         excluded.policy_penalty, false)).allowed,
+       policy_limit = excluded.policy_limit,
+       policy_window_us = excluded.policy_window_us,
+       policy_burst = excluded.policy_burst,
+       policy_penalty = excluded.policy_penalty
+RETURNING encode(key, 'hex') AS key_hex,
+          pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed,
+          policy_limit::bigint AS "limit",
+          policy_window_us::bigint AS window_us,
+          policy_burst::bigint AS burst
+`
+
+type TokenBucketTakeManyPolicyParams struct {
+	Keys         [][]byte
+	At           *time.Time
+	Policy       string
+	KeyMode      string
+	OverrideKeys [][]byte
+	Costs        []int64
+}
+
+type TokenBucketTakeManyPolicyRow struct {
+	KeyHex      string
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+	Limit       int64
+	WindowUs    int64
+	Burst       int64
+}
+
+// TokenBucketTakeManyPolicy is TokenBucketTakeMany with the rate stored in
+// the database, read for each key under the rules of TokenBucketTakePolicy
+// (policy's row, and the key's override, override_keys[i], while it lasts
+// and while the policy admits it). A key whose policy is missing, or no
+// longer a token bucket storing keys in key_mode, is not counted and does
+// not come back: the caller decides it on its own. The rate read for each
+// key reaches the update arm in the proposed row (excluded.policy_limit and
+// the rest), which reads the check's cost back as TokenBucketTakeMany's
+// does, against the burst read. limit, window_us and burst are the rate
+// that was applied.
+func (q *Queries) TokenBucketTakeManyPolicy(ctx context.Context, db DBTX, arg TokenBucketTakeManyPolicyParams) ([]TokenBucketTakeManyPolicyRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakeManyPolicy,
+		arg.Keys,
+		arg.At,
+		arg.Policy,
+		arg.KeyMode,
+		arg.OverrideKeys,
+		arg.Costs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakeManyPolicyRow
+	for rows.Next() {
+		var i TokenBucketTakeManyPolicyRow
+		if err := rows.Scan(
+			&i.KeyHex,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+			&i.Limit,
+			&i.WindowUs,
+			&i.Burst,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const tokenBucketTakePolicy = `-- name: TokenBucketTakePolicy :one
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed,
                                     policy_limit, policy_window_us, policy_burst, policy_penalty, lease_epoch_us)

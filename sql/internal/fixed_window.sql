@@ -88,3 +88,46 @@ ON CONFLICT (key, expires_at) DO UPDATE
        policy_penalty = excluded.policy_penalty
 RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us,
           policy_limit::bigint AS max_count;
+
+-- name: FixedWindowTakeManyPolicy :many
+-- FixedWindowTakeManyPolicy is FixedWindowTakeMany with the limit stored in
+-- the database, read in this same statement for each key under the rules
+-- of FixedWindowTakePolicy: policy's row, and the key's override
+-- (override_keys[i] is keys[i]'s key stored under the policy's own name)
+-- while it lasts. A key whose policy no longer matches (see there) is not
+-- counted and does not come back: the caller decides it on its own. The
+-- figures read for each key reach the update arm in the proposed row
+-- (excluded.policy_limit, excluded.policy_penalty), and the update arm reads
+-- the check's cost back from it as FixedWindowTakeMany's does. max_count is
+-- the limit that was applied.
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
+SELECT (@keys::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
+       p.ts AS updated_at, f.max_count, f.penalty
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+               pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint) AS end_us
+        OFFSET 0) AS p,
+       LATERAL (SELECT i, coalesce(o."limit", pol."limit") AS max_count, pol.penalty
+                  FROM generate_subscripts(@keys::bytea[], 1) AS i
+                  JOIN pgrl_policy AS pol
+                    ON pol.name = @policy::text AND pol.algorithm = 'fixed_window' AND pol.key_mode = @key_mode::text
+                  LEFT JOIN pgrl_policy_override AS o
+                    ON o.policy = pol.name AND o.key = (@override_keys::bytea[])[i]
+                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                 WHERE round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::bigint
+                       = @window_us::bigint) AS f,
+       LATERAL pgrl_fixed_window_take(p.end_us, 0, (@costs::bigint[])[f.i], f.max_count, f.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                       CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                            ELSE 9223372036854775807 END,
+                                       excluded.policy_limit, excluded.policy_penalty, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                         CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                              ELSE 9223372036854775807 END,
+                                         excluded.policy_limit, excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
+          pgrl_us(updated_at) AS now_us, policy_limit::bigint AS max_count;

@@ -110,3 +110,63 @@ ON CONFLICT (key) DO UPDATE
 RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
           pgrl_us(updated_at) AS now_us,
           policy_limit::bigint AS max_count;
+
+-- name: SlidingWindowTakeManyPolicy :many
+-- SlidingWindowTakeManyPolicy is SlidingWindowTakeMany with the limit
+-- stored in the database, read for each key under the rules of
+-- FixedWindowTakeManyPolicy: a key whose policy no longer matches is not
+-- counted and does not come back. max_count is the limit that was applied.
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at,
+                                      policy_limit, policy_penalty)
+SELECT (@keys::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
+       0::bigint AS prev_count, pgrl_from_epoch_us(p.start_us + 2 * p.window_us) AS expires_at, s.allowed,
+       p.ts AS updated_at, f.max_count, f.penalty
+  FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+               pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint) AS start_us,
+               @window_us::bigint AS window_us
+        OFFSET 0) AS p,
+       LATERAL (SELECT i, coalesce(o."limit", pol."limit") AS max_count, pol.penalty
+                  FROM generate_subscripts(@keys::bytea[], 1) AS i
+                  JOIN pgrl_policy AS pol
+                    ON pol.name = @policy::text AND pol.algorithm = 'sliding_window'
+                   AND pol.key_mode = @key_mode::text
+                  LEFT JOIN pgrl_policy_override AS o
+                    ON o.policy = pol.name AND o.key = (@override_keys::bytea[])[i]
+                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                 WHERE round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::bigint
+                       = @window_us::bigint) AS f,
+       LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, p.window_us, (@costs::bigint[])[f.i],
+                                        f.max_count, f.penalty, false) AS s
+ ORDER BY 1
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), @window_us::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), @window_us::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), @window_us::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), @window_us::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).window_start_us
+                                    + 2 * @window_us::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), @window_us::bigint,
+                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
+                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.policy_penalty, false)).allowed,
+       updated_at = excluded.updated_at,
+       policy_limit = excluded.policy_limit,
+       policy_penalty = excluded.policy_penalty
+RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
+          allowed, pgrl_us(updated_at) AS now_us, policy_limit::bigint AS max_count;
