@@ -203,9 +203,12 @@ type Config struct {
 	//
 	// Only single checks read the policy: Allow and AllowTx (at AtRate's
 	// rate, the rate only chooses the window's rows). UpTo,
-	// AllowAll and Peek use the limiter's own figures. Checks are never
-	// coalesced, and Spread must be 1. Empty (the default) uses the
-	// limiter's own figures for everything.
+	// AllowAll and Peek use the limiter's own figures. Concurrent Allow
+	// checks are coalesced as any others are, each key's policy and
+	// override read in the batch's statement; a batch that finds a key's
+	// policy changed sends its checks again one by one, so that only that
+	// key's check gets ErrPolicyChanged. Spread must be 1. Empty (the
+	// default) uses the limiter's own figures for everything.
 	Policy string
 
 	// OnFailure chooses the answer when the database cannot give one in
