@@ -107,8 +107,11 @@ type checkQueue struct {
 // counted). The coalescer then decides each check on its own.
 var errPolicyMismatch = errors.New("ratelimit: a stored policy no longer matches its limiter; nothing was counted")
 
-// policyRow reports whether row (0-based) reads its stored policy.
-func (q *checkQueue) policyRow(row int) bool { return q.policies != nil && q.policies[row] != "" }
+// lone reports whether q is one check that asks for its whole cost: no
+// partial grant, no slice.
+func (q *checkQueue) lone() bool {
+	return len(q.costs) == 1 && !q.upTo[0] && q.shares[0] == 0
+}
 
 // requestRef is where a check with a request id stores its answer: under
 // the counter row's stored key and the id's hash, kept retainUs.

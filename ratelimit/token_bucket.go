@@ -144,6 +144,17 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 	replayed := false
 	if r := q.request; r == nil {
 		rows, err = sqlops.New().TokenBucketTakeChecks(ctx, db, p)
+	} else if q.lone() {
+		var once []sqlops.TokenBucketTakeOnceRow
+		once, err = sqlops.New().TokenBucketTakeOnce(ctx, db, sqlops.TokenBucketTakeOnceParams{
+			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
+			Capacity: p.Capacities[0], RefillPerUs: p.RefillsPerUs[0], Cost: p.Costs[0], Penalty: p.Penalties[0],
+		})
+		for _, o := range once {
+			rows = append(rows, sqlops.TokenBucketTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
+				TokensBits: o.TokensBits, UpdatedAtUs: o.UpdatedAtUs, FullAtUs: o.FullAtUs, Allowed: o.Allowed})
+			replayed = replayed || o.Replayed
+		}
 	} else {
 		var once []sqlops.TokenBucketTakeChecksOnceRow
 		once, err = sqlops.New().TokenBucketTakeChecksOnce(ctx, db, sqlops.TokenBucketTakeChecksOnceParams{

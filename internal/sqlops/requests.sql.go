@@ -120,6 +120,106 @@ func (q *Queries) FixedWindowTakeChecksOnce(ctx context.Context, db DBTX, arg Fi
 	return items, nil
 }
 
+const fixedWindowTakeOnce = `-- name: FixedWindowTakeOnce :many
+WITH seen AS (
+    SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
+), q AS (
+    INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+    SELECT $3::bytea, pgrl_from_epoch_us(p.end_us), s.count, s.allowed, p.ts
+      FROM (SELECT pgrl_now($4::timestamptz) AS ts,
+                   pgrl_window_end_us(pgrl_now_us($4::timestamptz), $5::bigint) AS end_us
+            OFFSET 0) AS p,
+           LATERAL pgrl_fixed_window_take(p.end_us, 0, $6::bigint, $7::bigint, $8::boolean,
+                                          false) AS s
+     WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (key, expires_at) DO UPDATE
+       SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $6::bigint,
+                                           $7::bigint, $8::boolean, false)).count,
+           allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $6::bigint,
+                                             $7::bigint, $8::boolean, false)).allowed,
+           updated_at = excluded.updated_at
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $6::bigint ELSE 0 END::bigint AS granted,
+              count, allowed, pgrl_us(expires_at) AS expires_at_us, pgrl_us(updated_at) AS now_us
+), stored AS (
+    INSERT INTO pgrl_request (key, id, expires_at, result)
+    SELECT $1::bytea, $2::bytea, pgrl_ts(max(q.now_us) + $9::bigint), jsonb_agg(q)
+      FROM q HAVING count(*) > 0
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us,
+       false AS replayed
+  FROM q
+UNION ALL
+SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'count')::bigint, (x->>'allowed')::boolean,
+       (x->>'expires_at_us')::bigint, (x->>'now_us')::bigint, true
+  FROM seen, jsonb_array_elements(seen.result) AS x
+`
+
+type FixedWindowTakeOnceParams struct {
+	RequestKey []byte
+	RequestID  []byte
+	Key        []byte
+	At         *time.Time
+	WindowUs   int64
+	Cost       int64
+	MaxCount   int64
+	Penalty    bool
+	RetainUs   int64
+}
+
+type FixedWindowTakeOnceRow struct {
+	CheckIndex  int32
+	Granted     int64
+	Count       int64
+	Allowed     bool
+	ExpiresAtUs int64
+	NowUs       int64
+	Replayed    bool
+}
+
+// FixedWindowTakeOnce is FixedWindowTakeChecksOnce for one check that asks
+// for its whole cost (no partial grant, no slice): the check is
+// FixedWindowTake's upsert, with no check function between it and the
+// row, and its answer is stored in the same form, so that a retry finds it
+// whichever statement made it.
+func (q *Queries) FixedWindowTakeOnce(ctx context.Context, db DBTX, arg FixedWindowTakeOnceParams) ([]FixedWindowTakeOnceRow, error) {
+	rows, err := db.Query(ctx, fixedWindowTakeOnce,
+		arg.RequestKey,
+		arg.RequestID,
+		arg.Key,
+		arg.At,
+		arg.WindowUs,
+		arg.Cost,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.RetainUs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowTakeOnceRow
+	for rows.Next() {
+		var i FixedWindowTakeOnceRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.Count,
+			&i.Allowed,
+			&i.ExpiresAtUs,
+			&i.NowUs,
+			&i.Replayed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const requestCountExpired = `-- name: RequestCountExpired :one
 SELECT count(*)::bigint AS expired
   FROM pgrl_request AS r
@@ -277,6 +377,119 @@ func (q *Queries) SlidingWindowTakeChecksOnce(ctx context.Context, db DBTX, arg 
 	return items, nil
 }
 
+const slidingWindowTakeOnce = `-- name: SlidingWindowTakeOnce :many
+WITH seen AS (
+    SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
+), q AS (
+    INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+    SELECT $3::bytea, pgrl_from_epoch_us(p.start_us), s.count, 0,
+           pgrl_from_epoch_us(p.start_us + 2 * $4::bigint), s.allowed, p.ts
+      FROM (SELECT pgrl_now($5::timestamptz) AS ts, pgrl_now_us($5::timestamptz) AS now_us,
+                   pgrl_window_start_us(pgrl_now_us($5::timestamptz), $4::bigint) AS start_us
+            OFFSET 0) AS p,
+           LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, $4::bigint, $6::bigint,
+                                            $7::bigint, $8::boolean, false) AS s
+     WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (key) DO UPDATE
+       SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
+                                            $7::bigint, $8::boolean, false)).window_start_us),
+           count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
+                                            $7::bigint, $8::boolean, false)).count,
+           prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
+                                            $7::bigint, $8::boolean, false)).prev_count,
+           expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
+                                            $7::bigint, $8::boolean, false)).window_start_us
+                                + 2 * $4::bigint),
+           allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
+                                            $7::bigint, $8::boolean, false)).allowed,
+           updated_at = excluded.updated_at
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $6::bigint ELSE 0 END::bigint AS granted,
+              pgrl_us(window_start) AS window_start_us, count, prev_count, allowed, pgrl_us(updated_at) AS now_us
+), stored AS (
+    INSERT INTO pgrl_request (key, id, expires_at, result)
+    SELECT $1::bytea, $2::bytea, pgrl_ts(max(q.now_us) + $9::bigint), jsonb_agg(q)
+      FROM q HAVING count(*) > 0
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
+       q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
+       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us, false AS replayed
+  FROM q
+UNION ALL
+SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'window_start_us')::bigint,
+       (x->>'count')::bigint, (x->>'prev_count')::bigint, (x->>'allowed')::boolean, (x->>'now_us')::bigint, true
+  FROM seen, jsonb_array_elements(seen.result) AS x
+`
+
+type SlidingWindowTakeOnceParams struct {
+	RequestKey []byte
+	RequestID  []byte
+	Key        []byte
+	WindowUs   int64
+	At         *time.Time
+	Cost       int64
+	MaxCount   int64
+	Penalty    bool
+	RetainUs   int64
+}
+
+type SlidingWindowTakeOnceRow struct {
+	CheckIndex    int32
+	Granted       int64
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+	Replayed      bool
+}
+
+// SlidingWindowTakeOnce is SlidingWindowTakeChecksOnce for one check that
+// asks for its whole cost, as FixedWindowTakeOnce: the check is
+// SlidingWindowTake's upsert.
+func (q *Queries) SlidingWindowTakeOnce(ctx context.Context, db DBTX, arg SlidingWindowTakeOnceParams) ([]SlidingWindowTakeOnceRow, error) {
+	rows, err := db.Query(ctx, slidingWindowTakeOnce,
+		arg.RequestKey,
+		arg.RequestID,
+		arg.Key,
+		arg.WindowUs,
+		arg.At,
+		arg.Cost,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.RetainUs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowTakeOnceRow
+	for rows.Next() {
+		var i SlidingWindowTakeOnceRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+			&i.Replayed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const tokenBucketTakeChecksOnce = `-- name: TokenBucketTakeChecksOnce :many
 WITH seen AS (
     SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
@@ -358,6 +571,126 @@ func (q *Queries) TokenBucketTakeChecksOnce(ctx context.Context, db DBTX, arg To
 	var items []TokenBucketTakeChecksOnceRow
 	for rows.Next() {
 		var i TokenBucketTakeChecksOnceRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
+			&i.Replayed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const tokenBucketTakeOnce = `-- name: TokenBucketTakeOnce :many
+WITH seen AS (
+    SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
+), q AS (
+    INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
+    SELECT $3::bytea, s.tokens, p.ts, pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us),
+           s.allowed, pgrl_token_bucket_lease_epoch_us(p.now_us)
+      FROM (SELECT pgrl_now($4::timestamptz) AS ts, pgrl_now_us($4::timestamptz) AS now_us,
+                   $5::float8 AS capacity, $6::float8 AS refill_per_us
+            OFFSET 0) AS p,
+           LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, $7::bigint, p.capacity,
+                                          p.refill_per_us, $8::boolean, false) AS s
+     WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (key) DO UPDATE
+       SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                            $7::bigint,
+                                            $5::float8
+                                            - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                       excluded.lease_epoch_us),
+                                            $6::float8, $8::boolean, false)).tokens,
+           updated_at = greatest(t.updated_at, excluded.updated_at),
+           full_at = greatest(pgrl_token_bucket_refilled_at(
+                                  greatest(t.updated_at, excluded.updated_at),
+                                  (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                          pgrl_us(excluded.updated_at), $7::bigint,
+                                                          $5::float8
+                                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                     t.leased_prev,
+                                                                                     excluded.lease_epoch_us),
+                                                          $6::float8, $8::boolean, false)).tokens,
+                                  $5::float8, $6::float8),
+                              pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
+           allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                             $7::bigint,
+                                             $5::float8
+                                             - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                        excluded.lease_epoch_us),
+                                             $6::float8, $8::boolean, false)).allowed
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $7::bigint ELSE 0 END::bigint AS granted,
+              pgrl_float8_bits(tokens) AS tokens_bits, pgrl_us(updated_at) AS updated_at_us,
+              pgrl_us(full_at) AS full_at_us, allowed
+), stored AS (
+    INSERT INTO pgrl_request (key, id, expires_at, result)
+    SELECT $1::bytea, $2::bytea, pgrl_ts(max(q.updated_at_us) + $9::bigint),
+           jsonb_agg(q)
+      FROM q HAVING count(*) > 0
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed,
+       false AS replayed
+  FROM q
+UNION ALL
+SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'tokens_bits')::bigint,
+       (x->>'updated_at_us')::bigint, (x->>'full_at_us')::bigint, (x->>'allowed')::boolean, true
+  FROM seen, jsonb_array_elements(seen.result) AS x
+`
+
+type TokenBucketTakeOnceParams struct {
+	RequestKey  []byte
+	RequestID   []byte
+	Key         []byte
+	At          *time.Time
+	Capacity    float64
+	RefillPerUs float64
+	Cost        int64
+	Penalty     bool
+	RetainUs    int64
+}
+
+type TokenBucketTakeOnceRow struct {
+	CheckIndex  int32
+	Granted     int64
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+	Replayed    bool
+}
+
+// TokenBucketTakeOnce is TokenBucketTakeChecksOnce for one check that asks
+// for its whole cost, as FixedWindowTakeOnce: the check is
+// TokenBucketTake's upsert.
+func (q *Queries) TokenBucketTakeOnce(ctx context.Context, db DBTX, arg TokenBucketTakeOnceParams) ([]TokenBucketTakeOnceRow, error) {
+	rows, err := db.Query(ctx, tokenBucketTakeOnce,
+		arg.RequestKey,
+		arg.RequestID,
+		arg.Key,
+		arg.At,
+		arg.Capacity,
+		arg.RefillPerUs,
+		arg.Cost,
+		arg.Penalty,
+		arg.RetainUs,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketTakeOnceRow
+	for rows.Next() {
+		var i TokenBucketTakeOnceRow
 		if err := rows.Scan(
 			&i.CheckIndex,
 			&i.Granted,

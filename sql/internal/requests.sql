@@ -82,6 +82,154 @@ SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'window_start
        (x->>'count')::bigint, (x->>'prev_count')::bigint, (x->>'allowed')::boolean, (x->>'now_us')::bigint, true
   FROM seen, jsonb_array_elements(seen.result) AS x;
 
+-- name: FixedWindowTakeOnce :many
+-- FixedWindowTakeOnce is FixedWindowTakeChecksOnce for one check that asks
+-- for its whole cost (no partial grant, no slice): the check is
+-- FixedWindowTake's upsert, with no check function between it and the
+-- row, and its answer is stored in the same form, so that a retry finds it
+-- whichever statement made it.
+WITH seen AS (
+    SELECT r.result FROM pgrl_request AS r WHERE r.key = @request_key::bytea AND r.id = @request_id::bytea
+), q AS (
+    INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+    SELECT @key::bytea, pgrl_from_epoch_us(p.end_us), s.count, s.allowed, p.ts
+      FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts,
+                   pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint) AS end_us
+            OFFSET 0) AS p,
+           LATERAL pgrl_fixed_window_take(p.end_us, 0, @cost::bigint, @max_count::bigint, @penalty::boolean,
+                                          false) AS s
+     WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (key, expires_at) DO UPDATE
+       SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, @cost::bigint,
+                                           @max_count::bigint, @penalty::boolean, false)).count,
+           allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, @cost::bigint,
+                                             @max_count::bigint, @penalty::boolean, false)).allowed,
+           updated_at = excluded.updated_at
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN @cost::bigint ELSE 0 END::bigint AS granted,
+              count, allowed, pgrl_us(expires_at) AS expires_at_us, pgrl_us(updated_at) AS now_us
+), stored AS (
+    INSERT INTO pgrl_request (key, id, expires_at, result)
+    SELECT @request_key::bytea, @request_id::bytea, pgrl_ts(max(q.now_us) + @retain_us::bigint), jsonb_agg(q)
+      FROM q HAVING count(*) > 0
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us,
+       false AS replayed
+  FROM q
+UNION ALL
+SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'count')::bigint, (x->>'allowed')::boolean,
+       (x->>'expires_at_us')::bigint, (x->>'now_us')::bigint, true
+  FROM seen, jsonb_array_elements(seen.result) AS x;
+
+-- name: TokenBucketTakeOnce :many
+-- TokenBucketTakeOnce is TokenBucketTakeChecksOnce for one check that asks
+-- for its whole cost, as FixedWindowTakeOnce: the check is
+-- TokenBucketTake's upsert.
+WITH seen AS (
+    SELECT r.result FROM pgrl_request AS r WHERE r.key = @request_key::bytea AND r.id = @request_id::bytea
+), q AS (
+    INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
+    SELECT sqlc.arg(key)::bytea, s.tokens, p.ts, pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us),
+           s.allowed, pgrl_token_bucket_lease_epoch_us(p.now_us)
+      FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+                   sqlc.arg(capacity)::float8 AS capacity, sqlc.arg(refill_per_us)::float8 AS refill_per_us
+            OFFSET 0) AS p,
+           LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, sqlc.arg(cost)::bigint, p.capacity,
+                                          p.refill_per_us, sqlc.arg(penalty)::boolean, false) AS s
+     WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (key) DO UPDATE
+       SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                            sqlc.arg(cost)::bigint,
+                                            sqlc.arg(capacity)::float8
+                                            - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                       excluded.lease_epoch_us),
+                                            sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).tokens,
+           updated_at = greatest(t.updated_at, excluded.updated_at),
+           full_at = greatest(pgrl_token_bucket_refilled_at(
+                                  greatest(t.updated_at, excluded.updated_at),
+                                  (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                          pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                                                          sqlc.arg(capacity)::float8
+                                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                     t.leased_prev,
+                                                                                     excluded.lease_epoch_us),
+                                                          sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).tokens,
+                                  sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+                              pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
+           allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                             sqlc.arg(cost)::bigint,
+                                             sqlc.arg(capacity)::float8
+                                             - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                        excluded.lease_epoch_us),
+                                             sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).allowed
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN sqlc.arg(cost)::bigint ELSE 0 END::bigint AS granted,
+              pgrl_float8_bits(tokens) AS tokens_bits, pgrl_us(updated_at) AS updated_at_us,
+              pgrl_us(full_at) AS full_at_us, allowed
+), stored AS (
+    INSERT INTO pgrl_request (key, id, expires_at, result)
+    SELECT @request_key::bytea, @request_id::bytea, pgrl_ts(max(q.updated_at_us) + @retain_us::bigint),
+           jsonb_agg(q)
+      FROM q HAVING count(*) > 0
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed,
+       false AS replayed
+  FROM q
+UNION ALL
+SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'tokens_bits')::bigint,
+       (x->>'updated_at_us')::bigint, (x->>'full_at_us')::bigint, (x->>'allowed')::boolean, true
+  FROM seen, jsonb_array_elements(seen.result) AS x;
+
+-- name: SlidingWindowTakeOnce :many
+-- SlidingWindowTakeOnce is SlidingWindowTakeChecksOnce for one check that
+-- asks for its whole cost, as FixedWindowTakeOnce: the check is
+-- SlidingWindowTake's upsert.
+WITH seen AS (
+    SELECT r.result FROM pgrl_request AS r WHERE r.key = @request_key::bytea AND r.id = @request_id::bytea
+), q AS (
+    INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+    SELECT @key::bytea, pgrl_from_epoch_us(p.start_us), s.count, 0,
+           pgrl_from_epoch_us(p.start_us + 2 * @window_us::bigint), s.allowed, p.ts
+      FROM (SELECT pgrl_now(sqlc.narg(at)::timestamptz) AS ts, pgrl_now_us(sqlc.narg(at)::timestamptz) AS now_us,
+                   pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint) AS start_us
+            OFFSET 0) AS p,
+           LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, @window_us::bigint, @cost::bigint,
+                                            @max_count::bigint, @penalty::boolean, false) AS s
+     WHERE NOT EXISTS (SELECT FROM seen)
+    ON CONFLICT (key) DO UPDATE
+       SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), @window_us::bigint, @cost::bigint,
+                                            @max_count::bigint, @penalty::boolean, false)).window_start_us),
+           count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), @window_us::bigint, @cost::bigint,
+                                            @max_count::bigint, @penalty::boolean, false)).count,
+           prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), @window_us::bigint, @cost::bigint,
+                                            @max_count::bigint, @penalty::boolean, false)).prev_count,
+           expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), @window_us::bigint, @cost::bigint,
+                                            @max_count::bigint, @penalty::boolean, false)).window_start_us
+                                + 2 * @window_us::bigint),
+           allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                            pgrl_us(excluded.updated_at), @window_us::bigint, @cost::bigint,
+                                            @max_count::bigint, @penalty::boolean, false)).allowed,
+           updated_at = excluded.updated_at
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN @cost::bigint ELSE 0 END::bigint AS granted,
+              pgrl_us(window_start) AS window_start_us, count, prev_count, allowed, pgrl_us(updated_at) AS now_us
+), stored AS (
+    INSERT INTO pgrl_request (key, id, expires_at, result)
+    SELECT @request_key::bytea, @request_id::bytea, pgrl_ts(max(q.now_us) + @retain_us::bigint), jsonb_agg(q)
+      FROM q HAVING count(*) > 0
+)
+SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
+       q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
+       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us, false AS replayed
+  FROM q
+UNION ALL
+SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'window_start_us')::bigint,
+       (x->>'count')::bigint, (x->>'prev_count')::bigint, (x->>'allowed')::boolean, (x->>'now_us')::bigint, true
+  FROM seen, jsonb_array_elements(seen.result) AS x;
+
 -- name: RequestsExist :one
 -- RequestsExist reports whether pgrl_request exists in the search_path
 -- (migration 000017).
