@@ -317,6 +317,12 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 						if keys > 1 {
 							windowMs *= 4
 						}
+						if keys > 1 && group {
+							// Three limits a check: under a 2-core CPU load
+							// the 16 keys saw 770 to 970 checks in a window
+							// of 2 s, short of a limit of 1,000.
+							windowMs *= 2
+						}
 						// Four windows: the lower bound is checked in a window
 						// that every goroutine of every child covers whole, and
 						// on a busy machine their starts and ends straggle by a
