@@ -179,9 +179,14 @@ SELECT ($1::bytea[])[f.i] AS key, s.tokens, p.ts AS updated_at,
                   FROM generate_subscripts($1::bytea[], 1) AS i
                   JOIN pgrl_policy AS pol
                     ON pol.name = $3::text AND pol.algorithm = 'token_bucket' AND pol.key_mode = $4::text
-                  LEFT JOIN pgrl_policy_override AS o
-                    ON o.policy = pol.name AND o.key = ($5::bytea[])[i]
-                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                  LEFT JOIN LATERAL (
+                        -- One index probe per key (LIMIT 1: the key is the primary
+                        -- key's), not a join of the policy's every override.
+                        SELECT o."limit", o."window", o.burst FROM pgrl_policy_override AS o
+                         WHERE o.policy = pol.name AND o.key = ($5::bytea[])[i]
+                           AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                         LIMIT 1) AS o
+                    ON true
                    AND coalesce(o.burst, pol.burst, o."limit", pol."limit") <= 9007199254740992
                    AND coalesce(o.burst, pol.burst, o."limit", pol."limit")::numeric
                        * round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::numeric

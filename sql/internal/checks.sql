@@ -63,11 +63,15 @@ WITH f AS MATERIALIZED (
                    (@key_modes::text[])[k] AS key_mode, (@max_counts::bigint[])[k] AS max_count,
                    (@windows_us::bigint[])[k] AS window_us, (@penalties::boolean[])[k] AS penalty
               FROM generate_subscripts(@policies::text[], 1) AS k) AS r
-      LEFT JOIN pgrl_policy AS p
-        ON p.name = r.policy AND p.algorithm = 'fixed_window' AND p.key_mode = r.key_mode
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = r.override_key
-       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+      -- One index probe per row for each (LIMIT 1: the primary keys'), not
+      -- a join of every policy and override.
+      LEFT JOIN LATERAL (SELECT p.name, p."limit", p."window", p.burst, p.penalty FROM pgrl_policy AS p
+                          WHERE p.name = r.policy AND p.algorithm = 'fixed_window' AND p.key_mode = r.key_mode
+                          LIMIT 1) AS p ON true
+      LEFT JOIN LATERAL (SELECT o."limit", o."window", o.burst FROM pgrl_policy_override AS o
+                          WHERE o.policy = p.name AND o.key = r.override_key
+                            AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+                          LIMIT 1) AS o ON true
 ), g AS (
     SELECT bool_and(f.valid) AS ok, array_agg(f.max_count ORDER BY f.k) AS max_counts,
            array_agg(f.penalty ORDER BY f.k) AS penalties
@@ -111,12 +115,16 @@ WITH f AS MATERIALIZED (
                            (@key_modes::text[])[k] AS key_mode, (@capacities::float8[])[k] AS capacity,
                            (@refills_per_us::float8[])[k] AS refill_per_us, (@penalties::boolean[])[k] AS penalty
                       FROM generate_subscripts(@policies::text[], 1) AS k) AS r
-              LEFT JOIN pgrl_policy AS p
-                ON p.name = r.policy AND p.algorithm = 'token_bucket' AND p.key_mode = r.key_mode
-              LEFT JOIN pgrl_policy_override AS o
-                ON o.policy = p.name AND o.key = r.override_key
-               AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
-               AND coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
+              -- One index probe per row for each (LIMIT 1: the primary keys'), not
+              -- a join of every policy and override.
+              LEFT JOIN LATERAL (SELECT p.name, p."limit", p."window", p.burst, p.penalty FROM pgrl_policy AS p
+                                  WHERE p.name = r.policy AND p.algorithm = 'token_bucket' AND p.key_mode = r.key_mode
+                                  LIMIT 1) AS p ON true
+              LEFT JOIN LATERAL (SELECT o."limit", o."window", o.burst FROM pgrl_policy_override AS o
+                                  WHERE o.policy = p.name AND o.key = r.override_key
+                                    AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+                                  LIMIT 1) AS o
+                ON coalesce(o.burst, p.burst, o."limit", p."limit") <= 9007199254740992
                AND coalesce(o.burst, p.burst, o."limit", p."limit")::numeric
                    * round(date_part('epoch', coalesce(o."window", p."window")) * 1000000)::numeric
                    <= coalesce(o."limit", p."limit")::numeric * 31557600000000000) AS x
@@ -150,11 +158,15 @@ WITH f AS MATERIALIZED (
                    (@key_modes::text[])[k] AS key_mode, (@max_counts::bigint[])[k] AS max_count,
                    (@windows_us::bigint[])[k] AS window_us, (@penalties::boolean[])[k] AS penalty
               FROM generate_subscripts(@policies::text[], 1) AS k) AS r
-      LEFT JOIN pgrl_policy AS p
-        ON p.name = r.policy AND p.algorithm = 'sliding_window' AND p.key_mode = r.key_mode
-      LEFT JOIN pgrl_policy_override AS o
-        ON o.policy = p.name AND o.key = r.override_key
-       AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+      -- One index probe per row for each (LIMIT 1: the primary keys'), not
+      -- a join of every policy and override.
+      LEFT JOIN LATERAL (SELECT p.name, p."limit", p."window", p.burst, p.penalty FROM pgrl_policy AS p
+                          WHERE p.name = r.policy AND p.algorithm = 'sliding_window' AND p.key_mode = r.key_mode
+                          LIMIT 1) AS p ON true
+      LEFT JOIN LATERAL (SELECT o."limit", o."window", o.burst FROM pgrl_policy_override AS o
+                          WHERE o.policy = p.name AND o.key = r.override_key
+                            AND (o.expires_at IS NULL OR o.expires_at > pgrl_now(sqlc.narg(at)::timestamptz))
+                          LIMIT 1) AS o ON true
 ), g AS (
     SELECT bool_and(f.valid) AS ok, array_agg(f.max_count ORDER BY f.k) AS max_counts,
            array_agg(f.penalty ORDER BY f.k) AS penalties

@@ -110,9 +110,13 @@ SELECT (@keys::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at,
                   FROM generate_subscripts(@keys::bytea[], 1) AS i
                   JOIN pgrl_policy AS pol
                     ON pol.name = @policy::text AND pol.algorithm = 'fixed_window' AND pol.key_mode = @key_mode::text
-                  LEFT JOIN pgrl_policy_override AS o
-                    ON o.policy = pol.name AND o.key = (@override_keys::bytea[])[i]
-                   AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                  LEFT JOIN LATERAL (
+                        -- One index probe per key (LIMIT 1: the key is the primary
+                        -- key's), not a join of the policy's every override.
+                        SELECT o."limit", o."window" FROM pgrl_policy_override AS o
+                         WHERE o.policy = pol.name AND o.key = (@override_keys::bytea[])[i]
+                           AND (o.expires_at IS NULL OR o.expires_at > p.ts)
+                         LIMIT 1) AS o ON true
                  WHERE round(date_part('epoch', coalesce(o."window", pol."window")) * 1000000)::bigint
                        = @window_us::bigint) AS f,
        LATERAL pgrl_fixed_window_take(p.end_us, 0, (@costs::bigint[])[f.i], f.max_count, f.penalty, false) AS s
