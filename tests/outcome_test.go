@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -290,14 +291,14 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 	})
 
 	t.Run("coalesced_batch_terminated", func(t *testing.T) {
-		// One round trip at a time, held by an opening check that waits
-		// on a locked row: 12 checks made meanwhile queue, and go out
-		// together, one statement, once it ends. One of their keys' row
-		// is locked too, so that statement waits, and its backend is
-		// terminated in the middle of it. Every check of that statement
-		// fails, and none is consumed. (Without the opener, the check of
-		// the locked key could go out first and alone, and on a busy
-		// machine it did, in every trial.)
+		// One round trip at a time: of 12 checks made at once, one goes
+		// out, the others queue and go out together as it ends, one
+		// statement. One key's row is locked, so the statement that holds
+		// it waits, and its backend is terminated in the middle of it.
+		// Every check of that statement fails, and none is consumed. The
+		// locked key's check is started at another place in each trial:
+		// started first, on a busy machine it went out first and alone
+		// in every trial.
 		const app = "pgrl-outcome-batch"
 		l := outcomeLimiter(t, e.pool(app, 4, nil), "batch",
 			ratelimit.DatabaseOptions{Timeout: time.Minute, MaxInFlight: 1})
@@ -305,34 +306,26 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 		largest := 0
 		for i := range outcomeTrials {
 			locked := fmt.Sprintf("locked%d", i)
-			unlockOpener, _ := e.lock(l, fmt.Sprintf("opener%d", i))
 			unlock, base := e.lock(l, locked)
-			opened := make(chan error, 1)
-			go func() {
-				_, err := l.Allow(ctx, fmt.Sprintf("opener%d", i), ratelimit.Cost(outcomeCost))
-				opened <- err
-			}()
-			e.waiting(app, 1) // the opener holds the one round trip
-			keys := []string{locked}
+			var keys []string
 			for j := range 11 {
 				keys = append(keys, fmt.Sprintf("b%d-%d", i, j))
 			}
+			at := (i*5 + 3) % 12 // 3, 8, 1, 6, 11, 4, 9, 2, 7, 0
+			keys = slices.Insert(keys, at, locked)
 			errs := make([]error, len(keys))
-			var wg, started sync.WaitGroup
+			var wg sync.WaitGroup
+			gate := make(chan struct{})
 			for j, k := range keys {
 				wg.Add(1)
-				started.Add(1)
 				go func() {
 					defer wg.Done()
-					started.Done()
+					<-gate
 					_, errs[j] = l.Allow(ctx, k, ratelimit.Cost(outcomeCost))
 				}()
 			}
-			started.Wait()
-			time.Sleep(200 * time.Millisecond) // for the 12 to queue
-			unlockOpener()
-			require.NoError(t, <-opened)
-			pids := e.waiting(app, 1) // the queued checks' statement
+			close(gate)
+			pids := e.waiting(app, 1)
 			_, err := e.admin.Exec(ctx, "SELECT pg_terminate_backend($1)", pids[0])
 			require.NoError(t, err)
 			wg.Wait()
@@ -341,7 +334,7 @@ func TestOutcomeServerRolledBack(t *testing.T) {
 			failed := 0
 			for j, k := range keys {
 				delta := e.count("batch", k)
-				if j == 0 {
+				if j == at {
 					delta -= base // the locked row's count before the batch
 				}
 				if errs[j] == nil {
