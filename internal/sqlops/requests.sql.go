@@ -619,7 +619,8 @@ WITH seen AS (
                                                           - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                      t.leased_prev,
                                                                                      excluded.lease_epoch_us),
-                                                          $6::float8, $8::boolean, false)).tokens,
+                                                          $6::float8, $8::boolean,
+                                                          false)).tokens,
                                   $5::float8, $6::float8),
                               pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
            allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
@@ -627,7 +628,8 @@ WITH seen AS (
                                              $5::float8
                                              - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                         excluded.lease_epoch_us),
-                                             $6::float8, $8::boolean, false)).allowed
+                                             $6::float8, $8::boolean,
+                                             false)).allowed
     RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $7::bigint ELSE 0 END::bigint AS granted,
               pgrl_float8_bits(tokens) AS tokens_bits, pgrl_us(updated_at) AS updated_at_us,
               pgrl_us(full_at) AS full_at_us, allowed

@@ -153,7 +153,8 @@ WITH seen AS (
                                                           - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                      t.leased_prev,
                                                                                      excluded.lease_epoch_us),
-                                                          sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).tokens,
+                                                          sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                                          false)).tokens,
                                   sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
                               pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
            allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
@@ -161,7 +162,8 @@ WITH seen AS (
                                              sqlc.arg(capacity)::float8
                                              - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                         excluded.lease_epoch_us),
-                                             sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).allowed
+                                             sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                             false)).allowed
     RETURNING 1::integer AS check_index, CASE WHEN allowed THEN sqlc.arg(cost)::bigint ELSE 0 END::bigint AS granted,
               pgrl_float8_bits(tokens) AS tokens_bits, pgrl_us(updated_at) AS updated_at_us,
               pgrl_us(full_at) AS full_at_us, allowed
