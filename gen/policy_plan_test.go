@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -44,17 +45,8 @@ func TestPolicyFiguresReadOnce(t *testing.T) {
 
 	stored := regexp.MustCompile(`\b[po]\.("limit"|"window"|burst|penalty)`)
 	for _, c := range calls {
-		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
-			tx, err := pool.Begin(ctx)
-			require.NoError(t, err)
-			_, err = tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+mode)
-			require.NoError(t, err)
-			rows, err := tx.Query(ctx, "EXPLAIN (VERBOSE) "+c.sql, c.args...)
-			require.NoError(t, err)
-			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-			require.NoError(t, err, c.name)
-			require.NoError(t, tx.Rollback(ctx))
-
+		for _, mode := range planModes {
+			lines := explain(t, pool, c, mode, "VERBOSE")
 			plan := strings.Join(lines, "\n")
 			scan := -1
 			for i, l := range lines {
@@ -123,21 +115,32 @@ func TestPolicyBatchesProbeEachOverride(t *testing.T) {
 	require.Len(t, calls, 6)
 
 	for _, c := range calls {
-		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
-			tx, err := pool.Begin(ctx)
-			require.NoError(t, err)
-			_, err = tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+mode)
-			require.NoError(t, err)
-			rows, err := tx.Query(ctx, "EXPLAIN "+c.sql, c.args...)
-			require.NoError(t, err)
-			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-			require.NoError(t, err, c.name)
-			require.NoError(t, tx.Rollback(ctx))
-			plan := strings.Join(lines, "\n")
+		for _, mode := range planModes {
+			plan := strings.Join(explain(t, pool, c, mode, "COSTS OFF"), "\n")
 			require.Regexp(t, `Index Scan using pgrl_policy_override_pkey on pgrl_policy_override`, plan,
 				"%s (%s): each key's override is not a probe of the primary key:\n%s", c.name, mode, plan)
 			require.NotRegexp(t, `(Seq|Bitmap Heap) Scan on pgrl_policy_override|Hash.*\n.*pgrl_policy_override`, plan,
 				"%s (%s): every override is read:\n%s", c.name, mode, plan)
 		}
 	}
+}
+
+// planModes are the plans a prepared statement may get.
+var planModes = []string{"force_custom_plan", "force_generic_plan"}
+
+// explain returns the lines of c's plan under plan_cache_mode mode, with
+// EXPLAIN's options opts.
+func explain(t *testing.T, pool *pgxpool.Pool, c call, mode, opts string) []string {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = tx.Exec(ctx, "SET LOCAL plan_cache_mode = "+mode)
+	require.NoError(t, err)
+	rows, err := tx.Query(ctx, "EXPLAIN ("+opts+") "+c.sql, c.args...)
+	require.NoError(t, err)
+	lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	require.NoError(t, err, c.name)
+	return lines
 }
