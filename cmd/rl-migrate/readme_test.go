@@ -65,6 +65,9 @@ func TestREADMEProductionSnippet(t *testing.T) {
 	pool, err := pgxpool.New(ctx, fmt.Sprintf("postgres://app:...@%s/app?sslmode=disable&search_path=ratelimit", addr))
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
+	// A first connection (SCRAM) outside the checks' Timeout: on a busy
+	// machine it took longer than the default Timeout.
+	require.NoError(t, pool.Ping(ctx))
 	l, err := testkit.New(pool, ratelimit.Config{Name: "readme", Limit: 2, Window: time.Minute, OnFailure: ratelimit.FailError})
 	require.NoError(t, err)
 	for i, want := range []bool{true, true, false} {
