@@ -66,7 +66,9 @@ func ExampleNewLimiter() {
 		log.Fatal(err)
 	}
 	// Once per database, at start-up: what every limit there shares.
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	// (Timeout: how long a check may wait before the failure policy
+	// answers; generous here, so that a busy machine prints the same.)
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: 10 * time.Second})
 	if err != nil {
 		log.Fatal(err)
 	}

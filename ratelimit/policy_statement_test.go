@@ -367,7 +367,8 @@ func TestPolicyCoalescedExact(t *testing.T) {
 		setPolicy(t, pool, name, alg, 40, time.Hour, 0, false)
 		setOverride(t, pool, name, "vip", 70, 0, 0, nil)
 		// The limiter believes 1,000: the stored 40 (70 for "vip") decides.
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 1000, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{})
+		// One round trip at a time, so that checks queue and share one.
+		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 1000, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{MaxInFlight: 1, Timeout: time.Minute})
 		var admitted [2]atomic.Int64
 		var wg sync.WaitGroup
 		errs := make(chan error, 16)
