@@ -77,8 +77,14 @@ func (c *child) ask(t *testing.T, line string, v any) {
 
 // terminateAtRandom terminates, every 5 to 25 ms, one active backend whose
 // application_name is LIKE pattern, until the returned stop is called;
-// stop returns how many it terminated.
-func terminateAtRandom(ctx context.Context, pool *pgxpool.Pool, pattern string) (stop func() int64) {
+// stop returns how many it terminated. It terminates no more than perRow
+// backends per row of pgrl_request (one per request id or settlement
+// made): the calls of these tests wait in line for one hot key's row lock,
+// and on a busy machine, where that line moves slowly, terminations at a
+// fixed pace end nearly every waiting statement, so that no call finishes.
+// Tied to progress, the terminations per call made stay the same whatever
+// the machine's speed.
+func terminateAtRandom(ctx context.Context, pool *pgxpool.Pool, pattern string, perRow int64) (stop func() int64) {
 	done := make(chan struct{})
 	finished := make(chan struct{})
 	var killed atomic.Int64
@@ -90,7 +96,10 @@ func terminateAtRandom(ctx context.Context, pool *pgxpool.Pool, pattern string) 
 				return
 			case <-time.After(time.Duration(5+rand.IntN(20)) * time.Millisecond):
 			}
-			var n int64
+			var made, n int64
+			if pool.QueryRow(ctx, "SELECT count(*) FROM pgrl_request").Scan(&made) != nil || killed.Load() >= perRow*made {
+				continue
+			}
 			err := pool.QueryRow(ctx, `SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
 				WHERE application_name LIKE $1 AND state = 'active' ORDER BY random() LIMIT 1) AS t`, pattern).Scan(&n)
 			if err == nil {
@@ -102,5 +111,38 @@ func terminateAtRandom(ctx context.Context, pool *pgxpool.Pool, pattern string) 
 		close(done)
 		<-finished
 		return killed.Load()
+	}
+}
+
+// logActivityBefore logs, 10 s before ctx's deadline unless the returned
+// stop is called first, what the backends whose application_name is LIKE
+// pattern are doing: when a multi-process test runs out of time, its
+// children are killed and say nothing more, and this says where they were
+// waiting.
+func logActivityBefore(t *testing.T, ctx context.Context, pool *pgxpool.Pool, pattern string) (stop func()) {
+	deadline, _ := ctx.Deadline()
+	logged := make(chan struct{})
+	timer := time.AfterFunc(time.Until(deadline)-10*time.Second, func() {
+		defer close(logged)
+		rows, err := pool.Query(context.Background(), `SELECT application_name, state, coalesce(wait_event_type, ''),
+			coalesce(wait_event, ''), now() - query_start, left(regexp_replace(query, '\s+', ' ', 'g'), 100) FROM pg_stat_activity
+			WHERE application_name LIKE $1 ORDER BY application_name`, pattern)
+		if err != nil {
+			t.Logf("pg_stat_activity: %v", err)
+			return
+		}
+		defer rows.Close()
+		for rows.Next() {
+			var app, state, waitType, wait, query string
+			var running time.Duration
+			if err := rows.Scan(&app, &state, &waitType, &wait, &running, &query); err == nil {
+				t.Logf("running out of time: %s %s %s/%s for %v: %s", app, state, waitType, wait, running, query)
+			}
+		}
+	})
+	return func() {
+		if !timer.Stop() {
+			<-logged // the test does not end while it logs
+		}
 	}
 }

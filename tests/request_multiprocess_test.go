@@ -150,8 +150,9 @@ func TestRequestIDMultiprocess(t *testing.T) {
 	for i := range children {
 		children[i] = startChild(t, cctx, "TestRequestIDChildProcess", requestChildEnv+"="+dbtest.URLWithSchema(s))
 	}
-	// Terminate one of the children's backends every few milliseconds.
-	stopKilling := terminateAtRandom(ctx, pool, requestApp)
+	// Terminate the children's backends at random as they go.
+	defer logActivityBefore(t, cctx, pool, requestApp)()
+	stopKilling := terminateAtRandom(ctx, pool, requestApp, 2)
 	for i, c := range children {
 		c.send(t, fmt.Sprint("RUN ", i+1))
 	}

@@ -209,7 +209,8 @@ func TestSettleMultiprocess(t *testing.T) {
 	for i := range children {
 		children[i] = startChild(t, cctx, "TestSettleChildProcess", settleChildEnv+"="+url)
 	}
-	stopKilling := terminateAtRandom(ctx, pool, settleApp+"%")
+	defer logActivityBefore(t, cctx, pool, settleApp+"%")()
+	stopKilling := terminateAtRandom(ctx, pool, settleApp+"%", 1)
 	// Process 0 goes slowly, and dies with reservations made, some
 	// settled, some not, once the others have made 100.
 	children[0].send(t, "RUN 0 10")
