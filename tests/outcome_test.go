@@ -153,13 +153,15 @@ func (e *outcomeEnv) lock(l *ratelimit.Limiter, key string) (unlock func(), base
 	return unlock, base
 }
 
-// waiting returns the pids of app's backends waiting on a lock, once there
-// are n.
+// waiting returns the pids of app's backends waiting on a row lock (as
+// lock holds), once there are n. Not any lock: a backend that inserts
+// waits on a relation's extension lock for a moment on a busy machine,
+// and terminated then, its statement may have committed.
 func (e *outcomeEnv) waiting(app string, n int) []int32 {
 	var pids []int32
 	require.Eventually(e.t, func() bool {
 		rows, err := e.admin.Query(context.Background(), `SELECT pid FROM pg_stat_activity
-			WHERE application_name = $1 AND wait_event_type = 'Lock'`, app)
+			WHERE application_name = $1 AND wait_event_type = 'Lock' AND wait_event IN ('transactionid', 'tuple')`, app)
 		require.NoError(e.t, err)
 		pids, err = pgx.CollectRows(rows, pgx.RowTo[int32])
 		require.NoError(e.t, err)

@@ -212,9 +212,10 @@ func TestBenchConcurrency(t *testing.T) {
 	}
 	var statements int64
 	for _, c := range h.Cases {
-		// Extensions every 200ms from the first acquire: 5 in 1.1s.
-		if c.Lost != 0 || c.ExpectedStatements != 5 || c.Statements < 4 || c.Statements > 6 {
-			t.Errorf("%+v: want 5 extensions (4 to 6 on a busy machine) and no slot lost", c)
+		// Extensions every 200ms from the first acquire: 5 in 1.1s; on a
+		// busy machine a late timer loses one or two at the ends.
+		if c.Lost != 0 || c.ExpectedStatements != 5 || c.Statements < 3 || c.Statements > 6 {
+			t.Errorf("%+v: want 5 extensions (3 to 6 on a busy machine) and no slot lost", c)
 		}
 		if c.ExpectedPerSlotPerMinute != loadtest.Round(300/float64(c.Slots), 6) ||
 			c.PerSlotPerMinute < 0.75*c.ExpectedPerSlotPerMinute || c.PerSlotPerMinute > 1.1*c.ExpectedPerSlotPerMinute {
