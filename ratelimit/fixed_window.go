@@ -93,16 +93,22 @@ func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 	if r := q.request; r == nil {
 		rows, err = sqlops.New().FixedWindowTakeChecks(ctx, db, p)
 	} else if q.lone() {
-		var once []sqlops.FixedWindowTakeOnceRow
-		once, err = sqlops.New().FixedWindowTakeOnce(ctx, db, sqlops.FixedWindowTakeOnceParams{
-			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
-			WindowUs: p.WindowsUs[0], Cost: p.Costs[0], MaxCount: p.MaxCounts[0], Penalty: p.Penalties[0],
+		rows, replayed, err = takeOrReplay(func() ([]sqlops.FixedWindowTakeChecksRow, error) {
+			once, err := sqlops.New().FixedWindowTakeOnce(ctx, db, sqlops.FixedWindowTakeOnceParams{
+				RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
+				WindowUs: p.WindowsUs[0], Cost: p.Costs[0], MaxCount: p.MaxCounts[0], Penalty: p.Penalties[0],
+			})
+			return rowsAs(once, func(o sqlops.FixedWindowTakeOnceRow) sqlops.FixedWindowTakeChecksRow {
+				return sqlops.FixedWindowTakeChecksRow(o)
+			}), err
+		}, func() ([]sqlops.FixedWindowTakeChecksRow, error) {
+			stored, err := sqlops.New().FixedWindowAnswer(ctx, db, sqlops.FixedWindowAnswerParams{
+				RequestKey: r.key, RequestID: r.id,
+			})
+			return rowsAs(stored, func(o sqlops.FixedWindowAnswerRow) sqlops.FixedWindowTakeChecksRow {
+				return sqlops.FixedWindowTakeChecksRow(o)
+			}), err
 		})
-		for _, o := range once {
-			rows = append(rows, sqlops.FixedWindowTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
-				Count: o.Count, Allowed: o.Allowed, ExpiresAtUs: o.ExpiresAtUs, NowUs: o.NowUs})
-			replayed = replayed || o.Replayed
-		}
 	} else {
 		var once []sqlops.FixedWindowTakeChecksOnceRow
 		once, err = sqlops.New().FixedWindowTakeChecksOnce(ctx, db, sqlops.FixedWindowTakeChecksOnceParams{

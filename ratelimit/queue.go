@@ -113,6 +113,33 @@ func (q *checkQueue) lone() bool {
 	return len(q.costs) == 1 && !q.upTo[0] && q.shares[0] == 0
 }
 
+// takeOrReplay makes a lone check with a request id (checkQueue.lone) with
+// take, its …TakeOnce statement, which counts nothing and returns no row
+// when the id is stored already: answer then reads the stored answer. An
+// answer deleted in between (by rl-cleanup, past its retention) has freed
+// the id, and the check is made again.
+func takeOrReplay[T any](take, answer func() ([]T, error)) (rows []T, replayed bool, err error) {
+	for range 2 {
+		if rows, err = take(); err != nil || len(rows) > 0 {
+			return rows, false, err
+		}
+		if rows, err = answer(); err != nil || len(rows) > 0 {
+			return rows, true, err
+		}
+	}
+	return nil, false, nil
+}
+
+// rowsAs is rows of one statement as the rows of another with the same
+// columns.
+func rowsAs[T, R any](rows []R, as func(R) T) []T {
+	out := make([]T, len(rows))
+	for i, r := range rows {
+		out[i] = as(r)
+	}
+	return out
+}
+
 // requestRef is where a check with a request id stores its answer: under
 // the counter row's stored key and the id's hash, kept retainUs.
 type requestRef struct {

@@ -95,17 +95,22 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 	if r := q.request; r == nil {
 		rows, err = sqlops.New().SlidingWindowTakeChecks(ctx, db, p)
 	} else if q.lone() {
-		var once []sqlops.SlidingWindowTakeOnceRow
-		once, err = sqlops.New().SlidingWindowTakeOnce(ctx, db, sqlops.SlidingWindowTakeOnceParams{
-			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
-			WindowUs: p.WindowsUs[0], Cost: p.Costs[0], MaxCount: p.MaxCounts[0], Penalty: p.Penalties[0],
+		rows, replayed, err = takeOrReplay(func() ([]sqlops.SlidingWindowTakeChecksRow, error) {
+			once, err := sqlops.New().SlidingWindowTakeOnce(ctx, db, sqlops.SlidingWindowTakeOnceParams{
+				RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
+				WindowUs: p.WindowsUs[0], Cost: p.Costs[0], MaxCount: p.MaxCounts[0], Penalty: p.Penalties[0],
+			})
+			return rowsAs(once, func(o sqlops.SlidingWindowTakeOnceRow) sqlops.SlidingWindowTakeChecksRow {
+				return sqlops.SlidingWindowTakeChecksRow(o)
+			}), err
+		}, func() ([]sqlops.SlidingWindowTakeChecksRow, error) {
+			stored, err := sqlops.New().SlidingWindowAnswer(ctx, db, sqlops.SlidingWindowAnswerParams{
+				RequestKey: r.key, RequestID: r.id,
+			})
+			return rowsAs(stored, func(o sqlops.SlidingWindowAnswerRow) sqlops.SlidingWindowTakeChecksRow {
+				return sqlops.SlidingWindowTakeChecksRow(o)
+			}), err
 		})
-		for _, o := range once {
-			rows = append(rows, sqlops.SlidingWindowTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
-				WindowStartUs: o.WindowStartUs, Count: o.Count, PrevCount: o.PrevCount, Allowed: o.Allowed,
-				NowUs: o.NowUs})
-			replayed = replayed || o.Replayed
-		}
 	} else {
 		var once []sqlops.SlidingWindowTakeChecksOnceRow
 		once, err = sqlops.New().SlidingWindowTakeChecksOnce(ctx, db, sqlops.SlidingWindowTakeChecksOnceParams{

@@ -145,16 +145,22 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 	if r := q.request; r == nil {
 		rows, err = sqlops.New().TokenBucketTakeChecks(ctx, db, p)
 	} else if q.lone() {
-		var once []sqlops.TokenBucketTakeOnceRow
-		once, err = sqlops.New().TokenBucketTakeOnce(ctx, db, sqlops.TokenBucketTakeOnceParams{
-			RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
-			Capacity: p.Capacities[0], RefillPerUs: p.RefillsPerUs[0], Cost: p.Costs[0], Penalty: p.Penalties[0],
+		rows, replayed, err = takeOrReplay(func() ([]sqlops.TokenBucketTakeChecksRow, error) {
+			once, err := sqlops.New().TokenBucketTakeOnce(ctx, db, sqlops.TokenBucketTakeOnceParams{
+				RequestKey: r.key, RequestID: r.id, RetainUs: r.retainUs, Key: p.Keys[0], At: p.At,
+				Capacity: p.Capacities[0], RefillPerUs: p.RefillsPerUs[0], Cost: p.Costs[0], Penalty: p.Penalties[0],
+			})
+			return rowsAs(once, func(o sqlops.TokenBucketTakeOnceRow) sqlops.TokenBucketTakeChecksRow {
+				return sqlops.TokenBucketTakeChecksRow(o)
+			}), err
+		}, func() ([]sqlops.TokenBucketTakeChecksRow, error) {
+			stored, err := sqlops.New().TokenBucketAnswer(ctx, db, sqlops.TokenBucketAnswerParams{
+				RequestKey: r.key, RequestID: r.id,
+			})
+			return rowsAs(stored, func(o sqlops.TokenBucketAnswerRow) sqlops.TokenBucketTakeChecksRow {
+				return sqlops.TokenBucketTakeChecksRow(o)
+			}), err
 		})
-		for _, o := range once {
-			rows = append(rows, sqlops.TokenBucketTakeChecksRow{CheckIndex: o.CheckIndex, Granted: o.Granted,
-				TokensBits: o.TokensBits, UpdatedAtUs: o.UpdatedAtUs, FullAtUs: o.FullAtUs, Allowed: o.Allowed})
-			replayed = replayed || o.Replayed
-		}
 	} else {
 		var once []sqlops.TokenBucketTakeChecksOnceRow
 		once, err = sqlops.New().TokenBucketTakeChecksOnce(ctx, db, sqlops.TokenBucketTakeChecksOnceParams{

@@ -12,6 +12,57 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const fixedWindowAnswer = `-- name: FixedWindowAnswer :many
+SELECT (x->>'check_index')::integer AS check_index, (x->>'granted')::bigint AS granted,
+       (x->>'count')::bigint AS count, (x->>'allowed')::boolean AS allowed,
+       (x->>'expires_at_us')::bigint AS expires_at_us, (x->>'now_us')::bigint AS now_us
+  FROM pgrl_request AS r, jsonb_array_elements(r.result) AS x
+ WHERE r.key = $1::bytea AND r.id = $2::bytea
+`
+
+type FixedWindowAnswerParams struct {
+	RequestKey []byte
+	RequestID  []byte
+}
+
+type FixedWindowAnswerRow struct {
+	CheckIndex  int32
+	Granted     int64
+	Count       int64
+	Allowed     bool
+	ExpiresAtUs int64
+	NowUs       int64
+}
+
+// FixedWindowAnswer is the answer stored under a request id, as
+// FixedWindowTakeChecksOnce returns it when it finds one.
+func (q *Queries) FixedWindowAnswer(ctx context.Context, db DBTX, arg FixedWindowAnswerParams) ([]FixedWindowAnswerRow, error) {
+	rows, err := db.Query(ctx, fixedWindowAnswer, arg.RequestKey, arg.RequestID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []FixedWindowAnswerRow
+	for rows.Next() {
+		var i FixedWindowAnswerRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.Count,
+			&i.Allowed,
+			&i.ExpiresAtUs,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const fixedWindowTakeChecksOnce = `-- name: FixedWindowTakeChecksOnce :many
 
 WITH seen AS (
@@ -71,7 +122,8 @@ type FixedWindowTakeChecksOnceRow struct {
 // check (…TakeChecks), and in the same statement its answer stored in
 // pgrl_request under (request_key, request_id). When the id is stored
 // already, the check is not made: the stored answer comes back instead,
-// with replayed true. Two checks of one id at once: the second fails with
+// with replayed true (from …TakeOnce, no row: the caller reads it with
+// …Answer). Two checks of one id at once: the second fails with
 // unique_violation on pgrl_request_pkey, counting nothing, and is sent
 // again, when it finds the first's answer. A stored answer is kept at
 // least retain_us past the check (rl-cleanup deletes it afterwards).
@@ -121,49 +173,52 @@ func (q *Queries) FixedWindowTakeChecksOnce(ctx context.Context, db DBTX, arg Fi
 }
 
 const fixedWindowTakeOnce = `-- name: FixedWindowTakeOnce :many
-WITH seen AS (
-    SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
-), q AS (
+WITH q AS (
     INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
-    SELECT $3::bytea, pgrl_from_epoch_us(p.end_us), s.count, s.allowed, p.ts
-      FROM (SELECT pgrl_now($4::timestamptz) AS ts,
-                   pgrl_window_end_us(pgrl_now_us($4::timestamptz), $5::bigint) AS end_us
-            OFFSET 0) AS p,
-           LATERAL pgrl_fixed_window_take(p.end_us, 0, $6::bigint, $7::bigint, $8::boolean,
-                                          false) AS s
-     WHERE NOT EXISTS (SELECT FROM seen)
+    SELECT $1::bytea,
+           pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                 $3::bigint)),
+           (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                      $3::bigint), 0,
+                                   $4::bigint, $5::bigint, $6::boolean,
+                                   false)).count,
+           (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us($2::timestamptz),
+                                                      $3::bigint), 0,
+                                   $4::bigint, $5::bigint, $6::boolean,
+                                   false)).allowed,
+           pgrl_now($2::timestamptz)
+     WHERE NOT EXISTS (SELECT FROM pgrl_request AS r
+                        WHERE r.key = $7::bytea AND r.id = $8::bytea)
     ON CONFLICT (key, expires_at) DO UPDATE
-       SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $6::bigint,
-                                           $7::bigint, $8::boolean, false)).count,
-           allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $6::bigint,
-                                             $7::bigint, $8::boolean, false)).allowed,
+       SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $4::bigint,
+                                           $5::bigint, $6::boolean, false)).count,
+           allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, $4::bigint,
+                                             $5::bigint, $6::boolean, false)).allowed,
            updated_at = excluded.updated_at
-    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $6::bigint ELSE 0 END::bigint AS granted,
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $4::bigint ELSE 0 END::bigint AS granted,
               count, allowed, pgrl_us(expires_at) AS expires_at_us, pgrl_us(updated_at) AS now_us
 ), stored AS (
     INSERT INTO pgrl_request (key, id, expires_at, result)
-    SELECT $1::bytea, $2::bytea, pgrl_ts(max(q.now_us) + $9::bigint), jsonb_agg(q)
-      FROM q HAVING count(*) > 0
+    SELECT $7::bytea, $8::bytea, pgrl_ts(q.now_us + $9::bigint),
+           jsonb_build_array(jsonb_build_object('check_index', q.check_index, 'granted', q.granted,
+                                                'count', q.count, 'allowed', q.allowed,
+                                                'expires_at_us', q.expires_at_us, 'now_us', q.now_us))
+      FROM q
 )
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.count::bigint AS count,
-       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us,
-       false AS replayed
+       q.allowed::boolean AS allowed, q.expires_at_us::bigint AS expires_at_us, q.now_us::bigint AS now_us
   FROM q
-UNION ALL
-SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'count')::bigint, (x->>'allowed')::boolean,
-       (x->>'expires_at_us')::bigint, (x->>'now_us')::bigint, true
-  FROM seen, jsonb_array_elements(seen.result) AS x
 `
 
 type FixedWindowTakeOnceParams struct {
-	RequestKey []byte
-	RequestID  []byte
 	Key        []byte
 	At         *time.Time
 	WindowUs   int64
 	Cost       int64
 	MaxCount   int64
 	Penalty    bool
+	RequestKey []byte
+	RequestID  []byte
 	RetainUs   int64
 }
 
@@ -174,24 +229,26 @@ type FixedWindowTakeOnceRow struct {
 	Allowed     bool
 	ExpiresAtUs int64
 	NowUs       int64
-	Replayed    bool
 }
 
 // FixedWindowTakeOnce is FixedWindowTakeChecksOnce for one check that asks
 // for its whole cost (no partial grant, no slice): the check is
 // FixedWindowTake's upsert, with no check function between it and the
 // row, and its answer is stored in the same form, so that a retry finds it
-// whichever statement made it.
+// whichever statement made it. When the id is stored already, nothing is
+// counted and no row comes back: the caller reads the stored answer
+// (FixedWindowAnswer). Retries are rare, and a replay read in this
+// statement cost every first check a second probe and a union.
 func (q *Queries) FixedWindowTakeOnce(ctx context.Context, db DBTX, arg FixedWindowTakeOnceParams) ([]FixedWindowTakeOnceRow, error) {
 	rows, err := db.Query(ctx, fixedWindowTakeOnce,
-		arg.RequestKey,
-		arg.RequestID,
 		arg.Key,
 		arg.At,
 		arg.WindowUs,
 		arg.Cost,
 		arg.MaxCount,
 		arg.Penalty,
+		arg.RequestKey,
+		arg.RequestID,
 		arg.RetainUs,
 	)
 	if err != nil {
@@ -208,7 +265,6 @@ func (q *Queries) FixedWindowTakeOnce(ctx context.Context, db DBTX, arg FixedWin
 			&i.Allowed,
 			&i.ExpiresAtUs,
 			&i.NowUs,
-			&i.Replayed,
 		); err != nil {
 			return nil, err
 		}
@@ -272,6 +328,60 @@ func (q *Queries) RequestsExist(ctx context.Context, db DBTX) (bool, error) {
 	var requests_exist bool
 	err := row.Scan(&requests_exist)
 	return requests_exist, err
+}
+
+const slidingWindowAnswer = `-- name: SlidingWindowAnswer :many
+SELECT (x->>'check_index')::integer AS check_index, (x->>'granted')::bigint AS granted,
+       (x->>'window_start_us')::bigint AS window_start_us, (x->>'count')::bigint AS count,
+       (x->>'prev_count')::bigint AS prev_count, (x->>'allowed')::boolean AS allowed,
+       (x->>'now_us')::bigint AS now_us
+  FROM pgrl_request AS r, jsonb_array_elements(r.result) AS x
+ WHERE r.key = $1::bytea AND r.id = $2::bytea
+`
+
+type SlidingWindowAnswerParams struct {
+	RequestKey []byte
+	RequestID  []byte
+}
+
+type SlidingWindowAnswerRow struct {
+	CheckIndex    int32
+	Granted       int64
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowAnswer is the answer stored under a request id, as
+// SlidingWindowTakeChecksOnce returns it when it finds one.
+func (q *Queries) SlidingWindowAnswer(ctx context.Context, db DBTX, arg SlidingWindowAnswerParams) ([]SlidingWindowAnswerRow, error) {
+	rows, err := db.Query(ctx, slidingWindowAnswer, arg.RequestKey, arg.RequestID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []SlidingWindowAnswerRow
+	for rows.Next() {
+		var i SlidingWindowAnswerRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.WindowStartUs,
+			&i.Count,
+			&i.PrevCount,
+			&i.Allowed,
+			&i.NowUs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const slidingWindowTakeChecksOnce = `-- name: SlidingWindowTakeChecksOnce :many
@@ -378,62 +488,69 @@ func (q *Queries) SlidingWindowTakeChecksOnce(ctx context.Context, db DBTX, arg 
 }
 
 const slidingWindowTakeOnce = `-- name: SlidingWindowTakeOnce :many
-WITH seen AS (
-    SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
-), q AS (
+WITH q AS (
     INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
-    SELECT $3::bytea, pgrl_from_epoch_us(p.start_us), s.count, 0,
-           pgrl_from_epoch_us(p.start_us + 2 * $4::bigint), s.allowed, p.ts
-      FROM (SELECT pgrl_now($5::timestamptz) AS ts, pgrl_now_us($5::timestamptz) AS now_us,
-                   pgrl_window_start_us(pgrl_now_us($5::timestamptz), $4::bigint) AS start_us
-            OFFSET 0) AS p,
-           LATERAL pgrl_sliding_window_take(NULL, 0, 0, p.now_us, $4::bigint, $6::bigint,
-                                            $7::bigint, $8::boolean, false) AS s
-     WHERE NOT EXISTS (SELECT FROM seen)
+    SELECT $1::bytea,
+           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                                   $3::bigint)),
+           (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                     $3::bigint,
+                                     $4::bigint, $5::bigint, $6::boolean,
+                                     false)).count,
+           0,
+           pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                                   $3::bigint) + 2 * $3::bigint),
+           (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                     $3::bigint,
+                                     $4::bigint, $5::bigint, $6::boolean,
+                                     false)).allowed,
+           pgrl_now($2::timestamptz)
+     WHERE NOT EXISTS (SELECT FROM pgrl_request AS r
+                        WHERE r.key = $7::bytea AND r.id = $8::bytea)
     ON CONFLICT (key) DO UPDATE
        SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
-                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
-                                            $7::bigint, $8::boolean, false)).window_start_us),
+                                            pgrl_us(excluded.updated_at), $3::bigint, $4::bigint,
+                                            $5::bigint, $6::boolean, false)).window_start_us),
            count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
-                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
-                                            $7::bigint, $8::boolean, false)).count,
+                                            pgrl_us(excluded.updated_at), $3::bigint, $4::bigint,
+                                            $5::bigint, $6::boolean, false)).count,
            prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
-                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
-                                            $7::bigint, $8::boolean, false)).prev_count,
+                                            pgrl_us(excluded.updated_at), $3::bigint, $4::bigint,
+                                            $5::bigint, $6::boolean, false)).prev_count,
            expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
-                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
-                                            $7::bigint, $8::boolean, false)).window_start_us
-                                + 2 * $4::bigint),
+                                            pgrl_us(excluded.updated_at), $3::bigint, $4::bigint,
+                                            $5::bigint, $6::boolean, false)).window_start_us
+                                + 2 * $3::bigint),
            allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
-                                            pgrl_us(excluded.updated_at), $4::bigint, $6::bigint,
-                                            $7::bigint, $8::boolean, false)).allowed,
+                                            pgrl_us(excluded.updated_at), $3::bigint, $4::bigint,
+                                            $5::bigint, $6::boolean, false)).allowed,
            updated_at = excluded.updated_at
-    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $6::bigint ELSE 0 END::bigint AS granted,
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $4::bigint ELSE 0 END::bigint AS granted,
               pgrl_us(window_start) AS window_start_us, count, prev_count, allowed, pgrl_us(updated_at) AS now_us
 ), stored AS (
     INSERT INTO pgrl_request (key, id, expires_at, result)
-    SELECT $1::bytea, $2::bytea, pgrl_ts(max(q.now_us) + $9::bigint), jsonb_agg(q)
-      FROM q HAVING count(*) > 0
+    SELECT $7::bytea, $8::bytea, pgrl_ts(q.now_us + $9::bigint),
+           jsonb_build_array(jsonb_build_object('check_index', q.check_index, 'granted', q.granted,
+                                                'window_start_us', q.window_start_us, 'count', q.count,
+                                                'prev_count', q.prev_count, 'allowed', q.allowed,
+                                                'now_us', q.now_us))
+      FROM q
 )
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted,
        q.window_start_us::bigint AS window_start_us, q.count::bigint AS count, q.prev_count::bigint AS prev_count,
-       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us, false AS replayed
+       q.allowed::boolean AS allowed, q.now_us::bigint AS now_us
   FROM q
-UNION ALL
-SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'window_start_us')::bigint,
-       (x->>'count')::bigint, (x->>'prev_count')::bigint, (x->>'allowed')::boolean, (x->>'now_us')::bigint, true
-  FROM seen, jsonb_array_elements(seen.result) AS x
 `
 
 type SlidingWindowTakeOnceParams struct {
-	RequestKey []byte
-	RequestID  []byte
 	Key        []byte
-	WindowUs   int64
 	At         *time.Time
+	WindowUs   int64
 	Cost       int64
 	MaxCount   int64
 	Penalty    bool
+	RequestKey []byte
+	RequestID  []byte
 	RetainUs   int64
 }
 
@@ -445,7 +562,6 @@ type SlidingWindowTakeOnceRow struct {
 	PrevCount     int64
 	Allowed       bool
 	NowUs         int64
-	Replayed      bool
 }
 
 // SlidingWindowTakeOnce is SlidingWindowTakeChecksOnce for one check that
@@ -453,14 +569,14 @@ type SlidingWindowTakeOnceRow struct {
 // SlidingWindowTake's upsert.
 func (q *Queries) SlidingWindowTakeOnce(ctx context.Context, db DBTX, arg SlidingWindowTakeOnceParams) ([]SlidingWindowTakeOnceRow, error) {
 	rows, err := db.Query(ctx, slidingWindowTakeOnce,
-		arg.RequestKey,
-		arg.RequestID,
 		arg.Key,
-		arg.WindowUs,
 		arg.At,
+		arg.WindowUs,
 		arg.Cost,
 		arg.MaxCount,
 		arg.Penalty,
+		arg.RequestKey,
+		arg.RequestID,
 		arg.RetainUs,
 	)
 	if err != nil {
@@ -478,7 +594,57 @@ func (q *Queries) SlidingWindowTakeOnce(ctx context.Context, db DBTX, arg Slidin
 			&i.PrevCount,
 			&i.Allowed,
 			&i.NowUs,
-			&i.Replayed,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const tokenBucketAnswer = `-- name: TokenBucketAnswer :many
+SELECT (x->>'check_index')::integer AS check_index, (x->>'granted')::bigint AS granted,
+       (x->>'tokens_bits')::bigint AS tokens_bits, (x->>'updated_at_us')::bigint AS updated_at_us,
+       (x->>'full_at_us')::bigint AS full_at_us, (x->>'allowed')::boolean AS allowed
+  FROM pgrl_request AS r, jsonb_array_elements(r.result) AS x
+ WHERE r.key = $1::bytea AND r.id = $2::bytea
+`
+
+type TokenBucketAnswerParams struct {
+	RequestKey []byte
+	RequestID  []byte
+}
+
+type TokenBucketAnswerRow struct {
+	CheckIndex  int32
+	Granted     int64
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketAnswer is the answer stored under a request id, as
+// TokenBucketTakeChecksOnce returns it when it finds one.
+func (q *Queries) TokenBucketAnswer(ctx context.Context, db DBTX, arg TokenBucketAnswerParams) ([]TokenBucketAnswerRow, error) {
+	rows, err := db.Query(ctx, tokenBucketAnswer, arg.RequestKey, arg.RequestID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []TokenBucketAnswerRow
+	for rows.Next() {
+		var i TokenBucketAnswerRow
+		if err := rows.Scan(
+			&i.CheckIndex,
+			&i.Granted,
+			&i.TokensBits,
+			&i.UpdatedAtUs,
+			&i.FullAtUs,
+			&i.Allowed,
 		); err != nil {
 			return nil, err
 		}
@@ -591,73 +757,80 @@ func (q *Queries) TokenBucketTakeChecksOnce(ctx context.Context, db DBTX, arg To
 }
 
 const tokenBucketTakeOnce = `-- name: TokenBucketTakeOnce :many
-WITH seen AS (
-    SELECT r.result FROM pgrl_request AS r WHERE r.key = $1::bytea AND r.id = $2::bytea
-), q AS (
+WITH q AS (
     INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
-    SELECT $3::bytea, s.tokens, p.ts, pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us),
-           s.allowed, pgrl_token_bucket_lease_epoch_us(p.now_us)
-      FROM (SELECT pgrl_now($4::timestamptz) AS ts, pgrl_now_us($4::timestamptz) AS now_us,
-                   $5::float8 AS capacity, $6::float8 AS refill_per_us
-            OFFSET 0) AS p,
-           LATERAL pgrl_token_bucket_take(p.capacity, p.now_us, p.now_us, $7::bigint, p.capacity,
-                                          p.refill_per_us, $8::boolean, false) AS s
-     WHERE NOT EXISTS (SELECT FROM seen)
+    SELECT $1::bytea,
+           (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                   pgrl_now_us($3::timestamptz), $4::bigint,
+                                   $2::float8, $5::float8,
+                                   $6::boolean, false)).tokens,
+           pgrl_now($3::timestamptz),
+           pgrl_token_bucket_full_at(
+               pgrl_now($3::timestamptz),
+               (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                       pgrl_now_us($3::timestamptz), $4::bigint,
+                                       $2::float8, $5::float8,
+                                       $6::boolean, false)).tokens,
+               $2::float8, $5::float8),
+           (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                   pgrl_now_us($3::timestamptz), $4::bigint,
+                                   $2::float8, $5::float8,
+                                   $6::boolean, false)).allowed,
+           pgrl_token_bucket_lease_epoch_us(pgrl_now_us($3::timestamptz))
+     WHERE NOT EXISTS (SELECT FROM pgrl_request AS r
+                        WHERE r.key = $7::bytea AND r.id = $8::bytea)
     ON CONFLICT (key) DO UPDATE
        SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                            $7::bigint,
-                                            $5::float8
+                                            $4::bigint,
+                                            $2::float8
                                             - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                        excluded.lease_epoch_us),
-                                            $6::float8, $8::boolean, false)).tokens,
+                                            $5::float8, $6::boolean, false)).tokens,
            updated_at = greatest(t.updated_at, excluded.updated_at),
            full_at = greatest(pgrl_token_bucket_refilled_at(
                                   greatest(t.updated_at, excluded.updated_at),
                                   (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                          pgrl_us(excluded.updated_at), $7::bigint,
-                                                          $5::float8
+                                                          pgrl_us(excluded.updated_at), $4::bigint,
+                                                          $2::float8
                                                           - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                      t.leased_prev,
                                                                                      excluded.lease_epoch_us),
-                                                          $6::float8, $8::boolean,
+                                                          $5::float8, $6::boolean,
                                                           false)).tokens,
-                                  $5::float8, $6::float8),
+                                  $2::float8, $5::float8),
                               pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
            allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
-                                             $7::bigint,
-                                             $5::float8
+                                             $4::bigint,
+                                             $2::float8
                                              - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                         excluded.lease_epoch_us),
-                                             $6::float8, $8::boolean,
+                                             $5::float8, $6::boolean,
                                              false)).allowed
-    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $7::bigint ELSE 0 END::bigint AS granted,
+    RETURNING 1::integer AS check_index, CASE WHEN allowed THEN $4::bigint ELSE 0 END::bigint AS granted,
               pgrl_float8_bits(tokens) AS tokens_bits, pgrl_us(updated_at) AS updated_at_us,
               pgrl_us(full_at) AS full_at_us, allowed
 ), stored AS (
     INSERT INTO pgrl_request (key, id, expires_at, result)
-    SELECT $1::bytea, $2::bytea, pgrl_ts(max(q.updated_at_us) + $9::bigint),
-           jsonb_agg(q)
-      FROM q HAVING count(*) > 0
+    SELECT $7::bytea, $8::bytea, pgrl_ts(q.updated_at_us + $9::bigint),
+           jsonb_build_array(jsonb_build_object('check_index', q.check_index, 'granted', q.granted,
+                                                'tokens_bits', q.tokens_bits, 'updated_at_us', q.updated_at_us,
+                                                'full_at_us', q.full_at_us, 'allowed', q.allowed))
+      FROM q
 )
 SELECT q.check_index::integer AS check_index, q.granted::bigint AS granted, q.tokens_bits::bigint AS tokens_bits,
-       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed,
-       false AS replayed
+       q.updated_at_us::bigint AS updated_at_us, q.full_at_us::bigint AS full_at_us, q.allowed::boolean AS allowed
   FROM q
-UNION ALL
-SELECT (x->>'check_index')::integer, (x->>'granted')::bigint, (x->>'tokens_bits')::bigint,
-       (x->>'updated_at_us')::bigint, (x->>'full_at_us')::bigint, (x->>'allowed')::boolean, true
-  FROM seen, jsonb_array_elements(seen.result) AS x
 `
 
 type TokenBucketTakeOnceParams struct {
+	Key         []byte
+	Capacity    float64
+	At          *time.Time
+	Cost        int64
+	RefillPerUs float64
+	Penalty     bool
 	RequestKey  []byte
 	RequestID   []byte
-	Key         []byte
-	At          *time.Time
-	Capacity    float64
-	RefillPerUs float64
-	Cost        int64
-	Penalty     bool
 	RetainUs    int64
 }
 
@@ -668,7 +841,6 @@ type TokenBucketTakeOnceRow struct {
 	UpdatedAtUs int64
 	FullAtUs    int64
 	Allowed     bool
-	Replayed    bool
 }
 
 // TokenBucketTakeOnce is TokenBucketTakeChecksOnce for one check that asks
@@ -676,14 +848,14 @@ type TokenBucketTakeOnceRow struct {
 // TokenBucketTake's upsert.
 func (q *Queries) TokenBucketTakeOnce(ctx context.Context, db DBTX, arg TokenBucketTakeOnceParams) ([]TokenBucketTakeOnceRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeOnce,
+		arg.Key,
+		arg.Capacity,
+		arg.At,
+		arg.Cost,
+		arg.RefillPerUs,
+		arg.Penalty,
 		arg.RequestKey,
 		arg.RequestID,
-		arg.Key,
-		arg.At,
-		arg.Capacity,
-		arg.RefillPerUs,
-		arg.Cost,
-		arg.Penalty,
 		arg.RetainUs,
 	)
 	if err != nil {
@@ -700,7 +872,6 @@ func (q *Queries) TokenBucketTakeOnce(ctx context.Context, db DBTX, arg TokenBuc
 			&i.UpdatedAtUs,
 			&i.FullAtUs,
 			&i.Allowed,
-			&i.Replayed,
 		); err != nil {
 			return nil, err
 		}
