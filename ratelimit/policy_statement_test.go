@@ -357,49 +357,61 @@ func TestPolicyBatchWithAChangedPolicy(t *testing.T) {
 
 // Concurrent checks of one limiter with a stored policy share round trips,
 // and admit exactly the stored limit, not the limiter's own: 16
-// goroutines, 2 keys, one under an override.
+// goroutines, 2 keys, one under an override. Every round is exact; on a
+// busy machine a round may share no round trip (a statement that takes
+// over 5 ms sends the queued checks out alone), so rounds of a new policy
+// are run until one has, five at most.
 func TestPolicyCoalescedExact(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
-	ctx := context.Background()
 	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
-		name := "coalesced-" + string(alg)
-		setPolicy(t, pool, name, alg, 40, time.Hour, 0, false)
-		setOverride(t, pool, name, "vip", 70, 0, 0, nil)
-		// The limiter believes 1,000: the stored 40 (70 for "vip") decides.
-		// One round trip at a time, so that checks queue and share one.
-		l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 1000, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{MaxInFlight: 1, Timeout: time.Minute})
-		var admitted [2]atomic.Int64
-		var wg sync.WaitGroup
-		errs := make(chan error, 16)
-		for g := range 16 {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := range 10 {
-					k := (g + i) % 2
-					d, err := l.Allow(ctx, []string{"plain", "vip"}[k])
-					if err != nil {
-						errs <- err
-						return
-					}
-					if d.Store != ratelimit.StorePostgres {
-						errs <- fmt.Errorf("decided by %v", d.Store)
-						return
-					}
-					if d.Allowed {
-						admitted[k].Add(1)
-					}
-				}
-			}()
+		var batched uint64
+		for round := 0; round < 5 && batched == 0; round++ {
+			batched = policyCoalescedRound(t, pool, alg, fmt.Sprintf("coalesced-%s-%d", alg, round))
 		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			require.NoError(t, err, alg)
-		}
-		require.Equal(t, int64(40), admitted[0].Load(), alg)
-		require.Equal(t, int64(70), admitted[1].Load(), alg)
-		require.Positive(t, ratelimit.BatchedChecks(l), "%s: checks shared round trips", alg)
+		require.Positive(t, batched, "%s: checks shared round trips", alg)
 	}
+}
+
+// policyCoalescedRound is one round of TestPolicyCoalescedExact, with the
+// policy name: it returns how many checks shared a round trip.
+func policyCoalescedRound(t *testing.T, pool *pgxpool.Pool, alg ratelimit.Algorithm, name string) uint64 {
+	ctx := context.Background()
+	setPolicy(t, pool, name, alg, 40, time.Hour, 0, false)
+	setOverride(t, pool, name, "vip", 70, 0, 0, nil)
+	// The limiter believes 1,000: the stored 40 (70 for "vip") decides.
+	// One round trip at a time, so that checks queue and share one.
+	l := testkit.NewLimiter(t, pool, ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 1000, Window: time.Hour, DenyCacheSize: -1}, ratelimit.DatabaseOptions{MaxInFlight: 1, Timeout: time.Minute})
+	var admitted [2]atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, 16)
+	for g := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 10 {
+				k := (g + i) % 2
+				d, err := l.Allow(ctx, []string{"plain", "vip"}[k])
+				if err != nil {
+					errs <- err
+					return
+				}
+				if d.Store != ratelimit.StorePostgres {
+					errs <- fmt.Errorf("decided by %v", d.Store)
+					return
+				}
+				if d.Allowed {
+					admitted[k].Add(1)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err, alg)
+	}
+	require.Equal(t, int64(40), admitted[0].Load(), alg)
+	require.Equal(t, int64(70), admitted[1].Load(), alg)
+	return ratelimit.BatchedChecks(l)
 }
