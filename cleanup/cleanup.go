@@ -701,6 +701,11 @@ func (r *runner) run() error {
 	if err := r.table(TableSlidingWindow, &r.res.Tables.SlidingWindow); err != nil {
 		return err
 	}
+	if r.stopped() {
+		// Not even to ask which later tables exist: a run past its
+		// MaxDuration ends at once.
+		return nil
+	}
 	// The tables of later migrations are cleaned where they exist, so
 	// that a schema at an older version is cleaned as before.
 	exists, err := r.q.RequestsExist(r.ctx, r.conn)
@@ -711,6 +716,9 @@ func (r *runner) run() error {
 		if err := r.table(TableRequests, &r.res.Tables.Requests); err != nil {
 			return err
 		}
+	}
+	if r.stopped() {
+		return nil
 	}
 	if exists, err = r.q.ConcurrencyExists(r.ctx, r.conn); err != nil || !exists {
 		return err
