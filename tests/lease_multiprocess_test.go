@@ -327,8 +327,10 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 						// that every goroutine of every child covers whole, and
 						// on a busy machine their starts and ends straggle by a
 						// few hundred milliseconds (with three, no window was
-						// covered in one run under a 2-core CPU load).
-						duration := 4*windowMs + 200
+						// covered in one run under a 2-core CPU load). At
+						// least 3 s: with windows of 0.5 s, four were not
+						// enough under that load either.
+						duration := max(4*windowMs, 3000) + 200
 						if a == ratelimit.TokenBucket {
 							// A bucket refilling its limit once a day: over
 							// the run it admits its burst, the limit, and
