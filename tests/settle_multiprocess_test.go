@@ -3,6 +3,7 @@ package tests
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -221,6 +222,14 @@ func TestSettleMultiprocess(t *testing.T) {
 		var n int
 		return pool.QueryRow(ctx, "SELECT count(*) FROM pgrl_request").Scan(&n) == nil && n >= 100
 	}, time.Minute, 5*time.Millisecond)
+	// And process 0 has made its first reservation (its one goroutine may
+	// have seen every attempt terminated until now). The stored id is
+	// ratelimit's hash of the reservation id.
+	first := sha256.Sum256([]byte("pgrl reserve\x00" + settleID(0, 0)))
+	require.Eventually(t, func() bool {
+		var ok bool
+		return pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pgrl_request WHERE id = $1)", first[:16]).Scan(&ok) == nil && ok
+	}, time.Minute, 5*time.Millisecond, "process 0 made its first reservation")
 	time.Sleep(time.Duration(150+rand.IntN(200)) * time.Millisecond)
 	require.NoError(t, children[0].cmd.Process.Kill())
 	reports := make([]settleReport, processes)
