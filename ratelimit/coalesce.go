@@ -390,7 +390,7 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	ctx := context.WithoutCancel(batch[0].ctx)
 	if dl, ok := batch[0].ctx.Deadline(); ok {
 		var cancel context.CancelFunc
-		ctx, cancel = context.WithDeadline(ctx, dl)
+		ctx, cancel = batch[0].l.st.deadlines.until(ctx, dl)
 		defer cancel()
 	}
 	if len(batch) == 1 && batch[0].members == nil {

@@ -23,13 +23,16 @@ import (
 //	...
 //	login, err := limits.Limiter(ratelimit.Config{Name: "login:ip", Limit: 10, Window: time.Minute})
 //
-// A Database is safe for concurrent use. It starts no goroutine of its own, so
-// it needs no closing: it lives as long as its limiters do.
+// A Database is safe for concurrent use. It needs no closing: it lives as
+// long as its limiters do, and the goroutines it starts (one that ends
+// checks past their Timeout, and one that extends the slots of concurrency
+// limits) end a little after its last check or slot.
 type Database struct {
 	db        DB // the pool's share when db is a *pgxpool.Pool
 	opts      DatabaseOptions
 	coalescer *coalescer // nil when coalescing is off or db is one connection
 	breaker   *breaker
+	deadlines *deadlines // bounds each check by opts.Timeout
 
 	mu    sync.Mutex
 	names []string // the limits made from the Database, for the Observer's breaker events
@@ -153,7 +156,7 @@ func NewDatabase(db DB, opts DatabaseOptions) (*Database, error) {
 		// Checks hold at most their share of the pool (PoolShareDivisor).
 		db = sharedPoolFor(pool)
 	}
-	s := &Database{db: db, opts: opts}
+	s := &Database{db: db, opts: opts, deadlines: newDeadlines(opts.Timeout)}
 	if !opts.DisableCoalescing && !singleConn(db) {
 		s.coalescer = newCoalescer(opts.MaxBatch, opts.MaxInFlight)
 	}

@@ -26,7 +26,7 @@ import (
 // TestStallDefaultConfigBounded holds it to the bound against a server that
 // stops answering.
 func (l *Limiter) allowWithin(ctx context.Context, key string, a ask) (Decision, error) {
-	cctx, cancel := context.WithTimeout(ctx, l.st.opts.Timeout)
+	cctx, cancel := l.st.deadlines.within(ctx, l.st.opts.Timeout)
 	defer cancel()
 	d, err := l.allowDB(cctx, key, a)
 	if err != nil && cctx.Err() != nil {
@@ -174,7 +174,7 @@ func decideMultiWithin(ctx context.Context, tx pgx.Tx, mode MultiMode, group []*
 	cctx := ctx
 	if tx == nil {
 		var cancel context.CancelFunc
-		cctx, cancel = context.WithTimeout(ctx, first.st.opts.Timeout)
+		cctx, cancel = first.st.deadlines.within(ctx, first.st.opts.Timeout)
 		defer cancel()
 	}
 	take := func() ([]Decision, error) {

@@ -223,7 +223,7 @@ func (l *Limiter) Peek(ctx context.Context, key string, opts ...Option) (Decisio
 	if err != nil {
 		return Decision{}, err
 	}
-	cctx, cancel := context.WithTimeout(ctx, lr.st.opts.Timeout)
+	cctx, cancel := lr.st.deadlines.within(ctx, lr.st.opts.Timeout)
 	defer cancel()
 	d, err := lr.peek(cctx, lr.st.db, key)
 	return d, lr.explain(ctx, err)
@@ -258,7 +258,7 @@ func (l *Limiter) Reset(ctx context.Context, key string, opts ...Option) error {
 		return err
 	}
 	lr.forgetLocal(ctx, key)
-	cctx, cancel := context.WithTimeout(ctx, lr.st.opts.Timeout)
+	cctx, cancel := lr.st.deadlines.within(ctx, lr.st.opts.Timeout)
 	defer cancel()
 	return lr.explain(ctx, lr.reset(cctx, lr.st.db, key))
 }

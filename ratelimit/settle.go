@@ -108,7 +108,7 @@ func (l *Limiter) Settle(ctx context.Context, key, id string, actual int64) (Set
 	if actual < 0 {
 		return Settlement{}, WithOutcome(invalid(ErrInvalidCost, "actual cost %d for %q; a settlement's actual cost is 0 or more", actual, l.cfg.Name), OutcomeNotConsumed)
 	}
-	ctx, cancel := context.WithTimeout(ctx, l.st.opts.Timeout)
+	ctx, cancel := l.st.deadlines.within(ctx, l.st.opts.Timeout)
 	defer cancel()
 	tx, err := begin(ctx, l.st.db)
 	if err != nil {
