@@ -54,7 +54,10 @@ type DatabaseOptions struct {
 	// slow statement itself and the connection survives. pgx closes a
 	// connection whose statement was abandoned: a Database on a single
 	// *pgx.Conn loses its connection at the first timeout, so give it a
-	// pool. Peek and Reset are bounded by it too (they return the error).
+	// pool. A check is ended within a sixteenth of the Timeout after it has
+	// passed (one goroutine per Database ends them, rather than a timer per
+	// check; Timeouts under 16ms keep a timer). Peek and Reset are bounded
+	// by it too (they return the error).
 	// Checks inside the caller's transaction (…Tx) are bounded by the
 	// caller's context alone. Defaults to DefaultTimeout (500ms); negative
 	// values are refused with ErrInvalidTimeout.
