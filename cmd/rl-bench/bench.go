@@ -319,10 +319,12 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		Targets:         defaultTargets,
 	}
 	var versionNum int
-	if err := admin.QueryRow(ctx, "SELECT current_setting('server_version'), current_setting('server_version_num')::int").
-		Scan(&rep.Machine.ServerVersion, &versionNum); err != nil {
+	var autovacuum bool
+	if err := admin.QueryRow(ctx, "SELECT current_setting('server_version'), current_setting('server_version_num')::int, "+
+		"current_setting('autovacuum')::boolean").Scan(&rep.Machine.ServerVersion, &versionNum, &autovacuum); err != nil {
 		return rep, err
 	}
+	rep.Machine.AutovacuumOff = !autovacuum
 	before, err := tableStats(ctx, admin, o.schema)
 	if err != nil {
 		return rep, err

@@ -72,6 +72,12 @@ type Machine struct {
 	NumCPU        int    `json:"num_cpu"`
 	GoVersion     string `json:"go_version"`
 	ServerVersion string `json:"server_version"`
+	// AutovacuumOff reports that the server ran with autovacuum off: pgrl's
+	// tables were then never analyzed or vacuumed by it, as they are on a
+	// production server, and the plans of the statements that read a row
+	// before writing it (the check functions of coalesced checks) can differ
+	// from production's. See docs/BENCHMARKS.md, "Machine".
+	AutovacuumOff bool `json:"autovacuum_off,omitempty"`
 }
 
 // Case is one algorithm at one number of callers over one key spread.
@@ -153,8 +159,9 @@ func printText(w io.Writer, r Report) error {
 		}
 		return printHOT(w, r)
 	}
-	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n\n",
-		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing)
+	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n%s\n",
+		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing,
+		serverNote(r.Machine))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "algorithm\tcallers\tkeys\traw ops/s\tlib ops/s\tratio\traw p50 µs\tlib p50 µs\tratio\traw p99 µs\tlib p99 µs\tratio\t")
 	for _, c := range r.Cases {
@@ -166,6 +173,15 @@ func printText(w io.Writer, r Report) error {
 		return err
 	}
 	return printHOT(w, r)
+}
+
+// serverNote is what the report says of the server's settings that make a
+// run unlike production: empty, or one line.
+func serverNote(m Machine) string {
+	if !m.AutovacuumOff {
+		return ""
+	}
+	return "Note: autovacuum is off on this server, so pgrl's tables are neither analyzed nor vacuumed as they are in production; turn it on, or run ANALYZE on pgrl's tables after the first run, for production's plans\n"
 }
 
 // printHOT writes the HOT-update ratios and the targets.
@@ -193,9 +209,9 @@ func printHOT(w io.Writer, r Report) error {
 // printConcurrency writes the --concurrency cases and the hold.
 func printConcurrency(w io.Writer, r Report, coalescing string) error {
 	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, acquire+release and fixed-window allow interleaved; "+
-		"concurrency Limit %d, Window %s; allow coalescing %s (an acquire goes out alone)\n\n",
+		"concurrency Limit %d, Window %s; allow coalescing %s (an acquire goes out alone)\n%s\n",
 		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds,
-		r.ConcurrencyLimit, r.ConcurrencyWindow, coalescing)
+		r.ConcurrencyLimit, r.ConcurrencyWindow, coalescing, serverNote(r.Machine))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "callers\tkeys\tallow ops/s\tacq+rel ops/s\tallow p50 µs\tacquire p50 µs\tratio\tacq+rel p50 µs\tratio\tallow p99 µs\tacquire p99 µs\tacq+rel p99 µs\t")
 	for _, c := range r.ConcurrencyCases {

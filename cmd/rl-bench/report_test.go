@@ -12,7 +12,8 @@ import (
 // pin the whole of both output formats.
 func fixedReport() Report {
 	r := Report{
-		Machine:         Machine{GOOS: "linux", GOARCH: "amd64", NumCPU: 2, GoVersion: "go1.26.0", ServerVersion: "17.5 (Debian 17.5-1)"},
+		Machine: Machine{GOOS: "linux", GOARCH: "amd64", NumCPU: 2, GoVersion: "go1.26.0", ServerVersion: "17.5 (Debian 17.5-1)",
+			AutovacuumOff: true},
 		Schema:          "pgrl_bench",
 		DurationSeconds: 5,
 		WarmupSeconds:   1,
@@ -59,7 +60,8 @@ func TestReportFormatsUnchanged(t *testing.T) {
 func fixedConcurrencyReport() Report {
 	calls := int64(18)
 	r := Report{
-		Machine:           Machine{GOOS: "linux", GOARCH: "amd64", NumCPU: 2, GoVersion: "go1.26.0", ServerVersion: "17.5 (Debian 17.5-1)"},
+		Machine: Machine{GOOS: "linux", GOARCH: "amd64", NumCPU: 2, GoVersion: "go1.26.0", ServerVersion: "17.5 (Debian 17.5-1)",
+			AutovacuumOff: true},
 		Schema:            "pgrl_bench",
 		DurationSeconds:   3,
 		WarmupSeconds:     1,
@@ -110,4 +112,18 @@ func TestConcurrencyReportFormatsUnchanged(t *testing.T) {
 	}
 	golden.Check(t, "report_concurrency.txt", text.Bytes())
 	golden.Check(t, "report_concurrency.json", js.Bytes())
+}
+
+func TestReportNotesAutovacuumOnlyWhenOff(t *testing.T) {
+	r := fixedReport()
+	for _, off := range []bool{true, false} {
+		r.Machine.AutovacuumOff = off
+		var text bytes.Buffer
+		if err := printText(&text, r); err != nil {
+			t.Fatal(err)
+		}
+		if got := bytes.Contains(text.Bytes(), []byte("autovacuum is off")); got != off {
+			t.Errorf("autovacuum off %v: the report notes it: %v\n%s", off, got, text.String())
+		}
+	}
 }
