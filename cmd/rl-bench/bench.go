@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -18,6 +19,7 @@ import (
 	"github.com/pgrl/pgrl/gen"
 	"github.com/pgrl/pgrl/internal/cli"
 	"github.com/pgrl/pgrl/internal/loadtest"
+	"github.com/pgrl/pgrl/internal/sqlops"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/ratelimit"
 )
@@ -47,8 +49,11 @@ type workload struct {
 	// requestIDs gives every library check a request id of its own
 	// (--request-ids): nonce and a count, unique across runs.
 	requestIDs bool
-	nonce      string
-	count      *atomic.Int64
+	// policy makes the library path read its limit from the stored policy
+	// (--policy).
+	policy bool
+	nonce  string
+	count  *atomic.Int64
 	// sqlCheck makes the library path the SQL function pgrl_check
 	// (--sql-check), which counts under the name a policy's limiter
 	// uses: the raw path's keys are stored under it too.
@@ -76,7 +81,7 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 		},
 	}
 	if o.policy {
-		w.cfg.Policy = benchName
+		w.cfg.Policy, w.policy = benchName, true
 	}
 	if o.requestIDs {
 		w.requestIDs, w.nonce, w.count = true, strconv.FormatInt(time.Now().UnixNano(), 36)+"-", new(atomic.Int64)
@@ -120,6 +125,79 @@ func (w workload) raw(db gen.DBTX) loadtest.Check {
 		return func(ctx context.Context, k int) error {
 			_, err := q.FixedWindowTake(ctx, db, gen.FixedWindowTakeParams{
 				Key: w.hashed[k], Cost: 1, MaxCount: w.cfg.Limit, WindowUs: windowUs,
+			})
+			return err
+		}
+	}
+}
+
+// statement returns the feature's own statement, sent directly with no
+// library around it, or nil when the library path sends the raw statement
+// itself: with --policy the take that reads the stored policy, with
+// --request-ids the take that stores its answer under a fresh id, each
+// with the figures the library would send for a lone check. Measured
+// beside the other two, it splits the library path's ratio into what
+// PostgreSQL charges for the feature (statement over raw) and what the
+// client adds (library over statement).
+func (w workload) statement(db gen.DBTX) loadtest.Check {
+	if !w.policy && !w.requestIDs {
+		return nil
+	}
+	q := sqlops.New()
+	windowUs := w.cfg.Window.Microseconds()
+	refill := float64(w.cfg.Limit) / float64(windowUs)
+	if w.policy {
+		switch w.algorithm {
+		case ratelimit.TokenBucket:
+			return func(ctx context.Context, k int) error {
+				_, err := q.TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{
+					Key: w.hashed[k], Cost: 1, OverrideKey: w.hashed[k], Policy: benchName, KeyMode: "hashed",
+				})
+				return err
+			}
+		case ratelimit.SlidingWindow:
+			return func(ctx context.Context, k int) error {
+				_, err := q.SlidingWindowTakePolicy(ctx, db, sqlops.SlidingWindowTakePolicyParams{
+					Key: w.hashed[k], WindowUs: windowUs, Cost: 1, OverrideKey: w.hashed[k], Policy: benchName, KeyMode: "hashed",
+				})
+				return err
+			}
+		default:
+			return func(ctx context.Context, k int) error {
+				_, err := q.FixedWindowTakePolicy(ctx, db, sqlops.FixedWindowTakePolicyParams{
+					Key: w.hashed[k], Cost: 1, WindowUs: windowUs, OverrideKey: w.hashed[k], Policy: benchName, KeyMode: "hashed",
+				})
+				return err
+			}
+		}
+	}
+	// A request id the library path never uses: "s" marks this path's.
+	id := func() []byte {
+		sum := sha256.Sum256([]byte(w.nonce + "s" + strconv.FormatInt(w.count.Add(1), 10)))
+		return sum[:16]
+	}
+	switch w.algorithm {
+	case ratelimit.TokenBucket:
+		return func(ctx context.Context, k int) error {
+			_, err := q.TokenBucketTakeOnce(ctx, db, sqlops.TokenBucketTakeOnceParams{
+				Key: w.hashed[k], Capacity: float64(w.cfg.Burst), Cost: 1, RefillPerUs: refill,
+				RequestKey: w.hashed[k], RequestID: id(), RetainUs: windowUs,
+			})
+			return err
+		}
+	case ratelimit.SlidingWindow:
+		return func(ctx context.Context, k int) error {
+			_, err := q.SlidingWindowTakeOnce(ctx, db, sqlops.SlidingWindowTakeOnceParams{
+				Key: w.hashed[k], WindowUs: windowUs, Cost: 1, MaxCount: w.cfg.Limit,
+				RequestKey: w.hashed[k], RequestID: id(), RetainUs: windowUs,
+			})
+			return err
+		}
+	default:
+		return func(ctx context.Context, k int) error {
+			_, err := q.FixedWindowTakeOnce(ctx, db, sqlops.FixedWindowTakeOnceParams{
+				Key: w.hashed[k], WindowUs: windowUs, Cost: 1, MaxCount: w.cfg.Limit,
+				RequestKey: w.hashed[k], RequestID: id(), RetainUs: windowUs,
 			})
 			return err
 		}
@@ -252,10 +330,16 @@ func runCase(ctx context.Context, o options, connString string, w workload, call
 	}
 	raw := &loadtest.Path{Name: "raw", Check: w.raw(pool)}
 	lib := &loadtest.Path{Name: "library", Check: libCheck}
+	paths := []*loadtest.Path{raw, lib}
+	var stmt *loadtest.Path
+	if check := w.statement(pool); check != nil {
+		stmt = &loadtest.Path{Name: "statement", Check: check}
+		paths = append(paths, stmt)
+	}
 	plan := loadtest.Plan{Callers: callers, Keys: nkeys, Warmup: o.warmup, Duration: o.duration, Slice: sliceTarget}
-	// The two paths alternate which goes first, so that neither always runs
-	// right after the other.
-	if err := loadtest.Run(ctx, plan, raw, lib); err != nil {
+	// The paths take turns at going first, so that none always runs right
+	// after the same other.
+	if err := loadtest.Run(ctx, plan, paths...); err != nil {
 		return Case{}, err
 	}
 	c := Case{
@@ -274,6 +358,14 @@ func runCase(ctx context.Context, o options, connString string, w workload, call
 	c.ThroughputRatio = loadtest.Ratio(lib.OpsPerSec(), raw.OpsPerSec())
 	c.P50Ratio = loadtest.Ratio(lib.PercentileUs(0.50), raw.PercentileUs(0.50))
 	c.P99Ratio = loadtest.Ratio(lib.PercentileUs(0.99), raw.PercentileUs(0.99))
+	if stmt != nil {
+		c.StatementChecks = stmt.Checks()
+		c.StatementOpsPerSec = loadtest.Round(stmt.OpsPerSec(), 1)
+		c.StatementP50Us = loadtest.Round(stmt.PercentileUs(0.50), 1)
+		c.StatementP99Us = loadtest.Round(stmt.PercentileUs(0.99), 1)
+		c.StatementP50Ratio = loadtest.Ratio(stmt.PercentileUs(0.50), raw.PercentileUs(0.50))
+		c.LibraryOverStatementP50 = loadtest.Ratio(lib.PercentileUs(0.50), stmt.PercentileUs(0.50))
+	}
 	return c, nil
 }
 

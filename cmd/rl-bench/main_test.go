@@ -52,6 +52,9 @@ func TestBenchJSONReport(t *testing.T) {
 			t.Errorf("case lacks %q: %v", f, first)
 		}
 	}
+	if _, ok := first["statement_checks"]; ok {
+		t.Errorf("a plain run reports a statement path: %v", first)
+	}
 	if _, ok := raw["hot_update_ratio"].(map[string]any); !ok {
 		t.Errorf("no hot_update_ratio object: %v", raw["hot_update_ratio"])
 	}
@@ -103,6 +106,68 @@ func TestBenchJSONReport(t *testing.T) {
 		if n != keys {
 			t.Errorf("%s holds %d distinct keys, want %d: raw and library paths wrote different rows", table, n, keys)
 		}
+	}
+}
+
+// TestBenchStatementPath runs the third path of --policy and
+// --request-ids: the feature's statement sent directly, on the library's
+// own rows, with ratios that split the library's.
+func TestBenchStatementPath(t *testing.T) {
+	for _, flag := range []string{"--policy", "--request-ids"} {
+		t.Run(flag, func(t *testing.T) {
+			schema := dbtest.NewSchema(t)
+			const keys = 20
+			code, stdout, stderr := runBench(t, flag,
+				"--database-url", dbtest.URL(), "--schema", schema,
+				"--duration", "200ms", "--warmup", "0s", "--callers", "1", "--keys", "20", "--output", "json")
+			if code != 0 {
+				t.Fatalf("exit %d; stderr:\n%s", code, stderr)
+			}
+			var rep Report
+			if err := json.Unmarshal([]byte(stdout), &rep); err != nil {
+				t.Fatal(err)
+			}
+			if len(rep.Cases) != 3 {
+				t.Fatalf("%d cases, want one per algorithm", len(rep.Cases))
+			}
+			for _, c := range rep.Cases {
+				if c.StatementChecks == 0 || c.StatementOpsPerSec <= 0 || c.StatementP50Us <= 0 || c.StatementP50Us > c.StatementP99Us {
+					t.Errorf("%s: the statement path ran no checks, or its percentiles are out of order: %+v", c.Algorithm, c)
+				}
+				if !isRatioOf(c.StatementP50Ratio, c.StatementP50Us, c.RawP50Us) {
+					t.Errorf("%s: statement_p50_ratio %v is not %v/%v", c.Algorithm, c.StatementP50Ratio, c.StatementP50Us, c.RawP50Us)
+				}
+				if !isRatioOf(c.LibraryOverStatementP50, c.LibraryP50Us, c.StatementP50Us) {
+					t.Errorf("%s: library_over_statement_p50 %v is not %v/%v", c.Algorithm, c.LibraryOverStatementP50, c.LibraryP50Us, c.StatementP50Us)
+				}
+			}
+			pool := dbtest.PoolOn(t, schema)
+			ctx := context.Background()
+			for _, table := range []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"} {
+				var n int
+				if err := pool.QueryRow(ctx, "SELECT count(DISTINCT key) FROM "+pgx.Identifier{table}.Sanitize()).Scan(&n); err != nil {
+					t.Fatal(err)
+				}
+				if n != keys {
+					t.Errorf("%s holds %d distinct keys, want %d: the statement path wrote rows of its own", table, n, keys)
+				}
+			}
+			if flag == "--request-ids" {
+				// Every check of the library and of the statement stored an
+				// answer under an id of its own.
+				var stored int
+				if err := pool.QueryRow(ctx, "SELECT count(*) FROM pgrl_request").Scan(&stored); err != nil {
+					t.Fatal(err)
+				}
+				want := 0
+				for _, c := range rep.Cases {
+					want += c.LibraryChecks + c.StatementChecks
+				}
+				if stored < want {
+					t.Errorf("pgrl_request holds %d answers, want at least the %d measured checks'", stored, want)
+				}
+			}
+		})
 	}
 }
 

@@ -98,6 +98,20 @@ type Case struct {
 	LibraryP99Us     float64 `json:"library_p99_us"`
 	RawP99Us         float64 `json:"raw_p99_us"`
 	P99Ratio         float64 `json:"p99_ratio"`
+	// The Statement figures are those of a third path, measured with
+	// --policy and --request-ids only: the feature's own statement (the
+	// take that reads the stored policy, or that stores its answer under a
+	// request id) sent directly, with no library around it.
+	// StatementP50Ratio is its p50 over the raw statement's: what
+	// PostgreSQL charges for the feature. LibraryOverStatementP50 is the
+	// library's p50 over it: what the client adds. Their product is
+	// P50Ratio, give or take the rounding.
+	StatementChecks         int     `json:"statement_checks,omitempty"`
+	StatementOpsPerSec      float64 `json:"statement_ops_per_sec,omitempty"`
+	StatementP50Us          float64 `json:"statement_p50_us,omitempty"`
+	StatementP99Us          float64 `json:"statement_p99_us,omitempty"`
+	StatementP50Ratio       float64 `json:"statement_p50_ratio,omitempty"`
+	LibraryOverStatementP50 float64 `json:"library_over_statement_p50,omitempty"`
 }
 
 // Targets are what a run should show: the library within a small margin of
@@ -159,8 +173,12 @@ func printText(w io.Writer, r Report) error {
 		}
 		return printHOT(w, r)
 	}
-	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, raw and library interleaved; library coalescing %s\n%s\n",
-		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, coalescing,
+	paths := "raw and library"
+	if slices.ContainsFunc(r.Cases, func(c Case) bool { return c.StatementChecks > 0 }) {
+		paths = "raw, library and statement"
+	}
+	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, %s interleaved; library coalescing %s\n%s\n",
+		r.Machine.ServerVersion, r.Machine.GOOS, r.Machine.GOARCH, r.Machine.NumCPU, r.DurationSeconds, paths, coalescing,
 		serverNote(r.Machine))
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "algorithm\tcallers\tkeys\traw ops/s\tlib ops/s\tratio\traw p50 µs\tlib p50 µs\tratio\traw p99 µs\tlib p99 µs\tratio\t")
@@ -172,7 +190,37 @@ func printText(w io.Writer, r Report) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	if err := printStatements(w, r); err != nil {
+		return err
+	}
 	return printHOT(w, r)
+}
+
+// printStatements writes the third path's figures (--policy and
+// --request-ids), when the run has them.
+func printStatements(w io.Writer, r Report) error {
+	if !slices.ContainsFunc(r.Cases, func(c Case) bool { return c.StatementChecks > 0 }) {
+		return nil
+	}
+	feature := "reads the stored policy"
+	if r.RequestIDs {
+		feature = "stores its answer under a request id"
+	}
+	fmt.Fprintf(w, "\nThe take that %s, sent directly (no library), interleaved with the other two paths:\n", feature)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "algorithm\tcallers\tkeys\tstmt ops/s\tstmt p50 µs\tstmt/raw p50\tlib/stmt p50\tstmt p99 µs\t")
+	for _, c := range r.Cases {
+		if c.StatementChecks == 0 {
+			continue
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.0f\t%.1f\t%.3f\t%.3f\t%.1f\t\n", c.Algorithm, c.Callers, c.Keys,
+			c.StatementOpsPerSec, c.StatementP50Us, c.StatementP50Ratio, c.LibraryOverStatementP50, c.StatementP99Us)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w, "stmt/raw is what PostgreSQL charges for the feature; lib/stmt is what the library adds to its statement.")
+	return nil
 }
 
 // serverNote is what the report says of the server's settings that make a
