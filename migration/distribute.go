@@ -4,10 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgrl/pgrl/internal/pgerr"
 )
 
 // On Citus (distributed PostgreSQL), pgrl's tables are spread over the
@@ -175,7 +179,38 @@ func distributionOf(ctx context.Context, q Querier, schemaName, table string) (D
 // The counter tables carry no triggers; citus.enable_unsafe_triggers is on
 // for Distribute's own transaction only, so that a schema whose policy
 // tables an earlier version made reference tables can be turned back.
+//
+// Citus breaks a distributed deadlock (40P01) by cancelling one of its
+// transactions, which may be Distribute's while another process distributes
+// tables at the same time (another instance's rl-migrate up, or tests that
+// each distribute a schema of their own). When Distribute runs its own
+// transaction, nothing of a cancelled one remains, and it starts again from
+// what is left to do, up to distributeAttempts times in all, after a short
+// random pause. Inside the caller's transaction the deadlock aborted that
+// transaction too, so the error is returned.
 func Distribute(ctx context.Context, q Querier, schemaName string) ([]string, error) {
+	if _, inTx := q.(pgx.Tx); inTx {
+		return distributeOnce(ctx, q, schemaName)
+	}
+	for attempt := 1; ; attempt++ {
+		changed, err := distributeOnce(ctx, q, schemaName)
+		if attempt == distributeAttempts || !pgerr.IsDeadlock(err) {
+			return changed, err
+		}
+		select {
+		case <-ctx.Done():
+			return nil, err
+		case <-time.After(time.Duration(attempt*50+rand.IntN(50)) * time.Millisecond):
+		}
+	}
+}
+
+// distributeAttempts is how many times Distribute runs its transaction
+// when Citus cancels it to break a deadlock.
+const distributeAttempts = 5
+
+// distributeOnce is one attempt of Distribute.
+func distributeOnce(ctx context.Context, q Querier, schemaName string) ([]string, error) {
 	citus, err := HasCitus(ctx, q)
 	if err != nil || !citus {
 		return nil, err

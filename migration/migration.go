@@ -336,19 +336,11 @@ func (m *Migrator) distribute(ctx context.Context) ([]string, error) {
 		return nil, err
 	}
 	var changed []string
-	// Citus breaks a distributed deadlock (40P01) by cancelling one of its
-	// transactions, which may be ours while another instance distributes
-	// the same tables: nothing of it remains, and it is tried again.
-	for attempt := 1; ; attempt++ {
-		err = m.withLock(ctx, needOwner, func(conn *pgx.Conn, schemaName string) error {
-			var err error
-			changed, err = Distribute(ctx, conn, schemaName)
-			return err
-		})
-		if attempt == 3 || !pgerr.IsDeadlock(err) {
-			break
-		}
-	}
+	err = m.withLock(ctx, needOwner, func(conn *pgx.Conn, schemaName string) error {
+		var err error
+		changed, err = Distribute(ctx, conn, schemaName)
+		return err
+	})
 	if len(changed) > 0 {
 		m.cfg.Logger.Info("distributed pgrl's tables on Citus", "schema", schemaName, "tables", strings.Join(changed, ","))
 	}

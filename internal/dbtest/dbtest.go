@@ -14,7 +14,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"io/fs"
-	mrand "math/rand/v2"
 	"net/url"
 	"os"
 	"sort"
@@ -26,7 +25,6 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgrl/pgrl/internal/pgerr"
 	"github.com/pgrl/pgrl/migration"
 	"github.com/pgrl/pgrl/sql/schema"
 )
@@ -163,21 +161,11 @@ func Apply(ctx context.Context, conn *pgx.Conn, schemaName string) error {
 		}
 		schemaName = *s
 	}
-	// Citus breaks a distributed deadlock between tests that distribute
-	// their schemas at once by cancelling one of the transactions: nothing
-	// of it remains, and it is tried again, as rl-migrate up does.
-	for attempt := 1; ; attempt++ {
-		_, err = migration.Distribute(ctx, conn, schemaName)
-		if attempt == distributeAttempts || !pgerr.IsDeadlock(err) {
-			return err
-		}
-		time.Sleep(time.Duration(attempt*50+mrand.IntN(50)) * time.Millisecond)
-	}
+	// Tests that distribute their schemas at once may deadlock on Citus:
+	// Distribute tries again when it is the victim.
+	_, err = migration.Distribute(ctx, conn, schemaName)
+	return err
 }
-
-// distributeAttempts is how many times a test schema's distribution on
-// Citus is tried when it is chosen as a deadlock's victim.
-const distributeAttempts = 5
 
 // Option adjusts the pool configuration that Pool builds.
 type Option func(*pgxpool.Config)
