@@ -174,7 +174,7 @@ func printText(w io.Writer, r Report) error {
 		return printHOT(w, r)
 	}
 	paths := "raw and library"
-	if slices.ContainsFunc(r.Cases, func(c Case) bool { return c.StatementChecks > 0 }) {
+	if hasStatementPath(r) {
 		paths = "raw, library and statement"
 	}
 	fmt.Fprintf(w, "PostgreSQL %s, client %s/%s with %d CPUs; %gs per path per case, %s interleaved; library coalescing %s\n%s\n",
@@ -196,10 +196,16 @@ func printText(w io.Writer, r Report) error {
 	return printHOT(w, r)
 }
 
+// hasStatementPath reports whether the run measured the third path
+// (--policy, --request-ids).
+func hasStatementPath(r Report) bool {
+	return slices.ContainsFunc(r.Cases, func(c Case) bool { return c.StatementChecks > 0 })
+}
+
 // printStatements writes the third path's figures (--policy and
 // --request-ids), when the run has them.
 func printStatements(w io.Writer, r Report) error {
-	if !slices.ContainsFunc(r.Cases, func(c Case) bool { return c.StatementChecks > 0 }) {
+	if !hasStatementPath(r) {
 		return nil
 	}
 	feature := "reads the stored policy"
