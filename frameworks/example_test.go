@@ -27,6 +27,12 @@ var pool *pgxpool.Pool
 // depend on when they run. Applications leave Now unset.
 func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
 
+// exampleTimeout bounds the examples' checks (DatabaseOptions.Timeout).
+// Their output is what PostgreSQL decided; on a busy test machine a first
+// statement can outlast DefaultTimeout and be answered by the failure
+// policy instead. Applications keep the default, or set their own.
+const exampleTimeout = 10 * time.Second
+
 func TestMain(m *testing.M) {
 	p, _, done, err := dbtest.ForExamples()
 	if err != nil {
@@ -43,7 +49,7 @@ func TestMain(m *testing.M) {
 // middleware is an httplimit.Middleware of 2 requests a minute per API key
 // (the X-API-Key header), on a limiter named name.
 func middleware(name string) *httplimit.Middleware {
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -82,8 +82,8 @@ func (errRow) Scan(...any) error { return errRecorded }
 // algorithm's take, batch take and peek, the token bucket's take of a
 // stored policy (policy "tb", which TestHelpersAreInlined stores), a lease's
 // slice (with a plain check after it, in the token bucket's check
-// statement) and its return, and the internal query that computes a fixed
-// window) to db, twice: the second take of a key runs the UPDATE arm of its
+// statement) and its return, the run statements, and the internal query
+// that computes a fixed window) to db, twice: the second take of a key runs the UPDATE arm of its
 // upsert. The check statement and the return are PL/pgSQL functions: the
 // helpers must be inlined into their expressions.
 func everyQuery(ctx context.Context, db DBTX) {
@@ -100,11 +100,17 @@ func everyQuery(ctx context.Context, db DBTX) {
 		_, _ = ops.TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{Keys: keys, Costs: costs, Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = q.TokenBucketPeek(ctx, db, TokenBucketPeekParams{Key: keys[0], Capacity: 5, RefillPerUs: 1e-6, At: &ts})
 		_, _ = ops.TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{Key: keys[1], Cost: 1, At: &ts, Policy: "tb", OverrideKey: keys[1], KeyMode: "hashed"})
+		_, _ = ops.FixedWindowTakeUnderPolicy(ctx, db, sqlops.FixedWindowTakeUnderPolicyParams{Key: keys[1], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6, Policy: "fw", KeyMode: "hashed"})
+		_, _ = ops.TokenBucketTakeUnderPolicy(ctx, db, sqlops.TokenBucketTakeUnderPolicyParams{Key: keys[1], Cost: 1, Capacity: 5, RefillPerUs: 1e-6, At: &ts, Policy: "tb", KeyMode: "hashed", RateLimit: 5, Burst: 5, WindowUs: 5e6})
+		_, _ = ops.SlidingWindowTakeUnderPolicy(ctx, db, sqlops.SlidingWindowTakeUnderPolicyParams{Key: keys[1], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6, Policy: "sw", KeyMode: "hashed"})
 		_, _ = ops.TokenBucketTakeChecks(ctx, db, sqlops.TokenBucketTakeChecksParams{Keys: keys[:1], Capacities: []float64{5}, RefillsPerUs: []float64{1e-6}, Penalties: []bool{false}, Runs: []int32{1}, Ends: []int32{2}, Rows: []int32{1, 1}, Costs: []int64{3, 1}, UpTo: []bool{true, false}, Vetoes: []bool{true, true}, Mins: []int64{1, 0}, Shares: []int64{2, 0}, At: &ts})
 		_, _ = ops.TokenBucketReturnSlice(ctx, db, sqlops.TokenBucketReturnSliceParams{Key: keys[0], At: ts, N: 1, Capacity: 5, RefillPerUs: 1e-6, Now: &ts})
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = ops.SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
+		_, _ = ops.FixedWindowTakeRuns(ctx, db, sqlops.FixedWindowTakeRunsParams{Keys: keys, Ns: []int32{3, 1}, MaxCounts: []int64{5, 5}, WindowsUs: []int64{1e6, 1e6}, At: &ts})
+		_, _ = ops.TokenBucketTakeRuns(ctx, db, sqlops.TokenBucketTakeRunsParams{Keys: keys, Ns: []int32{3, 1}, Capacities: []float64{5, 5}, RefillsPerUs: []float64{1e-6, 1e-6}, At: &ts})
+		_, _ = ops.SlidingWindowTakeRuns(ctx, db, sqlops.SlidingWindowTakeRunsParams{Keys: keys, Ns: []int32{3, 1}, MaxCounts: []int64{5, 5}, WindowsUs: []int64{1e6, 1e6}, At: &ts})
 		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: tsUs, WindowUs: 1e6})
 	}
 }
@@ -122,12 +128,13 @@ func TestHelpersAreInlined(t *testing.T) {
 	helpers := helperNames(t)
 
 	_, err := pool.Exec(ctx, `INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
-		VALUES ('tb', 'token_bucket', 5, interval '5 seconds', 5)`)
+		VALUES ('tb', 'token_bucket', 5, interval '5 seconds', 5), ('fw', 'fixed_window', 5, interval '1 second', NULL),
+		       ('sw', 'sliding_window', 5, interval '1 second', NULL)`)
 	require.NoError(t, err)
 
 	var calls []call
 	everyQuery(ctx, recorder{&calls})
-	require.Len(t, calls, 26)
+	require.Len(t, calls, 38)
 
 	// The control: a copy of a helper that cannot be inlined.
 	_, err = pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
@@ -194,7 +201,7 @@ func TestHelpersAreInlined(t *testing.T) {
 			var ran []call
 			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
 			everyQuery(ctx, runner{tx: tx, t: t, ran: &ran})
-			require.Len(t, ran, 52)
+			require.Len(t, ran, 76)
 			got := called()
 			for _, h := range helpers {
 				require.Zero(t, got[h], "%s was called %d times instead of inlined (%s)", h, got[h], mode)

@@ -26,6 +26,12 @@ var pool *pgxpool.Pool
 // does not depend on when it runs. Applications leave Now unset.
 func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
 
+// exampleTimeout bounds the examples' checks (DatabaseOptions.Timeout).
+// Their output is what PostgreSQL decided; on a busy test machine a first
+// statement can outlast DefaultTimeout and be answered by the failure
+// policy instead. Applications keep the default, or set their own.
+const exampleTimeout = 10 * time.Second
+
 func TestMain(m *testing.M) {
 	p, _, done, err := dbtest.ForExamples()
 	if err != nil {
@@ -39,7 +45,7 @@ func TestMain(m *testing.M) {
 }
 
 func Example() {
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -86,7 +92,7 @@ func Example() {
 // account's partition key (a digest, never the account id itself), and
 // denials answered with the draft's quota-exceeded problem.
 func Example_severalPolicies() {
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -140,7 +146,7 @@ func Example_severalPolicies() {
 // across every instance of the service: a third, sent while two run, is
 // refused until one of them ends.
 func Example_concurrency() {
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -25,10 +25,12 @@ var opsFunctions = []string{
 	"pgrl_fixed_window_partitions_needed(timestamp with time zone,timestamp with time zone,bigint)",
 	"pgrl_fixed_window_set_layout(text,interval)",
 	"pgrl_fixed_window_set_layout(text,interval,interval)",
+	"pgrl_policy_override_columns()",
 	"pgrl_policy_keep_key_mode()",
 	"pgrl_policy_key(text,text)",
 	"pgrl_policy_notify()",
 	"pgrl_policy_override_check_key()",
+	"pgrl_policy_override_flag()",
 	"pgrl_policy_touch()",
 }
 

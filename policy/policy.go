@@ -543,17 +543,26 @@ func Delete(ctx context.Context, db DB, name string) error {
 // SetOverride creates or replaces the override of o.Key under o.Policy and
 // returns it as stored. In one transaction (a savepoint when db is a
 // pgx.Tx) it reads the policy with its row locked against writers (SELECT
-// ... FOR SHARE), validates the rate the key would get under it, and writes
-// the override, so that a change of the policy made meanwhile (a new key
-// mode, algorithm or burst) waits for it instead of slipping between the
-// check and the write. An override of a policy that does not exist is
+// ... FOR NO KEY UPDATE, after taking pgrl_policy in ROW EXCLUSIVE mode:
+// the override's trigger updates that row, migration 000020, and a weaker
+// lock taken first would have to be strengthened there, which deadlocks
+// with a writer queued behind it, such as rl-policy apply), validates the
+// rate the key would get under it, and writes the override, so that a
+// change of the policy made meanwhile (a new key mode, algorithm or burst)
+// waits for it instead of slipping between the check and the write. An override of a policy that does not exist is
 // ErrNotFound. An ExpiresAt that is not after the database's now() is
 // ErrInvalid: such an override would never apply (delete an override to
 // end it). Nothing is written when it fails.
 func SetOverride(ctx context.Context, db DB, o Override) (Override, error) {
 	var out Override
 	err := inTx(ctx, db, "policy.SetOverride", func(tx pgx.Tx) error {
-		p, err := scanPolicy(tx.QueryRow(ctx, `SELECT `+policyColumns+` FROM pgrl_policy WHERE name = $1 FOR SHARE`, o.Policy))
+		// The lock the trigger's update needs, taken first: rl-policy
+		// apply locks the table against row writers and then waits for
+		// this row, which must not be held by a writer that still needs it.
+		if _, err := tx.Exec(ctx, `LOCK TABLE pgrl_policy IN ROW EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		p, err := scanPolicy(tx.QueryRow(ctx, `SELECT `+policyColumns+` FROM pgrl_policy WHERE name = $1 FOR NO KEY UPDATE`, o.Policy))
 		if errors.Is(err, pgx.ErrNoRows) {
 			return notFound(o.Policy)
 		}

@@ -42,6 +42,13 @@ type algorithm interface {
 	// key stored under the policy's name. An empty answer is
 	// ErrPolicyChanged.
 	takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []byte, cost int64) (Decision, error)
+	// takeUnderPolicy is take with the limiter's own figures, counted only
+	// while the stored policy Config.Policy holds them and has no override
+	// of any key or still has overrides_revision revision (policykeys.go);
+	// its row is read in the same statement, and no other policy table.
+	// Otherwise nothing is counted, and the error is pgx.ErrNoRows: send
+	// takePolicy.
+	takeUnderPolicy(ctx context.Context, l *Limiter, db DB, k []byte, cost, revision int64) (Decision, error)
 	// takeMany decides checks of distinct stored keys in one statement,
 	// as if one after another, and returns their decisions in order.
 	takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error)
@@ -56,6 +63,11 @@ type algorithm interface {
 	// each key's as if one after another, and returns their decisions in
 	// the caller's order (see checkQueue).
 	takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error)
+	// takeRuns decides a queue of plain runs (checkQueue.plainRuns) with
+	// the run statement, which decides only the checks of keys whose row
+	// exists: decided[i] reports whether it decided (and counted) the
+	// caller's i-th check.
+	takeRuns(ctx context.Context, db DB, q *checkQueue) (decs []Decision, decided []bool, err error)
 	// refund gives back n of the units that reservation r (Reserve) of the
 	// stored key k took, as far as they still count, and returns how many
 	// it gave back.

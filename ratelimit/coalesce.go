@@ -44,6 +44,11 @@ type coalescer struct {
 	// (…TakeMany) as unsupported, as a distributed PostgreSQL (Citus) does:
 	// from then on every batch goes as a check queue, which it runs.
 	queuesOnly atomic.Bool
+	// noRuns is set once the server refused a run statement (…TakeRuns)
+	// as unsupported: from then on runs go as check queues too.
+	noRuns atomic.Bool
+	// ranRuns counts the checks the run statements decided.
+	ranRuns atomic.Uint64
 
 	mu       sync.Mutex
 	inFlight int
@@ -415,20 +420,11 @@ func (c *coalescer) send(batch []*pendingCheck) {
 		l := group[0].l
 		sent := l.localNow()
 		err := c.takeMany(ctx, group)
-		var pgErr *pgconn.PgError
-		if errors.Is(err, errPolicyMismatch) || err != nil && errors.As(err, &pgErr) &&
-			statementOutcome(err, false) == OutcomeNotConsumed && !connectionEnded(pgErr) {
+		if errors.Is(err, errPolicyMismatch) || c.refusedWhole(l, err) {
 			// The statement failed as a whole, and was rolled back (or a
 			// stored policy no longer matched, and it decided nothing):
 			// decide each check (each group) on its own so that every
-			// error reaches the check it belongs to. Not when the server
-			// ended the connection (it is going away, or an operator ended
-			// the backend): every check of the batch gets that error and
-			// its outcome.
-			if pgErr != nil && pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
-				l.st.opts.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
-					"limiter", l.cfg.Name, "error", pgErr.Message)
-			}
+			// error reaches the check it belongs to.
 			for _, unit := range units(group) {
 				if unit[0].group == 0 {
 					r := unit[0]
@@ -458,6 +454,24 @@ func (c *coalescer) send(batch []*pendingCheck) {
 	for _, r := range batch {
 		r.finish()
 	}
+}
+
+// refusedWhole reports whether err is a coalesced statement's own failure,
+// rolled back whole, on a connection that lives on: its checks can then be
+// decided each on its own. Not when the server ended the connection (it is
+// going away, or an operator ended the backend): every check of the batch
+// gets that error and its outcome. A missing function is logged once, with
+// its fix.
+func (c *coalescer) refusedWhole(l *Limiter, err error) bool {
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || statementOutcome(err, false) != OutcomeNotConsumed || connectionEnded(pgErr) {
+		return false
+	}
+	if pgerr.IsMissingFunction(pgErr) && c.warnedMissing.CompareAndSwap(false, true) {
+		l.st.opts.Logger.Warn("pgrl: a coalesced statement's function is missing, so concurrent checks go out one by one; run `rl-migrate up`",
+			"limiter", l.cfg.Name, "error", pgErr.Message)
+	}
+	return true
 }
 
 // units splits checks into decisions: each group's consecutive checks, and
@@ -540,11 +554,44 @@ func (c *coalescer) remember(r *pendingCheck, sent time.Time) {
 	}
 }
 
+// takeRuns decides group's checks with the run statement when they are
+// runs of lone checks of one unit (checkQueue.plainRuns): decided[i] is
+// false for a check of a key without a row yet, which it did not count.
+// Any other group, or every group once the server refused the statement,
+// goes as a check queue, decided whole (decided is nil).
+func (c *coalescer) takeRuns(ctx context.Context, l *Limiter, group []*pendingCheck) (decs []Decision, decided []bool, err error) {
+	q := newCheckQueue(group)
+	if c.noRuns.Load() || !q.plainRuns() {
+		decs, err = l.alg.takeQueue(ctx, l.st.db, q)
+		return decs, nil, err
+	}
+	decs, decided, err = l.alg.takeRuns(ctx, l.st.db, q)
+	if err == nil {
+		for _, ok := range decided {
+			if ok {
+				c.ranRuns.Add(1)
+			}
+		}
+	}
+	if kind, pgErr := pgerr.Classify(err); kind == pgerr.Unsupported {
+		// Nothing was counted: the statement was refused whole.
+		if c.noRuns.CompareAndSwap(false, true) {
+			l.st.opts.Logger.Info("pgrl: this server does not run the run statement, so runs of coalesced checks go as check queues",
+				"limiter", l.cfg.Name, "sqlstate", pgErr.Code, "error", pgErr.Message)
+		}
+		decs, err = l.alg.takeQueue(ctx, l.st.db, q)
+		return decs, nil, err
+	}
+	return decs, decided, err
+}
+
 // takeMany decides checks of one algorithm in one statement: the set-based
 // batch of single checks when they are all of one limiter, each of another
-// key, and each asks for all of its cost; else, or when the server does not
-// support that statement, the queue statement, which updates each key's row
-// once for all of its checks and takes each key's limit with it.
+// key, and each asks for all of its cost; else, when they are runs of lone
+// checks of one unit, the run statement, and for keys it found without a
+// row, the queue statement after it; else, or when the server does not
+// support those statements, the queue statement, which updates each key's
+// row once for all of its checks and takes each key's limit with it.
 func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 	l := group[0].l
 	simple := !c.queuesOnly.Load()
@@ -582,19 +629,40 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		}
 	}
 	if !simple {
-		decs, err = l.alg.takeQueue(ctx, l.st.db, newCheckQueue(group))
+		decs, decided, err = c.takeRuns(ctx, l, group)
 	}
 	if err != nil {
 		return err
 	}
+	var rest []*pendingCheck // the run statement's undecided checks
 	for i, r := range group {
-		if decided != nil && !decided[i] {
+		switch {
+		case decided != nil && !decided[i] && !simple:
+			rest = append(rest, r)
+		case decided != nil && !decided[i]:
 			// Its policy no longer matches: the statement left it out,
 			// counting nothing. Alone, it learns why.
 			r.d, r.err = r.alone(ctx)
-			continue
+		default:
+			r.d = decs[i]
 		}
-		r.d = decs[i]
+	}
+	if len(rest) > 0 {
+		// Keys without a row yet: the check statement makes it. The
+		// decided checks were counted, and keep their decisions whatever
+		// becomes of these.
+		decs, err := l.alg.takeQueue(ctx, l.st.db, newCheckQueue(rest))
+		refused := c.refusedWhole(l, err)
+		for i, r := range rest {
+			switch {
+			case refused:
+				r.d, r.err = r.alone(ctx)
+			case err != nil:
+				r.err = err
+			default:
+				r.d = decs[i]
+			}
+		}
 	}
 	return nil
 }

@@ -58,6 +58,10 @@ func (concurrency) takePolicy(context.Context, *Limiter, DB, []byte, []byte, int
 	return Decision{}, errAcquireOnly
 }
 
+func (concurrency) takeUnderPolicy(context.Context, *Limiter, DB, []byte, int64, int64) (Decision, error) {
+	return Decision{}, errAcquireOnly
+}
+
 func (concurrency) takeMany(context.Context, *Limiter, DB, [][]byte, []int64) ([]Decision, error) {
 	return nil, errAcquireOnly
 }
@@ -72,6 +76,10 @@ func (concurrency) takeUpTo(context.Context, *Limiter, DB, []byte, int64) (Decis
 
 func (concurrency) takeQueue(context.Context, DB, *checkQueue) ([]Decision, error) {
 	return nil, errAcquireOnly
+}
+
+func (concurrency) takeRuns(context.Context, DB, *checkQueue) ([]Decision, []bool, error) {
+	return nil, nil, errAcquireOnly
 }
 
 func (concurrency) refund(context.Context, *Limiter, DB, []byte, reservation, int64) (int64, error) {

@@ -188,8 +188,17 @@ type Config struct {
 	// count the window in Window, see below), are the policy's, or those of
 	// the key's pgrl_policy_override while one is in force. A change made
 	// by plain SQL is obeyed by the very next check of every process, with
-	// no extra round trip: two primary-key lookups join the counter's
-	// statement. The limiter's own figures remain what it believes the
+	// no extra round trip: primary-key lookups join the counter's
+	// statement. While the policy holds the limiter's own figures, a check
+	// of a key without an override reads the policy's row alone: while the
+	// policy has no override at all (pgrl_policy.has_overrides, migration
+	// 000020), or, once the keys of the policy's overrides were read (at
+	// most 10,000; the limiters of one Database share them), while their
+	// set is the one read (pgrl_policy.overrides_revision, migration
+	// 000021). A check that finds otherwise counts nothing in that
+	// statement and goes on with the one that reads the key's override
+	// too, and the keys are read again; a key with an override always
+	// reads it. The limiter's own figures remain what it believes the
 	// policy to be: they size the memory tier, check costs, and fill
 	// decisions that PostgreSQL did not make.
 	//

@@ -39,6 +39,8 @@ type Database struct {
 
 	keeperOnce sync.Once
 	keeper     *slotKeeper // extends the slots of concurrency limits (slot.go)
+
+	policies sync.Map // stored policy name → *policyOverrides, shared by its limiters
 }
 
 // DatabaseOptions configures a Database: what is per database. The zero

@@ -2,6 +2,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -86,11 +87,54 @@ func (l *Limiter) take(ctx context.Context, db DB, key string, a ask) (Decision,
 // takeStored is take for key, whose stored form is k: at the stored
 // policy, read in the statement, for a limiter that has one (Config.Policy)
 // and a check that asks for its whole cost.
+//
+// While the policy holds the limiter's own figures, a check of a key that
+// had no override when the limiter last read the policy's override keys
+// (or of any key, while the policy has no override at all) sends
+// takeUnderPolicy, which reads the policy's row alone. When that counts
+// nothing (the policy's figures or its overrides' keys changed), the check
+// sends takePolicy, which reads the key's override too, and then reads the
+// keys again (rereadPolicyKeys). A key with an override always sends
+// takePolicy.
 func (l *Limiter) takeStored(ctx context.Context, db DB, key string, k []byte, a ask) (Decision, error) {
-	if l.cfg.Policy != "" && !a.upTo {
-		return l.alg.takePolicy(ctx, l, db, k, l.policyKey(key, k), a.n)
+	if l.cfg.Policy == "" || a.upTo {
+		return l.takeKey(ctx, db, k, a)
 	}
-	return l.takeKey(ctx, db, k, a)
+	ok, revision, seen, lean := l.leanPolicy(key, k)
+	if lean {
+		d, err := l.alg.takeUnderPolicy(ctx, l, db, k, a.n, revision)
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return d, err
+		}
+	}
+	if ok == nil {
+		ok = l.policyKey(key, k)
+	}
+	d, err := l.alg.takePolicy(ctx, l, db, k, ok, a.n)
+	if !lean {
+		return d, err
+	}
+	if err == nil {
+		if rdb, ok := l.rereadOn(db); ok {
+			l.rereadPolicyKeys(ctx, rdb, seen)
+		}
+	}
+	return d, err
+}
+
+// rereadOn is where a check sent on db reads its policy's override keys
+// again: db itself, unless db is the caller's transaction (a …Tx check),
+// whose snapshot may be old and which a failed read would abort without
+// the caller knowing; then the Database's pool, or nowhere when the
+// Database has a single connection (a later check reads them).
+func (l *Limiter) rereadOn(db DB) (DB, bool) {
+	if db == l.st.db {
+		return db, true
+	}
+	if singleConn(l.st.db) {
+		return nil, false
+	}
+	return l.st.db, true
 }
 
 // policyKey is key as pgrl_policy_override stores it: under the policy's

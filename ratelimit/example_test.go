@@ -23,6 +23,12 @@ var pool *pgxpool.Pool
 // run. Applications leave Now unset.
 func exampleClock() time.Time { return time.Date(2030, 1, 2, 3, 4, 30, 0, time.UTC) }
 
+// exampleTimeout bounds the examples' checks (DatabaseOptions.Timeout).
+// Their output is what PostgreSQL decided; on a busy test machine a first
+// statement can outlast DefaultTimeout and be answered by the failure
+// policy instead. Applications keep the default, or set their own.
+const exampleTimeout = 10 * time.Second
+
 func TestMain(m *testing.M) {
 	p, _, done, err := dbtest.ForExamples()
 	if err != nil {
@@ -38,7 +44,7 @@ func TestMain(m *testing.M) {
 func ExampleLimiter_Allow() {
 	ctx := context.Background()
 	// Once per database, at start-up: what every limit there shares.
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -67,7 +73,7 @@ func ExampleLimiter_Allow() {
 
 func ExampleAllowAll() {
 	ctx := context.Background()
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -106,7 +112,7 @@ func ExampleAllowAll() {
 
 func ExampleLimiter_AllowTx() {
 	ctx := context.Background()
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -168,7 +174,7 @@ func ExampleNewMemory() {
 // settled twice.
 func ExampleLimiter_Settle() {
 	ctx := context.Background()
-	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock})
+	limits, err := ratelimit.NewDatabase(pool, ratelimit.DatabaseOptions{Now: exampleClock, Timeout: exampleTimeout})
 	if err != nil {
 		log.Fatal(err)
 	}

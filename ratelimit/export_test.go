@@ -74,6 +74,28 @@ func TakeBatch(ctx context.Context, l *Limiter, keys []string, costs []int64, up
 	return ds, nil
 }
 
+// TakeRunsBatch is TakeBatch of checks of one unit, all or nothing, and
+// also reports how many of them the run statement decided.
+func TakeRunsBatch(ctx context.Context, l *Limiter, keys []string) ([]Decision, int, error) {
+	batch := make([]*pendingCheck, len(keys))
+	for i, key := range keys {
+		skey := l.key(key)
+		batch[i] = &pendingCheck{l: l, ctx: ctx, key: key, skey: skey, id: string(skey), ask: ask{n: 1}}
+	}
+	c := newCoalescer(len(keys), 1)
+	if err := c.takeMany(ctx, batch); err != nil {
+		return nil, 0, err
+	}
+	ds := make([]Decision, len(batch))
+	for i, r := range batch {
+		if r.err != nil {
+			return nil, 0, r.err
+		}
+		ds[i] = r.ask.settle(r.d)
+	}
+	return ds, int(c.ranRuns.Load()), nil
+}
+
 // SharesCoalescer reports whether a and b coalesce their checks together.
 func SharesCoalescer(a, b *Limiter) bool { return a.coalescer != nil && a.coalescer == b.coalescer }
 

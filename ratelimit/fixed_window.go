@@ -43,6 +43,17 @@ func (fixedWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 	return s.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
 }
 
+func (fixedWindow) takeUnderPolicy(ctx context.Context, l *Limiter, db DB, k []byte, cost, revision int64) (Decision, error) {
+	r, err := sqlops.New().FixedWindowTakeUnderPolicy(ctx, db, sqlops.FixedWindowTakeUnderPolicyParams{
+		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		Policy: l.cfg.Policy, KeyMode: keyModeText(l.cfg.KeyMode), OverridesRevision: revision,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)), nil
+}
+
 func (fixedWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
 	rows, err := sqlops.New().FixedWindowTakeMany(ctx, db, sqlops.FixedWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -123,12 +134,30 @@ func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 			replayed = replayed || o.Replayed
 		}
 	}
-	decs, err := inCheckOrder(q, rows, err, func(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r sqlops.FixedWindowTakeChecksRow, _ ask) Decision {
-			return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
-		})
+	decs, err := inCheckOrder(q, rows, err, fixedCheckIndex, fixedChecked)
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+func fixedCheckIndex(r sqlops.FixedWindowTakeChecksRow) int32 { return r.CheckIndex }
+
+// fixedChecked is the decision of a check statement's row.
+func fixedChecked(l *Limiter, r sqlops.FixedWindowTakeChecksRow, _ ask) Decision {
+	return l.fixedDecision(r.Allowed, r.Count, usTime(r.ExpiresAtUs), usTime(r.NowUs)).granting(r.Granted)
+}
+
+func (fixedWindow) takeRuns(ctx context.Context, db DB, q *checkQueue) ([]Decision, []bool, error) {
+	rows, err := sqlops.New().FixedWindowTakeRuns(ctx, db, sqlops.FixedWindowTakeRunsParams{
+		Keys:      q.keys,
+		Rows:      q.rows,
+		Ns:        q.runLengths(),
+		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
+		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
+		At:        q.clock(),
+	})
+	return someInCheckOrder(q, rowsAs(rows, func(r sqlops.FixedWindowTakeRunsRow) sqlops.FixedWindowTakeChecksRow {
+		return sqlops.FixedWindowTakeChecksRow(r)
+	}), err, fixedCheckIndex, fixedChecked)
 }
 
 // takePolicyQueue is takeQueue for a queue with rows that read their

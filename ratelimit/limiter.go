@@ -47,6 +47,15 @@ type Limiter struct {
 	coalescer         *coalescer // nil when coalescing is off
 	rates             rateCache  // limiters for per-call rates (rate.go)
 	share             denyShare  // denials shared with other processes (denyshare.go)
+	// overrides is what the Database knows of the stored policy's
+	// overrides (Config.Policy; nil without one), so that a check of a key
+	// without one reads the policy's row alone (takeStored).
+	overrides *policyOverrides
+	// overridesOff: the policy's row does not hold the limiter's own
+	// figures, or has too many overrides to hold, so every check reads the
+	// key's override in its statement (takePolicy). It stays set: package
+	// policy builds a new limiter when its policy changes.
+	overridesOff atomic.Bool
 }
 
 // newLimiter is Database.Limiter without the name's length check, which a
@@ -57,6 +66,9 @@ func newLimiter(st *Database, cfg Config) (*Limiter, error) {
 		return nil, err
 	}
 	l := &Limiter{shape: newShape(cfg), st: st, name: cfg.Name, q: gen.New()}
+	if cfg.Policy != "" {
+		l.overrides = st.policyOverrides(cfg.Policy)
+	}
 	fb := cfg
 	fb.Limit = cfg.FallbackLimit
 	fb.Shadow = false // the limiter applies shadow mode to its fallback's decisions

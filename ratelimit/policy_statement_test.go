@@ -415,3 +415,257 @@ func policyCoalescedRound(t *testing.T, pool *pgxpool.Pool, alg ratelimit.Algori
 	require.Equal(t, int64(70), admitted[1].Load(), alg)
 	return ratelimit.BatchedChecks(l)
 }
+
+// counterPolicyLimit reads policy_limit of the counter row of key under
+// name that alg last wrote: nil when the statement that reads the policy's
+// row alone wrote it (it leaves the column as it is, unset on a new row),
+// set when the statement that reads the key's override did.
+func counterPolicyLimit(t *testing.T, pool *pgxpool.Pool, alg ratelimit.Algorithm, name, key string) *int64 {
+	t.Helper()
+	table := map[ratelimit.Algorithm]string{
+		ratelimit.FixedWindow: "pgrl_fixed_window", ratelimit.SlidingWindow: "pgrl_sliding_window",
+		ratelimit.TokenBucket: "pgrl_token_bucket",
+	}[alg]
+	var v *int64
+	require.NoError(t, pool.QueryRow(context.Background(), `SELECT policy_limit FROM `+table+` WHERE key = $1 ORDER BY updated_at DESC LIMIT 1`,
+		ratelimit.StoredKey(ratelimit.HashedKeys, name, key)).Scan(&v))
+	return v
+}
+
+// While the stored policy holds the limiter's figures and has no override,
+// a check reads the policy's row alone (it leaves the counter row's
+// policy_limit unset, which the statement reading overrides writes). An
+// override written by plain SQL is obeyed by the very next check of its
+// key all the same, and other keys go on reading the row alone; a changed
+// limit is obeyed by the very next check too. Every check decides as a
+// limiter given the figures stored when it ran.
+func TestPolicyWithoutOverridesReadsThePolicyRowAlone(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		t.Run(string(alg), func(t *testing.T) {
+			c := testkit.NewClock(base)
+			name := "bare-" + string(alg)
+			setPolicy(t, pool, name, alg, 3, time.Hour, 0, false)
+			cfg := ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 3, Window: time.Hour, DenyCacheSize: -1}
+			stored := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+			policyLimit := func(key string) *int64 { return counterPolicyLimit(t, pool, alg, name, key) }
+			allow := func(key string, want bool, used int64) {
+				t.Helper()
+				d, err := stored.Allow(ctx, key)
+				require.NoError(t, err)
+				require.Equal(t, want, d.Allowed, "key %q", key)
+				require.Equal(t, used, d.Used, "key %q", key)
+			}
+			allow("a", true, 1)
+			allow("vip", true, 1)
+			require.Nil(t, policyLimit("a"), "the policy row alone was read")
+
+			// An override of another key: the very next check of "vip" obeys it.
+			setOverride(t, pool, name, "vip", 1, 0, 0, nil)
+			d, err := stored.Allow(ctx, "vip")
+			require.NoError(t, err)
+			require.Equal(t, int64(1), d.Limit, "the override applied")
+			if alg != ratelimit.TokenBucket {
+				require.False(t, d.Allowed, "one of the override's one used already")
+			}
+			allow("a", true, 2)
+			require.Nil(t, policyLimit("a"), "a key without an override: still the policy row alone")
+			setOverride(t, pool, name, "vip", 0, 0, 0, nil)
+			d, err = stored.Allow(ctx, "vip")
+			require.NoError(t, err)
+			require.Equal(t, int64(3), d.Limit, "the override is gone")
+
+			// A limiter built after the override is gone reads the row alone
+			// again, and a raised limit is obeyed by its very next check.
+			fresh := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+			_, err = fresh.Allow(ctx, "b")
+			require.NoError(t, err)
+			require.Nil(t, policyLimit("b"), "the policy row alone was read")
+			setPolicy(t, pool, name, alg, 4, time.Hour, 0, false)
+			d, err = fresh.Allow(ctx, "a")
+			require.NoError(t, err)
+			require.True(t, d.Allowed)
+			require.Equal(t, int64(4), d.Limit, "the limit stored when it ran")
+		})
+	}
+}
+
+// A policy with overrides: a check of a key without one reads the policy's
+// row alone, guarded by the revision of the overrides' keys the limiter
+// read (migration 000021), and whatever happens to the overrides by plain
+// SQL, the very next check of every key obeys it: an override added to a
+// key checked lean a moment before, one changed, one removed, an expired
+// one, and the policy deleted and made again under its name with other
+// overrides (its revision is new, although every figure is the same). A
+// policy with more overrides than a limiter holds is read with the key's
+// override in every check.
+func TestPolicyOverridesOfOtherKeysLeaveTheRowAlone(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		t.Run(string(alg), func(t *testing.T) {
+			c := testkit.NewClock(base)
+			name := "others-" + string(alg)
+			setPolicy(t, pool, name, alg, 3, time.Hour, 0, false)
+			setOverride(t, pool, name, "vip", 1, 0, 0, nil)
+			past := base.Add(-time.Minute)
+			setOverride(t, pool, name, "lapsed", 1, 0, 0, &past)
+			cfg := ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 3, Window: time.Hour, DenyCacheSize: -1}
+			l := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+			// lean reports whether key's counter row was written by the
+			// statement that reads the policy's row alone (check deletes
+			// the key's rows first, so that a new row is written).
+			lean := func(key string) bool { return counterPolicyLimit(t, pool, alg, name, key) == nil }
+			check := func(key string, limit int64) {
+				t.Helper()
+				for _, table := range []string{"pgrl_fixed_window", "pgrl_sliding_window", "pgrl_token_bucket"} {
+					_, err := pool.Exec(ctx, `DELETE FROM `+table+` WHERE key = $1`, ratelimit.StoredKey(ratelimit.HashedKeys, name, key))
+					require.NoError(t, err)
+				}
+				d, err := l.Allow(ctx, key)
+				require.NoError(t, err)
+				require.Equal(t, ratelimit.StorePostgres, d.Store)
+				require.True(t, d.Allowed, "key %q", key)
+				require.Equal(t, limit, d.Limit, "key %q", key)
+			}
+			check("a", 3) // learns the overrides' keys
+			check("b", 3)
+			require.True(t, lean("b"), "a key without an override reads the policy's row alone")
+			check("vip", 1)
+			require.False(t, lean("vip"), "a key with an override reads it")
+			check("lapsed", 3)
+			require.False(t, lean("lapsed"), "an expired override is the statement's to judge")
+
+			// Added to a key just checked lean: obeyed by its very next check.
+			setOverride(t, pool, name, "b", 2, 0, 0, nil)
+			check("b", 2)
+			check("c", 3)
+			require.True(t, lean("c"), "the keys read again")
+			// An override's figures changed: obeyed; other keys stay lean.
+			setOverride(t, pool, name, "vip", 2, 0, 0, nil)
+			check("vip", 2)
+			check("c", 3)
+			require.True(t, lean("c"))
+			// Removed: the key's own limit again.
+			setOverride(t, pool, name, "b", 0, 0, 0, nil)
+			check("b", 3)
+
+			// The policy made again under its name, with the same figures
+			// and an override of a key the limiter knew as without one.
+			_, err := pool.Exec(ctx, `DELETE FROM pgrl_policy WHERE name = $1`, name)
+			require.NoError(t, err)
+			setPolicy(t, pool, name, alg, 3, time.Hour, 0, false)
+			setOverride(t, pool, name, "c", 1, 0, 0, nil)
+			check("c", 1)
+			check("d", 3)
+			require.True(t, lean("d"))
+
+			// More overrides than a limiter holds: every check reads its
+			// key's override.
+			_, err = pool.Exec(ctx, `INSERT INTO pgrl_policy_override (policy, key, "limit")
+SELECT $1, pgrl_policy_key($1, 'many-' || i), 1 FROM generate_series(1, 10001) AS i`, name)
+			require.NoError(t, err)
+			crowded := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+			for _, key := range []string{"e", "f", "g"} {
+				d, err := crowded.Allow(ctx, key)
+				require.NoError(t, err)
+				require.Equal(t, int64(3), d.Limit)
+				require.False(t, lean(key), "key %q", key)
+			}
+			d, err := crowded.Allow(ctx, "many-7")
+			require.NoError(t, err)
+			require.Equal(t, int64(1), d.Limit)
+		})
+	}
+}
+
+// A check in the caller's transaction (AllowTx) that finds the policy's
+// overrides changed reads their keys on the Database's pool, not in the
+// transaction: the transaction goes on as the caller left it, and the
+// limiter's next check of a key without an override reads the row alone.
+func TestPolicyOverrideKeysReadOutsideTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	name := "in-tx"
+	setPolicy(t, pool, name, ratelimit.FixedWindow, 3, time.Hour, 0, false)
+	setOverride(t, pool, name, "vip", 1, 0, 0, nil)
+	cfg := ratelimit.Config{Name: name, Policy: name, Limit: 3, Window: time.Hour, DenyCacheSize: -1}
+	l := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true})
+
+	tx, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer tx.Rollback(ctx)
+	var backend, inTx int
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&backend))
+	d, err := l.AllowTx(ctx, tx, "a")
+	require.NoError(t, err)
+	require.True(t, d.Allowed)
+	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&inTx), "the transaction is usable")
+	require.Equal(t, backend, inTx)
+	require.NoError(t, tx.Commit(ctx))
+
+	d, err = l.Allow(ctx, "b")
+	require.NoError(t, err)
+	require.Equal(t, int64(3), d.Limit)
+	require.Nil(t, counterPolicyLimit(t, pool, ratelimit.FixedWindow, name, "b"), "the keys were read: the row alone")
+	d, err = l.Allow(ctx, "vip")
+	require.NoError(t, err)
+	require.Equal(t, int64(1), d.Limit)
+}
+
+// The limiters one Database makes for a stored policy share what they know
+// of its overrides: a limiter made after another has read them (package
+// policy makes one whenever its policy changes) reads the policy's row
+// alone from its first check. One whose figures the policy's row does not
+// hold reads each key's override from then on, and the others go on as
+// they were.
+func TestPolicyOverrideKeysSharedByTheDatabasesLimiters(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range []ratelimit.Algorithm{ratelimit.FixedWindow, ratelimit.SlidingWindow, ratelimit.TokenBucket} {
+		t.Run(string(alg), func(t *testing.T) {
+			c := testkit.NewClock(base)
+			name := "shared-" + string(alg)
+			setPolicy(t, pool, name, alg, 3, time.Hour, 0, false)
+			setOverride(t, pool, name, "vip", 1, 0, 0, nil)
+			cfg := ratelimit.Config{Name: name, Policy: name, Algorithm: alg, Limit: 3, Window: time.Hour, DenyCacheSize: -1}
+			rdb := testkit.NewDatabase(t, pool, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+			check := func(l *ratelimit.Limiter, key string, limit int64) (lean bool) {
+				t.Helper()
+				d, err := l.Allow(ctx, key)
+				require.NoError(t, err)
+				require.Equal(t, ratelimit.StorePostgres, d.Store)
+				require.True(t, d.Allowed, "key %q", key)
+				require.Equal(t, limit, d.Limit, "key %q", key)
+				return counterPolicyLimit(t, pool, alg, name, key) == nil
+			}
+			first := testkit.Limiter(t, rdb, cfg)
+			require.False(t, check(first, "a", 3), "the first check learns the overrides' keys")
+			require.True(t, check(first, "b", 3))
+
+			second := testkit.Limiter(t, rdb, cfg)
+			require.True(t, check(second, "c", 3), "a later limiter of the policy starts from what the first read")
+			require.False(t, check(second, "vip", 1))
+
+			// Figures the policy's row does not hold: its checks read the
+			// policy and the key's override.
+			stale := cfg
+			stale.Limit = 4
+			other := testkit.Limiter(t, rdb, stale)
+			require.False(t, check(other, "d", 3))
+			require.False(t, check(other, "e", 3), "a limiter whose figures the policy does not hold stays off the lean statement")
+			require.True(t, check(first, "f", 3), "and the others stay on it")
+			require.True(t, check(second, "g", 3))
+
+			// Another Database knows nothing yet.
+			apart := testkit.NewLimiter(t, pool, cfg, ratelimit.DatabaseOptions{DisableCoalescing: true, Now: c.Now})
+			require.False(t, check(apart, "h", 3))
+			require.True(t, check(apart, "i", 3))
+		})
+	}
+}

@@ -278,21 +278,65 @@ func perRow[T any](q *checkQueue, f func(*Limiter) T) []T {
 // its row (index reads the row's 1-based check_index) with its limiter, in
 // the caller's order. A statement must return exactly one row per check.
 func inCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32, decide func(*Limiter, R, ask) Decision) ([]Decision, error) {
-	if err != nil {
-		return nil, err
-	}
-	if len(rows) != len(q.costs) {
+	if err == nil && len(rows) != len(q.costs) {
 		return nil, fmt.Errorf("ratelimit: check statement returned %d rows for %d checks", len(rows), len(q.costs))
 	}
-	out := make([]Decision, len(q.costs))
-	seen := make([]bool, len(q.costs))
+	out, _, err := someInCheckOrder(q, rows, err, index, decide)
+	return out, err
+}
+
+// someInCheckOrder is inCheckOrder for a statement that may leave checks
+// undecided (the run statements): decided[i] reports whether the caller's
+// i-th check came back.
+func someInCheckOrder[R any](q *checkQueue, rows []R, err error, index func(R) int32, decide func(*Limiter, R, ask) Decision) (out []Decision, decided []bool, _ error) {
+	if err != nil {
+		return nil, nil, err
+	}
+	out = make([]Decision, len(q.costs))
+	decided = make([]bool, len(q.costs))
 	for _, row := range rows {
 		j := int(index(row)) - 1
-		if j < 0 || j >= len(q.costs) || seen[j] {
-			return nil, fmt.Errorf("ratelimit: check statement returned check %d of %d", j+1, len(q.costs))
+		if j < 0 || j >= len(q.costs) || decided[q.at[j]] {
+			return nil, nil, fmt.Errorf("ratelimit: check statement returned check %d of %d", j+1, len(q.costs))
 		}
-		seen[j] = true
+		decided[q.at[j]] = true
 		out[q.at[j]] = decide(q.limiterOf(j), row, q.ask(j))
 	}
-	return out, nil
+	return out, decided, nil
+}
+
+// plainRuns reports whether q's checks are what the run statements
+// (…TakeRuns) decide: lone checks of one unit each, all or nothing, of
+// limiters without Penalty, with no request id and no stored policy.
+func (q *checkQueue) plainRuns() bool {
+	if q.request != nil || q.policies != nil || len(q.runs) != len(q.keys) {
+		return false
+	}
+	for _, r := range q.runs {
+		if r == 0 {
+			return false
+		}
+	}
+	for j, n := range q.costs {
+		if n != 1 || q.upTo[j] || q.shares[j] != 0 {
+			return false
+		}
+	}
+	for _, l := range q.limiters {
+		if l.cfg.Penalty {
+			return false
+		}
+	}
+	return true
+}
+
+// runLengths is the number of checks of each row of a queue of plain runs
+// (plainRuns), whose runs are its rows in order.
+func (q *checkQueue) runLengths() []int32 {
+	ns := make([]int32, len(q.ends))
+	prev := int32(0)
+	for g, end := range q.ends {
+		ns[g], prev = end-prev, end
+	}
+	return ns
 }

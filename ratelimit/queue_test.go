@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -421,4 +422,88 @@ func allowAllCommitted(ctx context.Context, pool *pgxpool.Pool, checks []ratelim
 		return err
 	})
 	return m, err
+}
+
+// TestRunsMatchSingleChecks is the exactness property of the run
+// statements (…TakeRuns), which decide a batch of checks of one unit with
+// keys repeating: random batches (keys from a set of three; limits of 1 to
+// 4, so that runs are cut short; the clock staying, moving on, crossing
+// window edges and stepping back) give exactly the decisions of the same
+// checks made one at a time, in order, by single-check statements: every
+// field of every Decision. For the token bucket some rounds first lease a
+// slice of a key, which the run statement counts against its capacity.
+func TestRunsMatchSingleChecks(t *testing.T) {
+	t.Parallel()
+	pool, _ := dbtest.Pool(t)
+	ctx := context.Background()
+	for _, alg := range ratelimit.Algorithms {
+		t.Run(string(alg), func(t *testing.T) {
+			t.Parallel()
+			var mu sync.Mutex
+			at := base.Add(17 * time.Second)
+			clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return at }
+			rng := rand.New(rand.NewPCG(uint64(len(alg)), 7))
+			limit := 1 + rng.Int64N(4)
+			cfg := ratelimit.Config{Algorithm: alg, Limit: limit, Window: time.Minute, DenyCacheSize: -1}
+			bcfg, scfg := cfg, cfg
+			bcfg.Name, scfg.Name = "runs-batch", "runs-single"
+			var logs testkit.LogBuffer
+			opts := ratelimit.DatabaseOptions{Timeout: time.Minute, Now: clock, Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+			batched := testkit.NewLimiter(t, pool, bcfg, opts)
+			opts.DisableCoalescing = true
+			single := testkit.NewLimiter(t, pool, scfg, opts)
+			ran, denied := 0, 0
+			for round := range 200 {
+				mu.Lock()
+				switch rng.IntN(5) {
+				case 0: // stay: same instant
+				case 1:
+					at = at.Add(time.Duration(rng.Int64N(int64(5 * time.Second))))
+				case 2:
+					at = at.Add(time.Duration(rng.Int64N(int64(40 * time.Second))))
+				case 3: // a step back
+					at = at.Add(-time.Duration(rng.Int64N(int64(10 * time.Second))))
+				default: // across a window edge, to within a microsecond of it
+					at = at.Truncate(time.Minute).Add(time.Minute + time.Duration(rng.Int64N(3))*time.Microsecond)
+				}
+				mu.Unlock()
+				if alg == ratelimit.TokenBucket && rng.IntN(8) == 0 {
+					// A slice on lease: less capacity for the checks.
+					key := fmt.Sprintf("k%d", rng.IntN(3))
+					for _, l := range []*ratelimit.Limiter{batched, single} {
+						_, err := l.Allow(ctx, key, ratelimit.Slice(1, 1, 1))
+						require.NoError(t, err)
+					}
+				}
+				n := 2 + rng.IntN(10)
+				keys := make([]string, n)
+				for i := range n {
+					keys[i] = fmt.Sprintf("k%d", rng.IntN(3))
+				}
+				got, runs, err := ratelimit.TakeRunsBatch(ctx, batched, keys)
+				require.NoError(t, err, "round %d", round)
+				ran += runs
+				for i := range n {
+					want, err := single.Allow(ctx, keys[i])
+					require.NoError(t, err)
+					require.Equal(t, want, got[i], "round %d check %d of %v", round, i, keys)
+					if !want.Allowed {
+						denied++
+					}
+				}
+			}
+			t.Logf("%d checks decided by the run statement, %d denied", ran, denied)
+			require.Greater(t, denied, 100, "runs must be cut short")
+			var citus bool
+			require.NoError(t, pool.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')").Scan(&citus))
+			if citus {
+				// Citus refuses the statement: the check statements decide.
+				require.Zero(t, ran)
+				require.Contains(t, logs.String(), "does not run the run statement")
+				t.Logf("refused: %s", strings.SplitN(logs.String(), "\n", 2)[0])
+				return
+			}
+			require.Greater(t, ran, 500, "most checks must go through the run statement")
+		})
+	}
 }

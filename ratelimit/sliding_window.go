@@ -45,6 +45,17 @@ func (slidingWindow) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []
 	return s.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), cost), nil
 }
 
+func (slidingWindow) takeUnderPolicy(ctx context.Context, l *Limiter, db DB, k []byte, cost, revision int64) (Decision, error) {
+	r, err := sqlops.New().SlidingWindowTakeUnderPolicy(ctx, db, sqlops.SlidingWindowTakeUnderPolicyParams{
+		Key: k, Cost: cost, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
+		Policy: l.cfg.Policy, KeyMode: keyModeText(l.cfg.KeyMode), OverridesRevision: revision,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), cost), nil
+}
+
 func (slidingWindow) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
 	rows, err := sqlops.New().SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), WindowUs: l.windowUs, MaxCount: l.cfg.Limit, Penalty: l.cfg.Penalty,
@@ -126,12 +137,31 @@ func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Dec
 			replayed = replayed || o.Replayed
 		}
 	}
-	decs, err := inCheckOrder(q, rows, err, func(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r sqlops.SlidingWindowTakeChecksRow, a ask) Decision {
-			return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs), a.retryCost()).granting(r.Granted)
-		})
+	decs, err := inCheckOrder(q, rows, err, slidingCheckIndex, slidingChecked)
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+func slidingCheckIndex(r sqlops.SlidingWindowTakeChecksRow) int32 { return r.CheckIndex }
+
+// slidingChecked is the decision of a check statement's row.
+func slidingChecked(l *Limiter, r sqlops.SlidingWindowTakeChecksRow, a ask) Decision {
+	return l.slidingDecision(r.Allowed, usTime(r.WindowStartUs), r.Count, r.PrevCount, usTime(r.NowUs),
+		a.retryCost()).granting(r.Granted)
+}
+
+func (slidingWindow) takeRuns(ctx context.Context, db DB, q *checkQueue) ([]Decision, []bool, error) {
+	rows, err := sqlops.New().SlidingWindowTakeRuns(ctx, db, sqlops.SlidingWindowTakeRunsParams{
+		Keys:      q.keys,
+		Rows:      q.rows,
+		Ns:        q.runLengths(),
+		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
+		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
+		At:        q.clock(),
+	})
+	return someInCheckOrder(q, rowsAs(rows, func(r sqlops.SlidingWindowTakeRunsRow) sqlops.SlidingWindowTakeChecksRow {
+		return sqlops.SlidingWindowTakeChecksRow(r)
+	}), err, slidingCheckIndex, slidingChecked)
 }
 
 // takePolicyQueue is takeQueue for a queue with rows that read their

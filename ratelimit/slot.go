@@ -377,9 +377,12 @@ func (k *slotKeeper) drop(s *slotLease) {
 
 // run extends the slots held until none is; keep starts it again. It
 // extends every slot each interval, a third of the shortest Window among
-// them, counted from one extension's start to the next, and gives each
-// half an interval: so one extension can fail, even by hanging, and the
-// next still confirms a slot before its lease runs out here (leaseEnd).
+// them, counted from one extension's start to the next, and gives each up
+// to an interval (renew): so one extension can fail, even by hanging, and
+// the next still confirms a slot before its lease runs out here
+// (leaseEnd). After a failed extension the next one goes a tenth of an
+// interval later, not a whole one, so that a slow moment of the database
+// (a busy machine) costs a slot only when it outlasts the lease.
 func (k *slotKeeper) run() {
 	every, ok := k.interval()
 	next := time.Now().Add(every)
@@ -387,9 +390,11 @@ func (k *slotKeeper) run() {
 		select {
 		case <-time.After(time.Until(next)):
 			start := time.Now()
-			k.renew(every)
+			renewed := k.renew(every)
 			every, ok = k.interval()
-			next = start.Add(every)
+			if next = start.Add(every); !renewed {
+				next = time.Now().Add(every / 10)
+			}
 		case <-k.kick:
 			// A slot of a shorter Window may need its extension sooner.
 			if every, ok = k.interval(); ok && time.Now().Add(every).Before(next) {
@@ -419,9 +424,10 @@ func (k *slotKeeper) interval() (time.Duration, bool) {
 	return every, true
 }
 
-// renew sends one extension for every slot held, bounded by half of
-// interval.
-func (k *slotKeeper) renew(interval time.Duration) {
+// renew sends one extension for every slot held, bounded by interval and
+// by the soonest local deadline among them (an answer after it comes too
+// late for that slot). It reports whether the extension got an answer.
+func (k *slotKeeper) renew(interval time.Duration) bool {
 	k.mu.Lock()
 	held := make([]*slotLease, 0, len(k.slots))
 	for s := range k.slots {
@@ -429,8 +435,17 @@ func (k *slotKeeper) renew(interval time.Duration) {
 	}
 	k.mu.Unlock()
 	if len(held) == 0 {
-		return
+		return true
 	}
+	bound := interval
+	for _, s := range held {
+		s.mu.Lock()
+		bound = min(bound, time.Until(s.deadline))
+		s.mu.Unlock()
+	}
+	// A slot past its deadline is its timer's to end; the others still
+	// get a short try.
+	bound = max(bound, interval/10)
 	p := gen.ConcurrencyRenewParams{Holder: k.holder[:], At: held[0].l.at()}
 	for _, s := range held {
 		p.Keys = append(p.Keys, s.k)
@@ -438,13 +453,13 @@ func (k *slotKeeper) renew(interval time.Duration) {
 		p.TtlsUs = append(p.TtlsUs, s.l.windowUs)
 	}
 	sent := time.Now()
-	ctx, cancel := context.WithTimeout(context.Background(), interval/2)
+	ctx, cancel := context.WithTimeout(context.Background(), bound)
 	rows, err := gen.New().ConcurrencyRenew(ctx, k.st.db, p)
 	cancel()
 	if err != nil {
 		// Each slot's timer ends it if no extension gets through in time.
 		k.st.opts.Logger.Debug("pgrl: extending the slots held failed; retrying", "slots", len(held), "err", err)
-		return
+		return false
 	}
 	live := map[string]bool{}
 	for _, r := range rows {
@@ -459,4 +474,5 @@ func (k *slotKeeper) renew(interval time.Duration) {
 			s.lost()
 		}
 	}
+	return true
 }

@@ -94,6 +94,18 @@ func (tokenBucket) takePolicy(ctx context.Context, l *Limiter, db DB, k, ok []by
 	return s.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), cost), nil
 }
 
+func (tokenBucket) takeUnderPolicy(ctx context.Context, l *Limiter, db DB, k []byte, cost, revision int64) (Decision, error) {
+	r, err := sqlops.New().TokenBucketTakeUnderPolicy(ctx, db, sqlops.TokenBucketTakeUnderPolicyParams{
+		Key: k, Cost: cost, At: l.at(), Capacity: float64(l.cfg.Burst), RefillPerUs: l.refillPerUs,
+		Penalty: l.cfg.Penalty, Policy: l.cfg.Policy, KeyMode: keyModeText(l.cfg.KeyMode),
+		RateLimit: l.cfg.Limit, Burst: l.cfg.Burst, WindowUs: l.windowUs, OverridesRevision: revision,
+	})
+	if err != nil {
+		return Decision{}, err
+	}
+	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), cost), nil
+}
+
 func (tokenBucket) takeMany(ctx context.Context, l *Limiter, db DB, keys [][]byte, costs []int64) ([]Decision, error) {
 	rows, err := sqlops.New().TokenBucketTakeMany(ctx, db, sqlops.TokenBucketTakeManyParams{
 		Keys: keys, Costs: costs, At: l.at(), Capacity: float64(l.cfg.Burst),
@@ -175,12 +187,31 @@ func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decis
 			replayed = replayed || o.Replayed
 		}
 	}
-	decs, err := inCheckOrder(q, rows, err, func(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex },
-		func(l *Limiter, r sqlops.TokenBucketTakeChecksRow, a ask) Decision {
-			return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs), usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
-		})
+	decs, err := inCheckOrder(q, rows, err, tokenCheckIndex, tokenChecked)
 	markReplayed(decs, replayed)
 	return decs, err
+}
+
+func tokenCheckIndex(r sqlops.TokenBucketTakeChecksRow) int32 { return r.CheckIndex }
+
+// tokenChecked is the decision of a check statement's row.
+func tokenChecked(l *Limiter, r sqlops.TokenBucketTakeChecksRow, a ask) Decision {
+	return l.tokenDecision(r.Allowed, math.Float64frombits(uint64(r.TokensBits)), usTime(r.UpdatedAtUs),
+		usTime(r.FullAtUs), a.retryCost()).granting(r.Granted)
+}
+
+func (tokenBucket) takeRuns(ctx context.Context, db DB, q *checkQueue) ([]Decision, []bool, error) {
+	rows, err := sqlops.New().TokenBucketTakeRuns(ctx, db, sqlops.TokenBucketTakeRunsParams{
+		Keys:         q.keys,
+		Rows:         q.rows,
+		Ns:           q.runLengths(),
+		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
+		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
+		At:           q.clock(),
+	})
+	return someInCheckOrder(q, rowsAs(rows, func(r sqlops.TokenBucketTakeRunsRow) sqlops.TokenBucketTakeChecksRow {
+		return sqlops.TokenBucketTakeChecksRow(r)
+	}), err, tokenCheckIndex, tokenChecked)
 }
 
 // takePolicyQueue is takeQueue for a queue with rows that read their

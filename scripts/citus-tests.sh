@@ -47,14 +47,14 @@ group rl-migrate ./cmd/rl-migrate/ '^(TestCitus.*)$' "$@"
 # statements beside other work they did not always), AllowUpTo, AllowAll of one algorithm and of
 # several (AllOrNothing runs in a transaction of its own there), the …Tx
 # forms.
-group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestBatchesMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowAllOrNothing|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL|TestSlice.*)$' "$@"
+group algorithms ./ratelimit/ '^(TestBatchMatchesModel|TestBatchesMatchSingleChecks|TestRunsMatchSingleChecks|TestCoalescingOnWrappedPool|TestFixedWindowSequence|TestFixedWindowPenalty|TestTokenBucketSequence|TestTokenBucketPenalty|TestSlidingWindowSequence|TestSharedStatementsMatchSingleChecks|TestAllowUpToGrantsWhatIsLeft|TestAllowUpToConcurrentNeverOverGrants|TestAllowAllSameAlgorithm|TestAllowAllOrNothing|TestAllowTx|TestAllowAllTx|TestStepVectorsSQL|TestSlice.*)$' "$@"
 group gen ./gen/ '^(Example|ExampleQueries_TokenBucketTake_transaction)$' "$@"
 # Policies and overrides: written through package policy and in plain SQL
 # (the policy tables stay ordinary tables of the coordinator, where their
 # triggers and NOTIFY work), their rules, and applied by policy limiters,
 # which on Citus check with the cached policy (a check that reads its policy
 # in the statement does not run there).
-group policy ./policy/ '^(TestCitus.*|TestApplicationRoleReadsOnly|TestPermissionNamesTheGrant|TestSetGetListDelete|TestBadInputRefused|TestConfigRulesAreTheTablesRules|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestKeyModeChangeWithOverridesRefused|TestKeyModeChangeWithOverridesRefusedInSQL)$' "$@"
+group policy ./policy/ '^(TestCitus.*|TestHasOverrides.*|TestApplicationRoleReadsOnly|TestPermissionNamesTheGrant|TestSetGetListDelete|TestBadInputRefused|TestConfigRulesAreTheTablesRules|TestStoredKeyInSQL|TestOverridesAndExplain|TestLimiterFollowsPolicyChanges|TestKeyModeChangeWithOverridesRefused|TestKeyModeChangeWithOverridesRefusedInSQL)$' "$@"
 # Quota leases: slices sized by the statement, returns to their window,
 # penalty, stored policies; across OS processes, never over the limit,
 # and a holder killed with SIGKILL.

@@ -247,6 +247,11 @@ func (r *concRun) holder(ctx context.Context, lim *ratelimit.Limiter, g int, key
 			if slot != nil {
 				r.anomaly("a late acquire returned a slot")
 			}
+			// Not held: nothing to hold or release.
+			if !r.pause(backoff()) {
+				return
+			}
+			continue
 		case !d.Allowed:
 			r.log.write(concEvent{G: g, I: i, Ev: concRefused, T: at, Used: d.Used})
 			r.count(func(s *concSummary) { s.Acquires++; s.Refusals++ })

@@ -317,6 +317,12 @@ func TestLeaseMultiprocessNeverOver(t *testing.T) {
 						if keys > 1 {
 							windowMs *= 4
 						}
+						if keys > 1 && c.limit >= 1000 && !group {
+							// A limit of 1,000 in 2 s asks 500 checks/s of each
+							// of 16 keys: on a Citus cluster the keys saw 970
+							// to 998 checks in a window, short of the limit.
+							windowMs *= 2
+						}
 						if keys > 1 && group {
 							// Three limits a check: under a 2-core CPU load
 							// the 16 keys saw 770 to 970 checks in a window

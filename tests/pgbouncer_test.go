@@ -292,7 +292,9 @@ func bouncerSequence(t *testing.T, via, direct ratelimit.DB, mode string, alg ra
 	if alg == ratelimit.TokenBucket {
 		cfg.Burst = cfg.Limit + int64(rng.IntN(5))
 	}
-	clock := ratelimit.DatabaseOptions{Now: func() time.Time { return now }}
+	// exactTimeout: the decisions are compared, so PostgreSQL must make
+	// them, however busy the machine.
+	clock := ratelimit.DatabaseOptions{Now: func() time.Time { return now }, Timeout: exactTimeout}
 	lv, err := testkit.New(via, cfg, clock)
 	require.NoError(t, err)
 	ld, err := testkit.New(direct, cfg, clock)

@@ -178,7 +178,9 @@ func TestPolicyApplyWaitsForOverrideWriter(t *testing.T) {
 	var pid int32
 	require.NoError(t, tx.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid))
 	// SetOverride's first step, on its own: b's row, held.
-	_, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = 'b' FOR SHARE`)
+	_, err = tx.Exec(ctx, `LOCK TABLE pgrl_policy IN ROW EXCLUSIVE MODE`)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = 'b' FOR NO KEY UPDATE`)
 	require.NoError(t, err)
 
 	wait := startRLPolicy(t, bin, schemaName, []string{"apply", file})

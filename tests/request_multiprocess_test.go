@@ -27,12 +27,15 @@ import (
 const requestChildEnv = "PGRL_REQUEST_CHILD_URL"
 
 const (
-	requestIDs      = 200 // distinct request ids, each sent by every process
-	requestLimit    = 60  // what the key admits: less than the demand
-	requestApp      = "pgrl-request-child"
-	requestLimiter  = "request-ids"
-	requestKey      = "hot"
-	requestAttempts = 50 // attempts of one copy before it gives up
+	requestIDs     = 200 // distinct request ids, each sent by every process
+	requestLimit   = 60  // what the key admits: less than the demand
+	requestApp     = "pgrl-request-child"
+	requestLimiter = "request-ids"
+	requestKey     = "hot"
+	// requestAttempts bounds the attempts of one copy. The terminator
+	// ends at most two backends per id stored, so no run of terminations
+	// can exhaust it: a copy that gives up failed for another reason.
+	requestAttempts = 2*requestIDs + 10
 )
 
 // requestReport is what one child process saw.

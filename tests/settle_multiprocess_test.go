@@ -29,12 +29,17 @@ import (
 const settleChildEnv = "PGRL_SETTLE_CHILD_URL"
 
 const (
-	settleIDs      = 150 // reservations per process
-	settleLimit    = 15000
-	settleApp      = "pgrl-settle-child-"
-	settleLimiter  = "reservations"
-	settleKey      = "llm"
-	settleAttempts = 50 // attempts of one call before it gives up
+	settleIDs     = 150 // reservations per process
+	settleLimit   = 15000
+	settleApp     = "pgrl-settle-child-"
+	settleLimiter = "reservations"
+	settleKey     = "llm"
+	settleProcs   = 4
+	// settleAttempts bounds the attempts of one call. The terminator ends
+	// at most one backend per reservation made, so no run of
+	// terminations can exhaust it: a call that gives up failed for
+	// another reason.
+	settleAttempts = settleProcs*settleIDs + 10
 )
 
 // settlePlan is what a reservation does, the same in every process that
@@ -204,7 +209,7 @@ func TestSettleMultiprocess(t *testing.T) {
 	cctx, cancel := context.WithTimeout(ctx, 3*time.Minute)
 	defer cancel()
 
-	const processes = 4
+	const processes = settleProcs
 	url := dbtest.URLWithSchema(s)
 	children := make([]*child, processes)
 	for i := range children {

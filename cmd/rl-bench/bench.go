@@ -52,8 +52,14 @@ type workload struct {
 	// policy makes the library path read its limit from the stored policy
 	// (--policy).
 	policy bool
-	nonce  string
-	count  *atomic.Int64
+	// overrides is how many overrides of other keys the policy has
+	// (--policy-overrides).
+	overrides int
+	// revision is the stored policy's overrides_revision once
+	// storePolicy has written it, which the statement path sends.
+	revision int64
+	nonce    string
+	count    *atomic.Int64
 	// sqlCheck makes the library path the SQL function pgrl_check
 	// (--sql-check), which counts under the name a policy's limiter
 	// uses: the raw path's keys are stored under it too.
@@ -81,7 +87,7 @@ func newWorkload(a ratelimit.Algorithm, nkeys int, o options) workload {
 		},
 	}
 	if o.policy {
-		w.cfg.Policy, w.policy = benchName, true
+		w.cfg.Policy, w.policy, w.overrides = benchName, true, o.policyOverrides
 	}
 	if o.requestIDs {
 		w.requestIDs, w.nonce, w.count = true, strconv.FormatInt(time.Now().UnixNano(), 36)+"-", new(atomic.Int64)
@@ -147,25 +153,32 @@ func (w workload) statement(db gen.DBTX) loadtest.Check {
 	windowUs := w.cfg.Window.Microseconds()
 	refill := float64(w.cfg.Limit) / float64(windowUs)
 	if w.policy {
+		// The library's statement for a key without an override: the
+		// policy's row alone, guarded by the revision of its overrides'
+		// keys (which the library reads at its first check).
 		switch w.algorithm {
 		case ratelimit.TokenBucket:
 			return func(ctx context.Context, k int) error {
-				_, err := q.TokenBucketTakePolicy(ctx, db, sqlops.TokenBucketTakePolicyParams{
-					Key: w.hashed[k], Cost: 1, OverrideKey: w.hashed[k], Policy: benchName, KeyMode: "hashed",
+				_, err := q.TokenBucketTakeUnderPolicy(ctx, db, sqlops.TokenBucketTakeUnderPolicyParams{
+					Key: w.hashed[k], Capacity: float64(w.cfg.Burst), Cost: 1, RefillPerUs: refill,
+					Policy: benchName, KeyMode: "hashed", RateLimit: w.cfg.Limit, Burst: w.cfg.Burst, WindowUs: windowUs,
+					OverridesRevision: w.revision,
 				})
 				return err
 			}
 		case ratelimit.SlidingWindow:
 			return func(ctx context.Context, k int) error {
-				_, err := q.SlidingWindowTakePolicy(ctx, db, sqlops.SlidingWindowTakePolicyParams{
-					Key: w.hashed[k], WindowUs: windowUs, Cost: 1, OverrideKey: w.hashed[k], Policy: benchName, KeyMode: "hashed",
+				_, err := q.SlidingWindowTakeUnderPolicy(ctx, db, sqlops.SlidingWindowTakeUnderPolicyParams{
+					Key: w.hashed[k], WindowUs: windowUs, Cost: 1, MaxCount: w.cfg.Limit, Policy: benchName, KeyMode: "hashed",
+					OverridesRevision: w.revision,
 				})
 				return err
 			}
 		default:
 			return func(ctx context.Context, k int) error {
-				_, err := q.FixedWindowTakePolicy(ctx, db, sqlops.FixedWindowTakePolicyParams{
-					Key: w.hashed[k], Cost: 1, WindowUs: windowUs, OverrideKey: w.hashed[k], Policy: benchName, KeyMode: "hashed",
+				_, err := q.FixedWindowTakeUnderPolicy(ctx, db, sqlops.FixedWindowTakeUnderPolicyParams{
+					Key: w.hashed[k], WindowUs: windowUs, Cost: 1, MaxCount: w.cfg.Limit, Policy: benchName, KeyMode: "hashed",
+					OverridesRevision: w.revision,
 				})
 				return err
 			}
@@ -239,9 +252,10 @@ func (w workload) library(db ratelimit.DB) (loadtest.Check, error) {
 }
 
 // storePolicy writes the workload's figures as the policy its library path
-// reads (--policy), with overrides of other keys, so that the override
-// lookup searches a populated index.
-func (w workload) storePolicy(ctx context.Context, db gen.DBTX) error {
+// reads (--policy), with --policy-overrides overrides of other keys (by
+// default 1,000, so that the override lookup searches a populated index),
+// and no other.
+func (w *workload) storePolicy(ctx context.Context, db gen.DBTX) error {
 	_, err := db.Exec(ctx, `
 INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
 VALUES ($1, $2, $3, $4 * interval '1 microsecond', $5)
@@ -252,12 +266,25 @@ ON CONFLICT (name) DO UPDATE SET algorithm = excluded.algorithm, "limit" = exclu
 		return fmt.Errorf("store the benchmark's policy: %w", err)
 	}
 	_, err = db.Exec(ctx, `
+WITH gone AS (
+    DELETE FROM pgrl_policy_override WHERE policy = $1 AND key <> ALL (
+        SELECT pgrl_stored_key($1, 'override-' || i) FROM generate_series(1, $3::int) AS i)
+)
 INSERT INTO pgrl_policy_override (policy, key, "limit", note)
 SELECT $1, pgrl_stored_key($1, 'override-' || i), $2, 'rl-bench'
-  FROM generate_series(1, 1000) AS i
-ON CONFLICT (policy, key) DO NOTHING`, benchName, w.cfg.Limit)
+  FROM generate_series(1, $3::int) AS i
+ON CONFLICT (policy, key) DO NOTHING`, benchName, w.cfg.Limit, w.overrides)
 	if err != nil {
 		return fmt.Errorf("store the benchmark's overrides: %w", err)
+	}
+	// Every run rewrites the policy's row: without a vacuum (autovacuum may
+	// be off, or not yet around) each check's lookup would walk one more
+	// dead version of it per run, and the ratio would drift from run to run.
+	if _, err = db.Exec(ctx, `VACUUM pgrl_policy, pgrl_policy_override`); err != nil {
+		return fmt.Errorf("vacuum the benchmark's policy tables: %w", err)
+	}
+	if err = db.QueryRow(ctx, `SELECT overrides_revision FROM pgrl_policy WHERE name = $1`, benchName).Scan(&w.revision); err != nil {
+		return fmt.Errorf("read the benchmark's policy: %w", err)
 	}
 	return nil
 }
@@ -409,6 +436,9 @@ func benchmark(ctx context.Context, o options, connString string, log io.Writer)
 		MaxInFlight:     o.maxInFlight,
 		Window:          benchWindow.String(),
 		Targets:         defaultTargets,
+	}
+	if o.policy {
+		rep.PolicyOverrides = &o.policyOverrides
 	}
 	var versionNum int
 	var autovacuum bool

@@ -113,13 +113,14 @@ func TestBenchJSONReport(t *testing.T) {
 // --request-ids: the feature's statement sent directly, on the library's
 // own rows, with ratios that split the library's.
 func TestBenchStatementPath(t *testing.T) {
-	for _, flag := range []string{"--policy", "--request-ids"} {
-		t.Run(flag, func(t *testing.T) {
+	for _, flags := range [][]string{{"--policy"}, {"--policy", "--policy-overrides", "0"}, {"--request-ids"}} {
+		flag := flags[0]
+		t.Run(strings.Join(flags, " "), func(t *testing.T) {
 			schema := dbtest.NewSchema(t)
 			const keys = 20
-			code, stdout, stderr := runBench(t, flag,
+			code, stdout, stderr := runBench(t, append(flags,
 				"--database-url", dbtest.URL(), "--schema", schema,
-				"--duration", "200ms", "--warmup", "0s", "--callers", "1", "--keys", "20", "--output", "json")
+				"--duration", "200ms", "--warmup", "0s", "--callers", "1", "--keys", "20", "--output", "json")...)
 			if code != 0 {
 				t.Fatalf("exit %d; stderr:\n%s", code, stderr)
 			}
@@ -150,6 +151,37 @@ func TestBenchStatementPath(t *testing.T) {
 				}
 				if n != keys {
 					t.Errorf("%s holds %d distinct keys, want %d: the statement path wrote rows of its own", table, n, keys)
+				}
+			}
+			if flag == "--policy" {
+				// The library and the statement path send the statement that
+				// reads the policy's row alone, which leaves the rows'
+				// policy_limit unset. With overrides (of other keys), the
+				// library's first check finds them, counts with the statement
+				// that reads the key's override, which sets it, and reads the
+				// overrides' keys; every later check reads the row alone.
+				overrides := 1000
+				if len(flags) > 1 {
+					overrides = 0
+				}
+				if rep.PolicyOverrides == nil || *rep.PolicyOverrides != overrides {
+					t.Errorf("policy_overrides %v, want %d", rep.PolicyOverrides, overrides)
+				}
+				var stored, set int
+				if err := pool.QueryRow(ctx, "SELECT count(*) FROM pgrl_policy_override").Scan(&stored); err != nil {
+					t.Fatal(err)
+				}
+				if stored != overrides {
+					t.Errorf("%d overrides stored, want %d", stored, overrides)
+				}
+				for _, table := range []string{"pgrl_fixed_window", "pgrl_token_bucket", "pgrl_sliding_window"} {
+					if err := pool.QueryRow(ctx, "SELECT count(*) FROM "+pgx.Identifier{table}.Sanitize()+
+						" WHERE policy_limit IS NOT NULL").Scan(&set); err != nil {
+						t.Fatal(err)
+					}
+					if want := min(overrides, 1); set != want {
+						t.Errorf("%s: %d rows with policy_limit set, want %d, with %d overrides", table, set, want, overrides)
+					}
 				}
 			}
 			if flag == "--request-ids" {
@@ -199,6 +231,9 @@ func TestBenchUsageErrors(t *testing.T) {
 		{"--max-in-flight", "-1"},
 		{"stray"},
 		{"--concurrency", "--policy"},
+		{"--policy-overrides", "0"},
+		{"--policy", "--policy-overrides", "-1"},
+		{"--policy", "--policy-overrides", "9223372036854775807"},
 		{"--concurrency", "--request-ids"},
 		{"--concurrency", "--algorithms", "token_bucket"},
 		{"--hold-for", "1s"},

@@ -30,6 +30,9 @@ type Report struct {
 	// Policy reports whether the library path read its limit from a stored
 	// policy in each check's statement (--policy).
 	Policy bool `json:"policy,omitempty"`
+	// PolicyOverrides is how many overrides, all of other keys, the stored
+	// policy had (--policy-overrides); nil without --policy.
+	PolicyOverrides *int `json:"policy_overrides,omitempty"`
 	// RequestIDs reports whether every library check carried a request id
 	// of its own (--request-ids).
 	RequestIDs bool `json:"request_ids,omitempty"`
@@ -159,7 +162,11 @@ func printText(w io.Writer, r Report) error {
 		coalescing = "off"
 	}
 	if r.Policy {
-		coalescing += " (the library reads a stored policy in each check's statement, coalesced or not)"
+		overrides := 0
+		if r.PolicyOverrides != nil {
+			overrides = *r.PolicyOverrides
+		}
+		coalescing += fmt.Sprintf(" (the library reads a stored policy with %d overrides of other keys in each check's statement, coalesced or not)", overrides)
 	}
 	if r.RequestIDs {
 		coalescing = "off (every check carries a request id of its own, and is a statement of its own)"

@@ -21,6 +21,7 @@ func fixedReport() Report {
 		Window:          benchWindow.String(),
 		Coalescing:      true,
 		Policy:          true,
+		PolicyOverrides: new(1000),
 		MaxInFlight:     0,
 		Cases: []Case{
 			{Algorithm: "fixed_window", Callers: 1, Keys: 100000, LibraryChecks: 30000, RawChecks: 31000,

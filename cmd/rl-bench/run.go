@@ -29,8 +29,11 @@ type options struct {
 	maxInFlight int
 	spread      int
 	policy      bool
-	requestIDs  bool
-	sqlCheck    bool
+	// policyOverrides is how many overrides (of other keys) the stored
+	// policy has (--policy-overrides).
+	policyOverrides int
+	requestIDs      bool
+	sqlCheck        bool
 	// --concurrency and the hold it measures.
 	concurrency bool
 	holdSlots   []int
@@ -55,6 +58,7 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 	fs.IntVar(&o.maxInFlight, "max-in-flight", 0, "the library's DatabaseOptions.MaxInFlight (round trips before checks are coalesced); 0 keeps its default")
 	fs.IntVar(&o.spread, "spread", 0, "the library's Config.Spread: split each key over this many rows (for a hot key); the raw path still updates one row, so the comparison shows what spreading buys")
 	fs.BoolVar(&o.policy, "policy", false, "the library path reads its limit from a stored policy in each check's statement (Config.Policy, as package policy does); the raw path still sends the plain statement, so the ratio is the policy's cost; a third path sends the policy's statement directly, to split that cost between PostgreSQL and the library")
+	fs.IntVar(&o.policyOverrides, "policy-overrides", 1000, "with --policy: how many overrides, all of other keys, the stored policy has; with none the library sends the statement that reads the policy's row alone, with some the one that also reads the key's override")
 	fs.BoolVar(&o.sqlCheck, "sql-check", false, "the library path is the SQL function pgrl_check (a stored policy, called as any language would: SELECT allowed FROM pgrl_check(policy, key)) instead of the Go library; the raw path still sends the plain statement on the same rows, so the ratio is the function's cost")
 	fs.BoolVar(&o.requestIDs, "request-ids", false, "every check of the library path carries a request id of its own (ratelimit.RequestID), and is a statement of its own that stores its answer; the raw path still sends the plain statement, so the ratio is the request id's cost; a third path sends that statement directly, to split that cost between PostgreSQL and the library")
 	fs.BoolVar(&o.concurrency, "concurrency", false, "measure Limiter.Acquire and Slot.Release of a concurrency limit (Limit 1000000, so never refused; Window 30s) against Limiter.Allow of the fixed window, interleaved, instead of the algorithms; then hold --hold-slots slots for --hold-for and count the statements that extend them")
@@ -102,6 +106,10 @@ func parseFlags(args []string, stderr io.Writer) (options, error) {
 		return o, fmt.Errorf("--warmup %v: must not be negative", o.warmup)
 	case o.spread < 0:
 		return o, fmt.Errorf("--spread %d: must not be negative", o.spread)
+	case o.policyOverrides < 0 || o.policyOverrides > 1000000:
+		return o, fmt.Errorf("--policy-overrides %d: must be from 0 to 1000000", o.policyOverrides)
+	case set["policy-overrides"] && !o.policy:
+		return o, errors.New("--policy-overrides goes with --policy; add it or drop --policy-overrides")
 	case o.policy && o.spread > 1:
 		return o, errors.New("--policy with --spread: a stored policy is read by single-row checks; drop one of them")
 	case o.requestIDs && (o.policy || o.spread > 1):

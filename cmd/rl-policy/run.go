@@ -746,8 +746,13 @@ func (a *app) overrideSet(ctx context.Context, o policy.Override, key string, st
 		}
 		// Then the policy's row is held against writers until commit, so
 		// that the key mode the stored key is computed in, and the rate
-		// the override is checked against, are those it is written under.
-		if _, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = $1 FOR SHARE`, o.Policy); err != nil {
+		// the override is checked against, are those it is written under
+		// (the locks the override's trigger needs to update the row, taken
+		// first: see policy.SetOverride).
+		if _, err = tx.Exec(ctx, `LOCK TABLE pgrl_policy IN ROW EXCLUSIVE MODE`); err != nil {
+			return err
+		}
+		if _, err = tx.Exec(ctx, `SELECT FROM pgrl_policy WHERE name = $1 FOR NO KEY UPDATE`, o.Policy); err != nil {
 			return err
 		}
 		if p, err = policy.Get(ctx, tx, o.Policy); err != nil {

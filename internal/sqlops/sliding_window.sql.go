@@ -338,3 +338,103 @@ func (q *Queries) SlidingWindowTakePolicy(ctx context.Context, db DBTX, arg Slid
 	)
 	return i, err
 }
+
+const slidingWindowTakeUnderPolicy = `-- name: SlidingWindowTakeUnderPolicy :one
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT $1::bytea,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                               $3::bigint)),
+       (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                 $3::bigint,
+                                 $4::bigint, $5::bigint, $6::boolean,
+                                 false)).count,
+       0,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us($2::timestamptz),
+                                               $3::bigint) + 2 * $3::bigint),
+       (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us($2::timestamptz),
+                                 $3::bigint,
+                                 $4::bigint, $5::bigint, $6::boolean,
+                                 false)).allowed,
+       pgrl_now($2::timestamptz)
+  FROM pgrl_policy AS p
+ WHERE p.name = $7::text AND p.algorithm = 'sliding_window' AND p.key_mode = $8::text
+   AND (NOT p.has_overrides OR p.overrides_revision = $9::bigint)
+   AND p."limit" = $5::bigint AND p.penalty = $6::boolean
+   AND round(date_part('epoch', p."window") * 1000000)::bigint = $3::bigint
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).window_start_us
+                                    + 2 * $3::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), $3::bigint,
+                                        $4::bigint, $5::bigint,
+                                        $6::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us
+`
+
+type SlidingWindowTakeUnderPolicyParams struct {
+	Key               []byte
+	At                *time.Time
+	WindowUs          int64
+	Cost              int64
+	MaxCount          int64
+	Penalty           bool
+	Policy            string
+	KeyMode           string
+	OverridesRevision int64
+}
+
+type SlidingWindowTakeUnderPolicyRow struct {
+	WindowStartUs int64
+	Count         int64
+	PrevCount     int64
+	Allowed       bool
+	NowUs         int64
+}
+
+// SlidingWindowTakeUnderPolicy is SlidingWindowTake with the figures the
+// caller holds for the stored policy named policy (max_count, window_us,
+// penalty), counted only while that policy's row still holds them, for a
+// sliding window storing keys in key_mode, and has no override or still
+// has overrides_revision, as FixedWindowTakeUnderPolicy does:
+// otherwise nothing is counted and no row comes back, and the caller sends
+// SlidingWindowTakePolicy. The counter row's policy_limit and policy_penalty
+// are left as they are.
+func (q *Queries) SlidingWindowTakeUnderPolicy(ctx context.Context, db DBTX, arg SlidingWindowTakeUnderPolicyParams) (SlidingWindowTakeUnderPolicyRow, error) {
+	row := db.QueryRow(ctx, slidingWindowTakeUnderPolicy,
+		arg.Key,
+		arg.At,
+		arg.WindowUs,
+		arg.Cost,
+		arg.MaxCount,
+		arg.Penalty,
+		arg.Policy,
+		arg.KeyMode,
+		arg.OverridesRevision,
+	)
+	var i SlidingWindowTakeUnderPolicyRow
+	err := row.Scan(
+		&i.WindowStartUs,
+		&i.Count,
+		&i.PrevCount,
+		&i.Allowed,
+		&i.NowUs,
+	)
+	return i, err
+}

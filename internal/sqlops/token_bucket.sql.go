@@ -445,3 +445,119 @@ func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenB
 	)
 	return i, err
 }
+
+const tokenBucketTakeUnderPolicy = `-- name: TokenBucketTakeUnderPolicy :one
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
+SELECT $1::bytea,
+       (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                               pgrl_now_us($3::timestamptz), $4::bigint,
+                               $2::float8, $5::float8,
+                               $6::boolean, false)).tokens,
+       pgrl_now($3::timestamptz),
+       pgrl_token_bucket_full_at(
+           pgrl_now($3::timestamptz),
+           (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                                   pgrl_now_us($3::timestamptz), $4::bigint,
+                                   $2::float8, $5::float8,
+                                   $6::boolean, false)).tokens,
+           $2::float8, $5::float8),
+       (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
+                               pgrl_now_us($3::timestamptz), $4::bigint,
+                               $2::float8, $5::float8,
+                               $6::boolean, false)).allowed,
+       pgrl_token_bucket_lease_epoch_us(pgrl_now_us($3::timestamptz))
+  FROM pgrl_policy AS p
+ WHERE p.name = $7::text AND p.algorithm = 'token_bucket' AND p.key_mode = $8::text
+   AND (NOT p.has_overrides OR p.overrides_revision = $9::bigint)
+   AND p."limit" = $10::bigint
+   AND coalesce(p.burst, p."limit") = $11::bigint
+   AND round(date_part('epoch', p."window") * 1000000)::bigint = $12::bigint
+   AND p.penalty = $6::boolean
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        $4::bigint,
+                                        $2::float8
+                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                   excluded.lease_epoch_us),
+                                        $5::float8, $6::boolean, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                      pgrl_us(excluded.updated_at), $4::bigint,
+                                                      $2::float8
+                                                      - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                 t.leased_prev,
+                                                                                 excluded.lease_epoch_us),
+                                                      $5::float8,
+                                                      $6::boolean, false)).tokens,
+                              $2::float8, $5::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         $4::bigint,
+                                         $2::float8
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us),
+                                         $5::float8, $6::boolean,
+                                         false)).allowed
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed
+`
+
+type TokenBucketTakeUnderPolicyParams struct {
+	Key               []byte
+	Capacity          float64
+	At                *time.Time
+	Cost              int64
+	RefillPerUs       float64
+	Penalty           bool
+	Policy            string
+	KeyMode           string
+	OverridesRevision int64
+	RateLimit         int64
+	Burst             int64
+	WindowUs          int64
+}
+
+type TokenBucketTakeUnderPolicyRow struct {
+	TokensBits  int64
+	UpdatedAtUs int64
+	FullAtUs    int64
+	Allowed     bool
+}
+
+// TokenBucketTakeUnderPolicy is TokenBucketTake with the rate the caller
+// holds for the stored policy named policy (rate_limit, window_us, burst,
+// penalty; capacity and refill_per_us are burst and limit / window_us, as
+// the library computes them from rate_limit), counted only while that policy's row still
+// holds that rate, for a token bucket storing keys in key_mode, and has no
+// override or still has overrides_revision, as FixedWindowTakeUnderPolicy
+// does: otherwise nothing is counted and no row comes back, and the caller
+// sends TokenBucketTakePolicy. The counter row's policy_* columns are left
+// as they are.
+func (q *Queries) TokenBucketTakeUnderPolicy(ctx context.Context, db DBTX, arg TokenBucketTakeUnderPolicyParams) (TokenBucketTakeUnderPolicyRow, error) {
+	row := db.QueryRow(ctx, tokenBucketTakeUnderPolicy,
+		arg.Key,
+		arg.Capacity,
+		arg.At,
+		arg.Cost,
+		arg.RefillPerUs,
+		arg.Penalty,
+		arg.Policy,
+		arg.KeyMode,
+		arg.OverridesRevision,
+		arg.RateLimit,
+		arg.Burst,
+		arg.WindowUs,
+	)
+	var i TokenBucketTakeUnderPolicyRow
+	err := row.Scan(
+		&i.TokensBits,
+		&i.UpdatedAtUs,
+		&i.FullAtUs,
+		&i.Allowed,
+	)
+	return i, err
+}

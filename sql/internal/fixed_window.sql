@@ -135,3 +135,40 @@ ON CONFLICT (key, expires_at) DO UPDATE
        policy_penalty = excluded.policy_penalty
 RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
           pgrl_us(updated_at) AS now_us, policy_limit::bigint AS max_count;
+
+-- name: FixedWindowTakeUnderPolicy :one
+-- FixedWindowTakeUnderPolicy is FixedWindowTake with the figures the caller
+-- holds for the stored policy named policy (max_count, window_us, penalty),
+-- counted only while that policy's row still holds them, for a fixed window
+-- storing keys in key_mode, and either has no override (has_overrides,
+-- migration 000020) or still has overrides_revision (migration 000021): the
+-- caller sends it for a key that had no override at that revision, read
+-- with the revision's keys in one statement (PolicyOverrideKeys). The
+-- policy's row is read in this same statement, so that a changed policy is
+-- obeyed by the very next check of every process. When it no longer
+-- matches, or its overrides' keys changed, nothing is counted and no row
+-- comes back: send FixedWindowTakePolicy, which reads the key's override
+-- (and read the keys again). The statement reads one row of pgrl_policy and no other table,
+-- which is what makes it cheaper than FixedWindowTakePolicy; the counter
+-- row's policy_limit and policy_penalty are left as they are (only
+-- FixedWindowTakePolicy's own update arm reads them, from its proposed row).
+INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at)
+SELECT @key::bytea,
+       pgrl_from_epoch_us(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint)),
+       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint), 0,
+                               @cost::bigint, @max_count::bigint, @penalty::boolean, false)).count,
+       (pgrl_fixed_window_take(pgrl_window_end_us(pgrl_now_us(sqlc.narg(at)::timestamptz), @window_us::bigint), 0,
+                               @cost::bigint, @max_count::bigint, @penalty::boolean, false)).allowed,
+       pgrl_now(sqlc.narg(at)::timestamptz)
+  FROM pgrl_policy AS p
+ WHERE p.name = @policy::text AND p.algorithm = 'fixed_window' AND p.key_mode = @key_mode::text
+   AND (NOT p.has_overrides OR p.overrides_revision = @overrides_revision::bigint)
+   AND p."limit" = @max_count::bigint AND p.penalty = @penalty::boolean
+   AND round(date_part('epoch', p."window") * 1000000)::bigint = @window_us::bigint
+ON CONFLICT (key, expires_at) DO UPDATE
+   SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, @cost::bigint,
+                                       @max_count::bigint, @penalty::boolean, false)).count,
+       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count, @cost::bigint,
+                                         @max_count::bigint, @penalty::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_at) AS now_us;

@@ -174,3 +174,59 @@ ON CONFLICT (key) DO UPDATE
        policy_penalty = excluded.policy_penalty
 RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
           allowed, pgrl_us(updated_at) AS now_us, policy_limit::bigint AS max_count;
+
+-- name: SlidingWindowTakeUnderPolicy :one
+-- SlidingWindowTakeUnderPolicy is SlidingWindowTake with the figures the
+-- caller holds for the stored policy named policy (max_count, window_us,
+-- penalty), counted only while that policy's row still holds them, for a
+-- sliding window storing keys in key_mode, and has no override or still
+-- has overrides_revision, as FixedWindowTakeUnderPolicy does:
+-- otherwise nothing is counted and no row comes back, and the caller sends
+-- SlidingWindowTakePolicy. The counter row's policy_limit and policy_penalty
+-- are left as they are.
+INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
+SELECT sqlc.arg(key)::bytea,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                               sqlc.arg(window_us)::bigint)),
+       (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                 sqlc.arg(window_us)::bigint,
+                                 sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean,
+                                 false)).count,
+       0,
+       pgrl_from_epoch_us(pgrl_window_start_us(pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                               sqlc.arg(window_us)::bigint) + 2 * sqlc.arg(window_us)::bigint),
+       (pgrl_sliding_window_take(NULL, 0, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                 sqlc.arg(window_us)::bigint,
+                                 sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean,
+                                 false)).allowed,
+       pgrl_now(sqlc.narg(at)::timestamptz)
+  FROM pgrl_policy AS p
+ WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'sliding_window' AND p.key_mode = sqlc.arg(key_mode)::text
+   AND (NOT p.has_overrides OR p.overrides_revision = sqlc.arg(overrides_revision)::bigint)
+   AND p."limit" = sqlc.arg(max_count)::bigint AND p.penalty = sqlc.arg(penalty)::boolean
+   AND round(date_part('epoch', p."window") * 1000000)::bigint = sqlc.arg(window_us)::bigint
+ON CONFLICT (key) DO UPDATE
+   SET window_start = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us),
+       count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).count,
+       prev_count = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).prev_count,
+       expires_at = pgrl_ts((pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).window_start_us
+                                    + 2 * sqlc.arg(window_us)::bigint),
+       allowed = (pgrl_sliding_window_take(pgrl_us(t.window_start), t.count, t.prev_count,
+                                        pgrl_us(excluded.updated_at), sqlc.arg(window_us)::bigint,
+                                        sqlc.arg(cost)::bigint, sqlc.arg(max_count)::bigint,
+                                        sqlc.arg(penalty)::boolean, false)).allowed,
+       updated_at = excluded.updated_at
+RETURNING pgrl_us(window_start) AS window_start_us, count, prev_count, allowed,
+          pgrl_us(updated_at) AS now_us;

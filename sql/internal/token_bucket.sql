@@ -259,3 +259,71 @@ RETURNING encode(key, 'hex') AS key_hex,
 SELECT pgrl_token_bucket_return_slice(sqlc.arg(key)::bytea, sqlc.arg(at)::timestamptz, sqlc.arg(n)::bigint,
                                       sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                       sqlc.narg(now)::timestamptz)::bigint AS returned;
+
+-- name: TokenBucketTakeUnderPolicy :one
+-- TokenBucketTakeUnderPolicy is TokenBucketTake with the rate the caller
+-- holds for the stored policy named policy (rate_limit, window_us, burst,
+-- penalty; capacity and refill_per_us are burst and limit / window_us, as
+-- the library computes them from rate_limit), counted only while that policy's row still
+-- holds that rate, for a token bucket storing keys in key_mode, and has no
+-- override or still has overrides_revision, as FixedWindowTakeUnderPolicy
+-- does: otherwise nothing is counted and no row comes back, and the caller
+-- sends TokenBucketTakePolicy. The counter row's policy_* columns are left
+-- as they are.
+INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
+SELECT sqlc.arg(key)::bytea,
+       (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                               pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                               sqlc.arg(penalty)::boolean, false)).tokens,
+       pgrl_now(sqlc.narg(at)::timestamptz),
+       pgrl_token_bucket_full_at(
+           pgrl_now(sqlc.narg(at)::timestamptz),
+           (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                   pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+                                   sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                                   sqlc.arg(penalty)::boolean, false)).tokens,
+           sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+       (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                               pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
+                               sqlc.arg(penalty)::boolean, false)).allowed,
+       pgrl_token_bucket_lease_epoch_us(pgrl_now_us(sqlc.narg(at)::timestamptz))
+  FROM pgrl_policy AS p
+ WHERE p.name = sqlc.arg(policy)::text AND p.algorithm = 'token_bucket' AND p.key_mode = sqlc.arg(key_mode)::text
+   AND (NOT p.has_overrides OR p.overrides_revision = sqlc.arg(overrides_revision)::bigint)
+   AND p."limit" = sqlc.arg(rate_limit)::bigint
+   AND coalesce(p.burst, p."limit") = sqlc.arg(burst)::bigint
+   AND round(date_part('epoch', p."window") * 1000000)::bigint = sqlc.arg(window_us)::bigint
+   AND p.penalty = sqlc.arg(penalty)::boolean
+ON CONFLICT (key) DO UPDATE
+   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                        sqlc.arg(cost)::bigint,
+                                        sqlc.arg(capacity)::float8
+                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                   excluded.lease_epoch_us),
+                                        sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean, false)).tokens,
+       updated_at = greatest(t.updated_at, excluded.updated_at),
+       full_at = greatest(pgrl_token_bucket_refilled_at(
+                              greatest(t.updated_at, excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
+                                                      pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                                                      sqlc.arg(capacity)::float8
+                                                      - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
+                                                                                 t.leased_prev,
+                                                                                 excluded.lease_epoch_us),
+                                                      sqlc.arg(refill_per_us)::float8,
+                                                      sqlc.arg(penalty)::boolean, false)).tokens,
+                              sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
+                          pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
+       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                                         sqlc.arg(cost)::bigint,
+                                         sqlc.arg(capacity)::float8
+                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                    excluded.lease_epoch_us),
+                                         sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                         false)).allowed
+RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
+          pgrl_us(updated_at) AS updated_at_us,
+          pgrl_us(full_at) AS full_at_us,
+          allowed;
