@@ -108,9 +108,9 @@ func everyQuery(ctx context.Context, db DBTX) {
 		_, _ = q.SlidingWindowTake(ctx, db, SlidingWindowTakeParams{Key: keys[0], Cost: 1, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = ops.SlidingWindowTakeMany(ctx, db, sqlops.SlidingWindowTakeManyParams{Keys: keys, Costs: costs, MaxCount: 5, At: &ts, WindowUs: 1e6})
 		_, _ = q.SlidingWindowPeek(ctx, db, SlidingWindowPeekParams{Key: keys[0], At: &ts, WindowUs: 1e6})
-		_, _ = ops.FixedWindowTakeRuns(ctx, db, sqlops.FixedWindowTakeRunsParams{Keys: keys, Ns: []int32{3, 1}, MaxCounts: []int64{5, 5}, WindowsUs: []int64{1e6, 1e6}, At: &ts})
-		_, _ = ops.TokenBucketTakeRuns(ctx, db, sqlops.TokenBucketTakeRunsParams{Keys: keys, Ns: []int32{3, 1}, Capacities: []float64{5, 5}, RefillsPerUs: []float64{1e-6, 1e-6}, At: &ts})
-		_, _ = ops.SlidingWindowTakeRuns(ctx, db, sqlops.SlidingWindowTakeRunsParams{Keys: keys, Ns: []int32{3, 1}, MaxCounts: []int64{5, 5}, WindowsUs: []int64{1e6, 1e6}, At: &ts})
+		_, _ = ops.FixedWindowTakeRuns(ctx, db, sqlops.FixedWindowTakeRunsParams{Keys: keys, Ends: []int32{3, 4}, MaxCounts: []int64{5, 5}, WindowsUs: []int64{1e6, 1e6}, At: &ts})
+		_, _ = ops.TokenBucketTakeRuns(ctx, db, sqlops.TokenBucketTakeRunsParams{Keys: keys, Ends: []int32{3, 4}, Capacities: []float64{5, 5}, RefillsPerUs: []float64{1e-6, 1e-6}, At: &ts})
+		_, _ = ops.SlidingWindowTakeRuns(ctx, db, sqlops.SlidingWindowTakeRunsParams{Keys: keys, Ends: []int32{3, 4}, MaxCounts: []int64{5, 5}, WindowsUs: []int64{1e6, 1e6}, At: &ts})
 		_, _ = ops.FixedWindowEnsurePartition(ctx, db, sqlops.FixedWindowEnsurePartitionParams{AtUs: tsUs, WindowUs: 1e6})
 	}
 }

@@ -89,9 +89,9 @@ func (fixedWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 func (fixedWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	p := sqlops.FixedWindowTakeChecksParams{
 		Keys:      q.keys,
-		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
-		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
-		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		MaxCounts: q.limits(),
+		WindowsUs: q.windowsUs(),
+		Penalties: q.penalties(),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
 	}
@@ -150,9 +150,9 @@ func (fixedWindow) takeRuns(ctx context.Context, db DB, q *checkQueue) ([]Decisi
 	rows, err := sqlops.New().FixedWindowTakeRuns(ctx, db, sqlops.FixedWindowTakeRunsParams{
 		Keys:      q.keys,
 		Rows:      q.rows,
-		Ns:        q.runLengths(),
-		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
-		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
+		Ends:      q.ends,
+		MaxCounts: q.limits(),
+		WindowsUs: q.windowsUs(),
 		At:        q.clock(),
 	})
 	return someInCheckOrder(q, rowsAs(rows, func(r sqlops.FixedWindowTakeRunsRow) sqlops.FixedWindowTakeChecksRow {

@@ -274,6 +274,31 @@ func perRow[T any](q *checkQueue, f func(*Limiter) T) []T {
 	return out
 }
 
+// limits is each row's limit (the window algorithms' max_counts).
+func (q *checkQueue) limits() []int64 {
+	return perRow(q, func(l *Limiter) int64 { return l.cfg.Limit })
+}
+
+// windowsUs is each row's window in microseconds.
+func (q *checkQueue) windowsUs() []int64 {
+	return perRow(q, func(l *Limiter) int64 { return l.windowUs })
+}
+
+// penalties is each row's Penalty.
+func (q *checkQueue) penalties() []bool {
+	return perRow(q, func(l *Limiter) bool { return l.cfg.Penalty })
+}
+
+// capacities is each row's bucket capacity (Burst).
+func (q *checkQueue) capacities() []float64 {
+	return perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) })
+}
+
+// refillsPerUs is each row's refill in tokens per microsecond.
+func (q *checkQueue) refillsPerUs() []float64 {
+	return perRow(q, func(l *Limiter) float64 { return l.refillPerUs })
+}
+
 // inCheckOrder gives each check of q the decision that decide makes from
 // its row (index reads the row's 1-based check_index) with its limiter, in
 // the caller's order. A statement must return exactly one row per check.
@@ -328,15 +353,4 @@ func (q *checkQueue) plainRuns() bool {
 		}
 	}
 	return true
-}
-
-// runLengths is the number of checks of each row of a queue of plain runs
-// (plainRuns), whose runs are its rows in order.
-func (q *checkQueue) runLengths() []int32 {
-	ns := make([]int32, len(q.ends))
-	prev := int32(0)
-	for g, end := range q.ends {
-		ns[g], prev = end-prev, end
-	}
-	return ns
 }

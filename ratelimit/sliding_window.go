@@ -91,9 +91,9 @@ func (slidingWindow) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, 
 func (slidingWindow) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	p := sqlops.SlidingWindowTakeChecksParams{
 		Keys:      q.keys,
-		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
-		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
-		Penalties: perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		MaxCounts: q.limits(),
+		WindowsUs: q.windowsUs(),
+		Penalties: q.penalties(),
 		Runs:      q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
 	}
@@ -154,9 +154,9 @@ func (slidingWindow) takeRuns(ctx context.Context, db DB, q *checkQueue) ([]Deci
 	rows, err := sqlops.New().SlidingWindowTakeRuns(ctx, db, sqlops.SlidingWindowTakeRunsParams{
 		Keys:      q.keys,
 		Rows:      q.rows,
-		Ns:        q.runLengths(),
-		MaxCounts: perRow(q, func(l *Limiter) int64 { return l.cfg.Limit }),
-		WindowsUs: perRow(q, func(l *Limiter) int64 { return l.windowUs }),
+		Ends:      q.ends,
+		MaxCounts: q.limits(),
+		WindowsUs: q.windowsUs(),
 		At:        q.clock(),
 	})
 	return someInCheckOrder(q, rowsAs(rows, func(r sqlops.SlidingWindowTakeRunsRow) sqlops.SlidingWindowTakeChecksRow {

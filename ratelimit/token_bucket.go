@@ -142,9 +142,9 @@ func (tokenBucket) takeUpTo(ctx context.Context, l *Limiter, db DB, k []byte, n 
 func (tokenBucket) takeQueue(ctx context.Context, db DB, q *checkQueue) ([]Decision, error) {
 	p := sqlops.TokenBucketTakeChecksParams{
 		Keys:         q.keys,
-		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
-		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
-		Penalties:    perRow(q, func(l *Limiter) bool { return l.cfg.Penalty }),
+		Capacities:   q.capacities(),
+		RefillsPerUs: q.refillsPerUs(),
+		Penalties:    q.penalties(),
 		Runs:         q.runs, Ends: q.ends, Rows: q.rows, Costs: q.costs, UpTo: q.upTo, Vetoes: q.vetoes,
 		Mins: q.mins, Shares: q.shares, At: q.clock(),
 	}
@@ -204,9 +204,9 @@ func (tokenBucket) takeRuns(ctx context.Context, db DB, q *checkQueue) ([]Decisi
 	rows, err := sqlops.New().TokenBucketTakeRuns(ctx, db, sqlops.TokenBucketTakeRunsParams{
 		Keys:         q.keys,
 		Rows:         q.rows,
-		Ns:           q.runLengths(),
-		Capacities:   perRow(q, func(l *Limiter) float64 { return float64(l.cfg.Burst) }),
-		RefillsPerUs: perRow(q, func(l *Limiter) float64 { return l.refillPerUs }),
+		Ends:         q.ends,
+		Capacities:   q.capacities(),
+		RefillsPerUs: q.refillsPerUs(),
 		At:           q.clock(),
 	})
 	return someInCheckOrder(q, rowsAs(rows, func(r sqlops.TokenBucketTakeRunsRow) sqlops.TokenBucketTakeChecksRow {

@@ -18,9 +18,10 @@ WITH p AS (
 ), o AS MATERIALIZED (
     SELECT r.k, r.n, r.before, r.end_us, t.key, t.count,
            (pgrl_fixed_window_take(r.end_us, t.count, r.n, r.max_count, false, true)).granted AS granted
-      FROM (SELECT k, ($3::bytea[])[k] AS key, ($4::integer[])[k] AS n, ($5::bigint[])[k] AS max_count,
+      FROM (SELECT k, ($3::bytea[])[k] AS key, ($4::bigint[])[k] AS max_count,
+                   ($5::integer[])[k] - coalesce(($5::integer[])[k - 1], 0) AS n,
                    pgrl_window_end_us(p.now_us, ($6::bigint[])[k]) AS end_us,
-                   sum(($4::integer[])[k]) OVER (ORDER BY k) - ($4::integer[])[k] AS before
+                   coalesce(($5::integer[])[k - 1], 0) AS before
               FROM p, generate_subscripts($3::bytea[], 1) AS k) AS r
       JOIN pgrl_fixed_window AS t ON t.key = r.key AND t.expires_at = pgrl_from_epoch_us(r.end_us)
      ORDER BY t.key
@@ -45,8 +46,8 @@ type FixedWindowTakeRunsParams struct {
 	Rows      []int32
 	At        *time.Time
 	Keys      [][]byte
-	Ns        []int32
 	MaxCounts []int64
+	Ends      []int32
 	WindowsUs []int64
 }
 
@@ -61,10 +62,11 @@ type FixedWindowTakeRunsRow struct {
 
 // The run statements decide the commonest batch of coalesced checks
 // without a check function: each key (keys, ascending, once each) has a
-// run of ns[k] lone checks of one unit, all or nothing, without penalty,
-// at its row's figures; rows[j] is check j's 1-based key, the runs
-// following one another in key order. The checks are decided as the check
-// functions decide them, one after another. The algorithm's step, with the
+// run of lone checks of one unit, all or nothing, without penalty, at its
+// row's figures; rows[j] is check j's 1-based key, the runs following one
+// another in key order, and ends[k] is the position of key k's last check
+// (its run is checks ends[k-1]+1 to ends[k]). The checks are decided as the
+// check functions decide them, one after another. The algorithm's step, with the
 // run's length as a partial grant (up_to), says how many of a run's
 // checks are admitted: checks of one unit admitted one after another stop
 // where a partial grant does. The step of no units brings the row to now
@@ -81,8 +83,8 @@ func (q *Queries) FixedWindowTakeRuns(ctx context.Context, db DBTX, arg FixedWin
 		arg.Rows,
 		arg.At,
 		arg.Keys,
-		arg.Ns,
 		arg.MaxCounts,
+		arg.Ends,
 		arg.WindowsUs,
 	)
 	if err != nil {
@@ -117,9 +119,10 @@ WITH p AS (
 ), o AS MATERIALIZED (
     SELECT r.k, r.n, r.before, r.max_count, r.window_us, t.key, pgrl_us(t.window_start) AS window_start_us, t.count,
            t.prev_count
-      FROM (SELECT k, ($3::bytea[])[k] AS key, ($4::integer[])[k] AS n, ($5::bigint[])[k] AS max_count,
+      FROM (SELECT k, ($3::bytea[])[k] AS key, ($4::bigint[])[k] AS max_count,
+                   ($5::integer[])[k] - coalesce(($5::integer[])[k - 1], 0) AS n,
                    ($6::bigint[])[k] AS window_us,
-                   sum(($4::integer[])[k]) OVER (ORDER BY k) - ($4::integer[])[k] AS before
+                   coalesce(($5::integer[])[k - 1], 0) AS before
               FROM generate_subscripts($3::bytea[], 1) AS k) AS r
       JOIN pgrl_sliding_window AS t ON t.key = r.key
      ORDER BY t.key
@@ -158,8 +161,8 @@ type SlidingWindowTakeRunsParams struct {
 	Rows      []int32
 	At        *time.Time
 	Keys      [][]byte
-	Ns        []int32
 	MaxCounts []int64
+	Ends      []int32
 	WindowsUs []int64
 }
 
@@ -178,8 +181,8 @@ func (q *Queries) SlidingWindowTakeRuns(ctx context.Context, db DBTX, arg Slidin
 		arg.Rows,
 		arg.At,
 		arg.Keys,
-		arg.Ns,
 		arg.MaxCounts,
+		arg.Ends,
 		arg.WindowsUs,
 	)
 	if err != nil {
@@ -218,9 +221,10 @@ WITH p AS (
            r.capacity - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev, p.now_us) AS cap,
            pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev) AS over_at
       FROM p
-     CROSS JOIN (SELECT k, ($3::bytea[])[k] AS key, ($4::integer[])[k] AS n,
+     CROSS JOIN (SELECT k, ($3::bytea[])[k] AS key,
+                        ($4::integer[])[k] - coalesce(($4::integer[])[k - 1], 0) AS n,
                         ($5::float8[])[k] AS capacity, ($6::float8[])[k] AS refill_per_us,
-                        sum(($4::integer[])[k]) OVER (ORDER BY k) - ($4::integer[])[k] AS before
+                        coalesce(($4::integer[])[k - 1], 0) AS before
                    FROM generate_subscripts($3::bytea[], 1) AS k) AS r
       JOIN pgrl_token_bucket AS t ON t.key = r.key
      ORDER BY t.key
@@ -260,7 +264,7 @@ type TokenBucketTakeRunsParams struct {
 	Rows         []int32
 	At           *time.Time
 	Keys         [][]byte
-	Ns           []int32
+	Ends         []int32
 	Capacities   []float64
 	RefillsPerUs []float64
 }
@@ -281,7 +285,7 @@ func (q *Queries) TokenBucketTakeRuns(ctx context.Context, db DBTX, arg TokenBuc
 		arg.Rows,
 		arg.At,
 		arg.Keys,
-		arg.Ns,
+		arg.Ends,
 		arg.Capacities,
 		arg.RefillsPerUs,
 	)

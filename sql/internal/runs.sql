@@ -1,9 +1,10 @@
 -- The run statements decide the commonest batch of coalesced checks
 -- without a check function: each key (keys, ascending, once each) has a
--- run of ns[k] lone checks of one unit, all or nothing, without penalty,
--- at its row's figures; rows[j] is check j's 1-based key, the runs
--- following one another in key order. The checks are decided as the check
--- functions decide them, one after another. The algorithm's step, with the
+-- run of lone checks of one unit, all or nothing, without penalty, at its
+-- row's figures; rows[j] is check j's 1-based key, the runs following one
+-- another in key order, and ends[k] is the position of key k's last check
+-- (its run is checks ends[k-1]+1 to ends[k]). The checks are decided as the
+-- check functions decide them, one after another. The algorithm's step, with the
 -- run's length as a partial grant (up_to), says how many of a run's
 -- checks are admitted: checks of one unit admitted one after another stop
 -- where a partial grant does. The step of no units brings the row to now
@@ -23,9 +24,10 @@ WITH p AS (
 ), o AS MATERIALIZED (
     SELECT r.k, r.n, r.before, r.end_us, t.key, t.count,
            (pgrl_fixed_window_take(r.end_us, t.count, r.n, r.max_count, false, true)).granted AS granted
-      FROM (SELECT k, (@keys::bytea[])[k] AS key, (@ns::integer[])[k] AS n, (@max_counts::bigint[])[k] AS max_count,
+      FROM (SELECT k, (@keys::bytea[])[k] AS key, (@max_counts::bigint[])[k] AS max_count,
+                   (@ends::integer[])[k] - coalesce((@ends::integer[])[k - 1], 0) AS n,
                    pgrl_window_end_us(p.now_us, (@windows_us::bigint[])[k]) AS end_us,
-                   sum((@ns::integer[])[k]) OVER (ORDER BY k) - (@ns::integer[])[k] AS before
+                   coalesce((@ends::integer[])[k - 1], 0) AS before
               FROM p, generate_subscripts(@keys::bytea[], 1) AS k) AS r
       JOIN pgrl_fixed_window AS t ON t.key = r.key AND t.expires_at = pgrl_from_epoch_us(r.end_us)
      ORDER BY t.key
@@ -57,9 +59,10 @@ WITH p AS (
            r.capacity - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev, p.now_us) AS cap,
            pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev) AS over_at
       FROM p
-     CROSS JOIN (SELECT k, (@keys::bytea[])[k] AS key, (@ns::integer[])[k] AS n,
+     CROSS JOIN (SELECT k, (@keys::bytea[])[k] AS key,
+                        (@ends::integer[])[k] - coalesce((@ends::integer[])[k - 1], 0) AS n,
                         (@capacities::float8[])[k] AS capacity, (@refills_per_us::float8[])[k] AS refill_per_us,
-                        sum((@ns::integer[])[k]) OVER (ORDER BY k) - (@ns::integer[])[k] AS before
+                        coalesce((@ends::integer[])[k - 1], 0) AS before
                    FROM generate_subscripts(@keys::bytea[], 1) AS k) AS r
       JOIN pgrl_token_bucket AS t ON t.key = r.key
      ORDER BY t.key
@@ -101,9 +104,10 @@ WITH p AS (
 ), o AS MATERIALIZED (
     SELECT r.k, r.n, r.before, r.max_count, r.window_us, t.key, pgrl_us(t.window_start) AS window_start_us, t.count,
            t.prev_count
-      FROM (SELECT k, (@keys::bytea[])[k] AS key, (@ns::integer[])[k] AS n, (@max_counts::bigint[])[k] AS max_count,
+      FROM (SELECT k, (@keys::bytea[])[k] AS key, (@max_counts::bigint[])[k] AS max_count,
+                   (@ends::integer[])[k] - coalesce((@ends::integer[])[k - 1], 0) AS n,
                    (@windows_us::bigint[])[k] AS window_us,
-                   sum((@ns::integer[])[k]) OVER (ORDER BY k) - (@ns::integer[])[k] AS before
+                   coalesce((@ends::integer[])[k - 1], 0) AS before
               FROM generate_subscripts(@keys::bytea[], 1) AS k) AS r
       JOIN pgrl_sliding_window AS t ON t.key = r.key
      ORDER BY t.key
