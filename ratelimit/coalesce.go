@@ -567,11 +567,7 @@ func (c *coalescer) takeRuns(ctx context.Context, l *Limiter, group []*pendingCh
 	}
 	decs, decided, err = l.alg.takeRuns(ctx, l.st.db, q)
 	if err == nil {
-		for _, ok := range decided {
-			if ok {
-				c.ranRuns.Add(1)
-			}
-		}
+		c.ranRuns.Add(uint64(countTrue(decided)))
 	}
 	if kind, pgErr := pgerr.Classify(err); kind == pgerr.Unsupported {
 		// Nothing was counted: the statement was refused whole.
@@ -665,4 +661,15 @@ func (c *coalescer) takeMany(ctx context.Context, group []*pendingCheck) error {
 		}
 	}
 	return nil
+}
+
+// countTrue is how many of bs are true.
+func countTrue(bs []bool) int {
+	n := 0
+	for _, b := range bs {
+		if b {
+			n++
+		}
+	}
+	return n
 }

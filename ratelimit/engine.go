@@ -100,17 +100,17 @@ func (l *Limiter) takeStored(ctx context.Context, db DB, key string, k []byte, a
 	if l.cfg.Policy == "" || a.upTo {
 		return l.takeKey(ctx, db, k, a)
 	}
-	ok, revision, seen, lean := l.leanPolicy(key, k)
+	okey, revision, seen, lean := l.leanPolicy(key, k)
 	if lean {
 		d, err := l.alg.takeUnderPolicy(ctx, l, db, k, a.n, revision)
 		if !errors.Is(err, pgx.ErrNoRows) {
 			return d, err
 		}
 	}
-	if ok == nil {
-		ok = l.policyKey(key, k)
+	if okey == nil {
+		okey = l.policyKey(key, k)
 	}
-	d, err := l.alg.takePolicy(ctx, l, db, k, ok, a.n)
+	d, err := l.alg.takePolicy(ctx, l, db, k, okey, a.n)
 	if !lean {
 		return d, err
 	}

@@ -51,9 +51,9 @@ func (st *Database) policyOverrides(policy string) *policyOverrides {
 // leanPolicy reports whether a check of key (stored as k) may send
 // takeUnderPolicy, with the revision to send (0 when no keys were read: the
 // statement then counts only while the policy has no override at all) and
-// the knowledge that is based on. ok is the key as the policy's overrides
+// the knowledge that is based on. okey is the key as the policy's overrides
 // store it, when it was needed (else nil).
-func (l *Limiter) leanPolicy(key string, k []byte) (ok []byte, revision int64, seen *policyKeys, lean bool) {
+func (l *Limiter) leanPolicy(key string, k []byte) (okey []byte, revision int64, seen *policyKeys, lean bool) {
 	if l.overrides == nil || l.overridesOff.Load() {
 		return nil, 0, nil, false
 	}
@@ -61,9 +61,9 @@ func (l *Limiter) leanPolicy(key string, k []byte) (ok []byte, revision int64, s
 	if seen == nil {
 		return nil, 0, nil, true
 	}
-	ok = l.policyKey(key, k)
-	_, overridden := seen.keys[string(ok)]
-	return ok, seen.revision, seen, !overridden
+	okey = l.policyKey(key, k)
+	_, overridden := seen.keys[string(okey)]
+	return okey, seen.revision, seen, !overridden
 }
 
 // rereadPolicyKeys reads the policy's override keys again after a
