@@ -22,7 +22,7 @@ import (
 // named arithmetic (000005), each algorithm's step (000012) and the token
 // bucket's lease helpers (000016).
 var helperMigrations = []string{"000005_named_arithmetic.up.sql", "000012_algorithm_steps.up.sql",
-	"000016_token_bucket_leases.up.sql"}
+	"000016_token_bucket_leases.up.sql", "000022_smaller_steps.up.sql"}
 
 // helperNames lists the LANGUAGE sql functions helperMigrations create,
 // read from the files themselves so that a helper added there is checked

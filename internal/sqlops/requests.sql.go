@@ -760,27 +760,27 @@ const tokenBucketTakeOnce = `-- name: TokenBucketTakeOnce :many
 WITH q AS (
     INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
     SELECT $1::bytea,
-           (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
-                                   pgrl_now_us($3::timestamptz), $4::bigint,
+           (pgrl_token_bucket_take($2::float8, 0, pgrl_now_us($3::timestamptz),
+                                $4::bigint,
                                    $2::float8, $5::float8,
                                    $6::boolean, false)).tokens,
            pgrl_now($3::timestamptz),
            pgrl_token_bucket_full_at(
                pgrl_now($3::timestamptz),
-               (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
-                                       pgrl_now_us($3::timestamptz), $4::bigint,
+               (pgrl_token_bucket_take($2::float8, 0, pgrl_now_us($3::timestamptz),
+                                $4::bigint,
                                        $2::float8, $5::float8,
                                        $6::boolean, false)).tokens,
                $2::float8, $5::float8),
-           (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
-                                   pgrl_now_us($3::timestamptz), $4::bigint,
+           (pgrl_token_bucket_take($2::float8, 0, pgrl_now_us($3::timestamptz),
+                                $4::bigint,
                                    $2::float8, $5::float8,
                                    $6::boolean, false)).allowed,
            pgrl_token_bucket_lease_epoch_us(pgrl_now_us($3::timestamptz))
      WHERE NOT EXISTS (SELECT FROM pgrl_request AS r
                         WHERE r.key = $7::bytea AND r.id = $8::bytea)
     ON CONFLICT (key) DO UPDATE
-       SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                             $4::bigint,
                                             $2::float8
                                             - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -789,8 +789,9 @@ WITH q AS (
            updated_at = greatest(t.updated_at, excluded.updated_at),
            full_at = greatest(pgrl_token_bucket_refilled_at(
                                   greatest(t.updated_at, excluded.updated_at),
-                                  (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                          pgrl_us(excluded.updated_at), $4::bigint,
+                                  (pgrl_token_bucket_take(t.tokens, 0,
+                                                          pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                                          $4::bigint,
                                                           $2::float8
                                                           - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                      t.leased_prev,
@@ -799,7 +800,7 @@ WITH q AS (
                                                           false)).tokens,
                                   $2::float8, $5::float8),
                               pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-           allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+           allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                              $4::bigint,
                                              $2::float8
                                              - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,

@@ -62,7 +62,7 @@ SELECT ($1::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
                                       p.refill_per_us, p.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         CASE WHEN excluded.allowed OR $5::boolean
                                              THEN ($3::float8 - excluded.tokens)::bigint
                                              ELSE floor($3::float8)::bigint + 1 END,
@@ -73,7 +73,7 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                                       CASE WHEN excluded.allowed OR $5::boolean
                                                            THEN ($3::float8 - excluded.tokens)::bigint
                                                            ELSE floor($3::float8)::bigint + 1 END,
@@ -85,7 +85,7 @@ ON CONFLICT (key) DO UPDATE
                                                       $5::boolean, false)).tokens,
                               $3::float8, $4::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          CASE WHEN excluded.allowed OR $5::boolean
                                               THEN ($3::float8 - excluded.tokens)::bigint
                                               ELSE floor($3::float8)::bigint + 1 END,
@@ -195,7 +195,7 @@ SELECT ($1::bytea[])[f.i] AS key, s.tokens, p.ts AS updated_at,
                                       f."limit"::float8 / f.window_us::float8, f.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         CASE WHEN excluded.allowed OR excluded.policy_penalty
                                              THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
                                              ELSE excluded.policy_burst + 1 END,
@@ -207,7 +207,7 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                                       CASE WHEN excluded.allowed OR excluded.policy_penalty
                                                            THEN (excluded.policy_burst::float8
                                                                  - excluded.tokens)::bigint
@@ -222,7 +222,7 @@ ON CONFLICT (key) DO UPDATE
                               excluded.policy_burst::float8,
                               excluded.policy_limit::float8 / excluded.policy_window_us::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          CASE WHEN excluded.allowed OR excluded.policy_penalty
                                               THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
                                               ELSE excluded.policy_burst + 1 END,
@@ -345,7 +345,7 @@ SELECT $1::bytea,
            AND p.key_mode = $6::text) AS r
         OFFSET 0) AS f
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         $2::bigint,
                                         (excluded.policy_burst
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -355,8 +355,8 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                      pgrl_us(excluded.updated_at), $2::bigint,
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                                      $2::bigint,
                                                       (excluded.policy_burst
                                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                   t.leased_prev,
@@ -367,7 +367,7 @@ ON CONFLICT (key) DO UPDATE
                               excluded.policy_burst::float8,
                               excluded.policy_limit::float8 / excluded.policy_window_us::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          $2::bigint,
                                          (excluded.policy_burst
                                           - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -449,20 +449,20 @@ func (q *Queries) TokenBucketTakePolicy(ctx context.Context, db DBTX, arg TokenB
 const tokenBucketTakeUnderPolicy = `-- name: TokenBucketTakeUnderPolicy :one
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 SELECT $1::bytea,
-       (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
-                               pgrl_now_us($3::timestamptz), $4::bigint,
+       (pgrl_token_bucket_take($2::float8, 0, pgrl_now_us($3::timestamptz),
+                                $4::bigint,
                                $2::float8, $5::float8,
                                $6::boolean, false)).tokens,
        pgrl_now($3::timestamptz),
        pgrl_token_bucket_full_at(
            pgrl_now($3::timestamptz),
-           (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
-                                   pgrl_now_us($3::timestamptz), $4::bigint,
+           (pgrl_token_bucket_take($2::float8, 0, pgrl_now_us($3::timestamptz),
+                                $4::bigint,
                                    $2::float8, $5::float8,
                                    $6::boolean, false)).tokens,
            $2::float8, $5::float8),
-       (pgrl_token_bucket_take($2::float8, pgrl_now_us($3::timestamptz),
-                               pgrl_now_us($3::timestamptz), $4::bigint,
+       (pgrl_token_bucket_take($2::float8, 0, pgrl_now_us($3::timestamptz),
+                                $4::bigint,
                                $2::float8, $5::float8,
                                $6::boolean, false)).allowed,
        pgrl_token_bucket_lease_epoch_us(pgrl_now_us($3::timestamptz))
@@ -474,7 +474,7 @@ SELECT $1::bytea,
    AND round(date_part('epoch', p."window") * 1000000)::bigint = $12::bigint
    AND p.penalty = $6::boolean
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         $4::bigint,
                                         $2::float8
                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -483,8 +483,8 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                      pgrl_us(excluded.updated_at), $4::bigint,
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                                      $4::bigint,
                                                       $2::float8
                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                  t.leased_prev,
@@ -493,7 +493,7 @@ ON CONFLICT (key) DO UPDATE
                                                       $6::boolean, false)).tokens,
                               $2::float8, $5::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          $4::bigint,
                                          $2::float8
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,

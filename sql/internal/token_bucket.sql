@@ -26,7 +26,7 @@ SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
                                       p.refill_per_us, p.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
                                              THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
                                              ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
@@ -37,7 +37,7 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                                       CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
                                                            THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
                                                            ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
@@ -49,7 +49,7 @@ ON CONFLICT (key) DO UPDATE
                                                       sqlc.arg(penalty)::boolean, false)).tokens,
                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
                                               THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
                                               ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
@@ -116,7 +116,7 @@ SELECT sqlc.arg(key)::bytea,
            AND p.key_mode = sqlc.arg(key_mode)::text) AS r
         OFFSET 0) AS f
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         sqlc.arg(cost)::bigint,
                                         (excluded.policy_burst
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -126,8 +126,8 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                      pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                                      sqlc.arg(cost)::bigint,
                                                       (excluded.policy_burst
                                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                   t.leased_prev,
@@ -138,7 +138,7 @@ ON CONFLICT (key) DO UPDATE
                               excluded.policy_burst::float8,
                               excluded.policy_limit::float8 / excluded.policy_window_us::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          sqlc.arg(cost)::bigint,
                                          (excluded.policy_burst
                                           - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -198,7 +198,7 @@ SELECT (@keys::bytea[])[f.i] AS key, s.tokens, p.ts AS updated_at,
                                       f."limit"::float8 / f.window_us::float8, f.penalty, false) AS s
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         CASE WHEN excluded.allowed OR excluded.policy_penalty
                                              THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
                                              ELSE excluded.policy_burst + 1 END,
@@ -210,7 +210,7 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                                       CASE WHEN excluded.allowed OR excluded.policy_penalty
                                                            THEN (excluded.policy_burst::float8
                                                                  - excluded.tokens)::bigint
@@ -225,7 +225,7 @@ ON CONFLICT (key) DO UPDATE
                               excluded.policy_burst::float8,
                               excluded.policy_limit::float8 / excluded.policy_window_us::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          CASE WHEN excluded.allowed OR excluded.policy_penalty
                                               THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
                                               ELSE excluded.policy_burst + 1 END,
@@ -272,20 +272,20 @@ SELECT pgrl_token_bucket_return_slice(sqlc.arg(key)::bytea, sqlc.arg(at)::timest
 -- as they are.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 SELECT sqlc.arg(key)::bytea,
-       (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                               pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+       (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                sqlc.arg(cost)::bigint,
                                sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                sqlc.arg(penalty)::boolean, false)).tokens,
        pgrl_now(sqlc.narg(at)::timestamptz),
        pgrl_token_bucket_full_at(
            pgrl_now(sqlc.narg(at)::timestamptz),
-           (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                   pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+           (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                sqlc.arg(cost)::bigint,
                                    sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                    sqlc.arg(penalty)::boolean, false)).tokens,
            sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
-       (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                               pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+       (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                sqlc.arg(cost)::bigint,
                                sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                sqlc.arg(penalty)::boolean, false)).allowed,
        pgrl_token_bucket_lease_epoch_us(pgrl_now_us(sqlc.narg(at)::timestamptz))
@@ -297,7 +297,7 @@ SELECT sqlc.arg(key)::bytea,
    AND round(date_part('epoch', p."window") * 1000000)::bigint = sqlc.arg(window_us)::bigint
    AND p.penalty = sqlc.arg(penalty)::boolean
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         sqlc.arg(cost)::bigint,
                                         sqlc.arg(capacity)::float8
                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -306,8 +306,8 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                      pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                                      sqlc.arg(cost)::bigint,
                                                       sqlc.arg(capacity)::float8
                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                  t.leased_prev,
@@ -316,7 +316,7 @@ ON CONFLICT (key) DO UPDATE
                                                       sqlc.arg(penalty)::boolean, false)).tokens,
                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          sqlc.arg(cost)::bigint,
                                          sqlc.arg(capacity)::float8
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,

@@ -20,25 +20,25 @@
 -- leases are over. at pins the clock for tests; production leaves it nil.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 VALUES (sqlc.arg(key)::bytea,
-        (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+        (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                sqlc.arg(cost)::bigint,
                                 sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                 sqlc.arg(penalty)::boolean, false)).tokens,
         pgrl_now(sqlc.narg(at)::timestamptz),
         pgrl_token_bucket_full_at(
             pgrl_now(sqlc.narg(at)::timestamptz),
-            (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                    pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+            (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                sqlc.arg(cost)::bigint,
                                     sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                     sqlc.arg(penalty)::boolean, false)).tokens,
             sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
-        (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, pgrl_now_us(sqlc.narg(at)::timestamptz),
-                                pgrl_now_us(sqlc.narg(at)::timestamptz), sqlc.arg(cost)::bigint,
+        (pgrl_token_bucket_take(sqlc.arg(capacity)::float8, 0, pgrl_now_us(sqlc.narg(at)::timestamptz),
+                                sqlc.arg(cost)::bigint,
                                 sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8,
                                 sqlc.arg(penalty)::boolean, false)).allowed,
         pgrl_token_bucket_lease_epoch_us(pgrl_now_us(sqlc.narg(at)::timestamptz)))
 ON CONFLICT (key) DO UPDATE
-   SET tokens = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+   SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                         sqlc.arg(cost)::bigint,
                                         sqlc.arg(capacity)::float8
                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
@@ -47,8 +47,8 @@ ON CONFLICT (key) DO UPDATE
        updated_at = greatest(t.updated_at, excluded.updated_at),
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
-                              (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at),
-                                                      pgrl_us(excluded.updated_at), sqlc.arg(cost)::bigint,
+                              (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                                      sqlc.arg(cost)::bigint,
                                                       sqlc.arg(capacity)::float8
                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                  t.leased_prev,
@@ -57,7 +57,7 @@ ON CONFLICT (key) DO UPDATE
                                                       sqlc.arg(penalty)::boolean, false)).tokens,
                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, pgrl_us(t.updated_at), pgrl_us(excluded.updated_at),
+       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
                                          sqlc.arg(cost)::bigint,
                                          sqlc.arg(capacity)::float8
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
