@@ -70,13 +70,16 @@ const DistributionColumn = "key"
 // spelled out in full (38 KB for the sliding window), for the worker to
 // parse and plan on every check. A function with a setting of its own is
 // never inlined: the coordinator sends the call, and the worker runs the
-// function, whose search_path lets its body find the step types. The token
+// function, whose search_path lets its body find the step types. The
+// sliding window's statements call its step at a window start
+// (pgrl_sliding_window_take_at, migration 000022), pinned likewise. The token
 // bucket's lease helpers that statements send to workers (migration 000016)
 // are pinned too: their bodies call pgrl_token_bucket_lease_us, which a
 // worker's session, whose search_path does not hold the schema, would not
 // find.
 var StepFunctions = []string{"pgrl_fixed_window_take", "pgrl_token_bucket_take", "pgrl_sliding_window_take",
-	"pgrl_token_bucket_leased", "pgrl_token_bucket_lease_over_at", "pgrl_token_bucket_lease_epoch_us"}
+	"pgrl_sliding_window_take_at", "pgrl_token_bucket_leased", "pgrl_token_bucket_lease_over_at",
+	"pgrl_token_bucket_lease_epoch_us"}
 
 // Distribution is how Citus stores one of pgrl's tables.
 type Distribution struct {

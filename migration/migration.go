@@ -726,8 +726,9 @@ var appReadTables = []string{"pgrl_partition_settings", "pgrl_policy", "pgrl_pol
 // 42501), the check-queue functions of migration 000006, the steps of
 // migration 000012, the check functions of migration 000014 and those of
 // migration 000015, which take slices too, and the token bucket's lease
-// helpers and slice functions of migration 000016, pgrl_check (000018) and
-// the concurrency limits' functions (000019).
+// helpers and slice functions of migration 000016, pgrl_check (000018),
+// the concurrency limits' functions (000019) and the sliding window's step
+// at a given window start with its helpers (000022).
 // TestEveryFunctionGranted holds every function of the migrations to this
 // list or to the operations' own.
 var appFunctions = []string{
@@ -785,6 +786,9 @@ var appFunctions = []string{
 	"pgrl_concurrency_next_us(pgrl_slot[], bigint)",
 	"pgrl_concurrency_last_us(pgrl_slot[], bigint)",
 	"pgrl_concurrency_tokens(pgrl_slot[], bigint, bytea)",
+	"pgrl_sliding_window_roll_at(bigint, bigint, bigint, bigint, bigint, boolean)",
+	"pgrl_sliding_window_elapsed_at(bigint, bigint, bigint, bigint)",
+	"pgrl_sliding_window_take_at(bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, boolean, boolean)",
 }
 
 // grantStatements returns the GRANT statements that give role the

@@ -1,5 +1,6 @@
--- The steps as migration 000012 made them, and pgrl_elapsed_us STABLE again,
--- as migration 000005 made it.
+-- The steps and the sliding window's roll and elapsed time as migration
+-- 000012 made them, and pgrl_elapsed_us STABLE again, as migration 000005
+-- made it.
 
 ALTER FUNCTION pgrl_elapsed_us(timestamptz, timestamptz) STABLE;
 
@@ -92,3 +93,27 @@ AS $$
              ELSE 0 END
     )::pgrl_sliding_window_step
 $$;
+
+CREATE OR REPLACE FUNCTION pgrl_sliding_window_roll(row_start_us bigint, now_us bigint, window_us bigint,
+                                                    count bigint,
+                                         prev_count bigint, previous boolean)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN row_start_us >= pgrl_window_start_us(now_us, window_us)
+                THEN CASE WHEN previous THEN prev_count ELSE count END
+                WHEN previous AND row_start_us = pgrl_window_start_us(now_us, window_us) - window_us THEN count
+                ELSE 0 END
+$$;
+
+CREATE OR REPLACE FUNCTION pgrl_sliding_window_elapsed(row_start_us bigint, now_us bigint, window_us bigint)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+AS $$
+    SELECT least(greatest(now_us - greatest(row_start_us, pgrl_window_start_us(now_us, window_us)), 0), window_us)
+$$;
+
+DROP FUNCTION pgrl_sliding_window_take_at(bigint, bigint, bigint, bigint, bigint, bigint, bigint, bigint, boolean,
+                                          boolean);
+DROP FUNCTION pgrl_sliding_window_elapsed_at(bigint, bigint, bigint, bigint);
+DROP FUNCTION pgrl_sliding_window_roll_at(bigint, bigint, bigint, bigint, bigint, boolean);
