@@ -156,14 +156,20 @@ type SlidingWindowTakeRow struct {
 // When a new window has begun the row rolls forward: count becomes prev_count
 // if the row's window was the one just before, else both restart at zero. A
 // denied check adds nothing unless penalty is set; a penalised count stops at
-// the largest bigint. The sliding window's step (pgrl_sliding_window_take,
-// migration 000012) decides; the update arm reads the check's instant from
-// the proposed row (excluded.updated_at) and calls only IMMUTABLE functions,
-// as a distributed PostgreSQL (Citus) requires. at pins the clock for tests;
-// production leaves it nil. Windows start at multiples of window_us since
-// the Unix epoch, floored (also before 1970). Instants are returned as
-// microseconds since the Unix epoch, shaped by no session setting; now_us is
-// the check's instant, kept in the row's updated_at.
+// the largest bigint. The sliding window's step at a window start
+// (pgrl_sliding_window_take_at, migrations 000012 and 000022) decides; the
+// update arm reads the check's instant and its window's start from the
+// proposed row (excluded.updated_at, excluded.window_start), so that the
+// start is not computed again from the instant wherever the step rolls the
+// row forward, and calls only IMMUTABLE functions, as a distributed
+// PostgreSQL (Citus) requires. The insert arm's key has no counts, so the
+// step's verdict does not depend on the window start it is given: the
+// instant stands in for it (the planner would not inline the step given the
+// start computed there). at pins the clock for tests; production leaves it
+// nil. Windows start at multiples of window_us since the Unix epoch, floored
+// (also before 1970). Instants are returned as microseconds since the Unix
+// epoch, shaped by no session setting; now_us is the check's instant, kept
+// in the row's updated_at.
 func (q *Queries) SlidingWindowTake(ctx context.Context, db DBTX, arg SlidingWindowTakeParams) (SlidingWindowTakeRow, error) {
 	row := db.QueryRow(ctx, slidingWindowTake,
 		arg.Key,

@@ -142,20 +142,26 @@ type TokenBucketTakeRow struct {
 // check, then spends cost tokens if the balance covers them, in one statement:
 // a first check inserts a full bucket less what the check spends, every later
 // one is the UPDATE arm of the same upsert. The token bucket's step
-// (pgrl_token_bucket_take, migration 000012) decides: the balance never
-// exceeds capacity less the units out on lease (migration 000016); a denied
-// check spends nothing, unless penalty is set: then it is charged anyway and
-// the balance may fall as low as -capacity, never lower. refill_per_us is
-// tokens per microsecond. The balance is returned as the bits of its float8
-// (tokens_bits; math.Float64frombits in Go) and instants as microseconds
-// since the Unix epoch: exact, and shaped by no session setting
-// (extra_float_digits, DateStyle, TimeZone). The update arm reads the
-// check's instant from the proposed row (excluded.updated_at), and its lease
-// epoch (excluded.lease_epoch_us), and calls only IMMUTABLE functions, as a
-// distributed PostgreSQL (Citus) requires. Elapsed time is clamped at zero,
-// so a check that waited on the row lock and sees a newer updated_at than
-// its own clock never refills backwards. full_at is not before the row's
-// leases are over. at pins the clock for tests; production leaves it nil.
+// (pgrl_token_bucket_take, migrations 000012 and 000022) decides: the balance
+// never exceeds capacity less the units out on lease (migration 000016); a
+// denied check spends nothing, unless penalty is set: then it is charged
+// anyway and the balance may fall as low as -capacity, never lower.
+// refill_per_us is tokens per microsecond. The balance is returned as the
+// bits of its float8 (tokens_bits; math.Float64frombits in Go) and instants
+// as microseconds since the Unix epoch: exact, and shaped by no session
+// setting (extra_float_digits, DateStyle, TimeZone). The update arm reads
+// the check's instant from the proposed row (excluded.updated_at), and its
+// lease epoch (excluded.lease_epoch_us), and calls only IMMUTABLE functions,
+// as a distributed PostgreSQL (Citus) requires. It gives the step the time
+// since the row's last check as its two instants (0 and pgrl_elapsed_us,
+// clamped at zero, so a check that waited on the row lock and sees a newer
+// updated_at than its own clock never refills backwards): one conversion
+// where two instants would take two in every place the step uses them. The
+// insert arm's full bucket is the step's at instants 0 and now (a full
+// bucket stays full); it is given the instant only so that the planner
+// never runs the step at plan time, which it does with an IMMUTABLE
+// function of constants. full_at is not before the row's leases are over.
+// at pins the clock for tests; production leaves it nil.
 func (q *Queries) TokenBucketTake(ctx context.Context, db DBTX, arg TokenBucketTakeParams) (TokenBucketTakeRow, error) {
 	row := db.QueryRow(ctx, tokenBucketTake,
 		arg.Key,
