@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pgrl/pgrl/internal/dbtest"
@@ -115,6 +116,20 @@ func everyQuery(ctx context.Context, db DBTX) {
 	}
 }
 
+// everyQueryCalls stores the policies everyQuery's statements read (tb, fw
+// and sw) in pool's schema and returns the statements everyQuery sends,
+// without running them.
+func everyQueryCalls(ctx context.Context, t *testing.T, pool *pgxpool.Pool) []call {
+	t.Helper()
+	_, err := pool.Exec(ctx, `INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
+		VALUES ('tb', 'token_bucket', 5, interval '5 seconds', 5), ('fw', 'fixed_window', 5, interval '1 second', NULL),
+		       ('sw', 'sliding_window', 5, interval '1 second', NULL)`)
+	require.NoError(t, err)
+	var calls []call
+	everyQuery(ctx, recorder{&calls})
+	return calls
+}
+
 // TestHelpersAreInlined proves that the planner inlines every helper of
 // helperMigrations into every query that uses it: EXPLAIN (VERBOSE) of each
 // query names none of them, and running each query, under custom and
@@ -127,17 +142,11 @@ func TestHelpersAreInlined(t *testing.T) {
 	pool, schemaName := dbtest.Pool(t, dbtest.WithExecMode(pgx.QueryExecModeCacheStatement))
 	helpers := helperNames(t)
 
-	_, err := pool.Exec(ctx, `INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
-		VALUES ('tb', 'token_bucket', 5, interval '5 seconds', 5), ('fw', 'fixed_window', 5, interval '1 second', NULL),
-		       ('sw', 'sliding_window', 5, interval '1 second', NULL)`)
-	require.NoError(t, err)
-
-	var calls []call
-	everyQuery(ctx, recorder{&calls})
+	calls := everyQueryCalls(ctx, t, pool)
 	require.Len(t, calls, 38)
 
 	// The control: a copy of a helper that cannot be inlined.
-	_, err = pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
+	_, err := pool.Exec(ctx, `CREATE FUNCTION pgrl_not_inlined(now_us bigint, window_us bigint) RETURNS bigint
 		LANGUAGE sql IMMUTABLE SET search_path FROM CURRENT
 		AS $$ SELECT pgrl_window_end_us(now_us, window_us) $$`)
 	require.NoError(t, err)

@@ -91,13 +91,7 @@ func TestPlanSizes(t *testing.T) {
 				}
 			}
 		})
-	_, err := pool.Exec(ctx, `INSERT INTO pgrl_policy (name, algorithm, "limit", "window", burst)
-		VALUES ('tb', 'token_bucket', 5, interval '5 seconds', 5), ('fw', 'fixed_window', 5, interval '1 second', NULL),
-		       ('sw', 'sliding_window', 5, interval '1 second', NULL)`)
-	require.NoError(t, err)
-
-	var calls []call
-	everyQuery(ctx, recorder{&calls})
+	calls := everyQueryCalls(ctx, t, pool)
 	sizes := map[string]planNodes{}
 	for _, c := range calls[:len(calls)/2] {
 		tx, err := pool.Begin(ctx)
