@@ -57,15 +57,15 @@ func countPlanNodes(plan string) planNodes {
 // (without leases).
 var planNodeBounds = map[string]int{
 	"FixedWindowTake":              70,
-	"FixedWindowTakeMany":          90,
+	"FixedWindowTakeMany":          80,
 	"FixedWindowTakeUnderPolicy":   85,
 	"TokenBucketTake":              290,
-	"TokenBucketTakeMany":          305,
+	"TokenBucketTakeMany":          275,
 	"TokenBucketTakePolicy":        320,
 	"TokenBucketTakeUnderPolicy":   305,
 	"TokenBucketTakeRuns":          125,
 	"SlidingWindowTake":            285,
-	"SlidingWindowTakeMany":        305,
+	"SlidingWindowTakeMany":        295,
 	"SlidingWindowTakeUnderPolicy": 300,
 	"SlidingWindowTakeRuns":        160,
 }

@@ -225,7 +225,7 @@ func replay(t *testing.T, db ratelimit.DB, alg ratelimit.Algorithm, penalty bool
 // TestBatchMatchesModel drives the batched statements that coalesced checks
 // share (one statement for several distinct keys) through random sequences
 // with the clock pinned, refill and window changes included, and compares
-// every decision with the reference model.
+// every decision with the reference model, costs over the limit included.
 func TestBatchMatchesModel(t *testing.T) {
 	t.Parallel()
 	pool, _ := dbtest.Pool(t)
@@ -263,6 +263,13 @@ func TestBatchMatchesModel(t *testing.T) {
 					for j, k := range picked {
 						batch[j] = keys[k]
 						costs[j] = 1 + rng.Int64N(4)
+						if rng.IntN(8) == 0 {
+							// Now and then a cost over the limit (the
+							// burst) or, for the token bucket, over twice
+							// the burst, which the batch's proposed row
+							// already denies.
+							costs[j] = 7 + rng.Int64N(15)
+						}
 					}
 					ds, err := ratelimit.TakeMany(ctx, l, batch, costs)
 					require.NoError(t, err)

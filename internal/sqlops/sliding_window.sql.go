@@ -29,33 +29,29 @@ ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        excluded.count, $4::bigint,
                                         $5::boolean, false)).window_start_us),
        count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        excluded.count, $4::bigint,
                                         $5::boolean, false)).count,
        prev_count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        excluded.count, $4::bigint,
                                         $5::boolean, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        excluded.count, $4::bigint,
                                         $5::boolean, false)).window_start_us
                                     + 2 * $3::bigint),
-       allowed = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
+       allowed = excluded.allowed
+                 AND (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR $5::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, $4::bigint,
+                                        excluded.count, $4::bigint,
                                         $5::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
@@ -84,9 +80,9 @@ type SlidingWindowTakeManyRow struct {
 // package gen: the set-based batch of single checks (coalesced checks of
 // distinct keys) and the take that reads its stored policy in the statement.
 // SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
-// the rules of FixedWindowTakeMany: the update arm reads each check's cost
-// back from the proposed row's count (or, when the cost alone is over
-// max_count, any such cost, which decides the same). Its figures sit in an
+// the rules of FixedWindowTakeMany: the update arm reads each check's
+// charge back from the proposed row's count, and a check the proposed row
+// denies stays denied. Its figures sit in an
 // unflattened one-row subquery, as FixedWindowTakeMany's do.
 func (q *Queries) SlidingWindowTakeMany(ctx context.Context, db DBTX, arg SlidingWindowTakeManyParams) ([]SlidingWindowTakeManyRow, error) {
 	rows, err := db.Query(ctx, slidingWindowTakeMany,
@@ -153,33 +149,29 @@ ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).window_start_us),
        count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).count,
        prev_count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).window_start_us
                                     + 2 * $3::bigint),
-       allowed = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
+       allowed = excluded.allowed
+                 AND (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         $3::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).allowed,
        updated_at = excluded.updated_at,
        policy_limit = excluded.policy_limit,

@@ -63,9 +63,7 @@ SELECT ($1::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                        CASE WHEN excluded.allowed OR $5::boolean
-                                             THEN ($3::float8 - excluded.tokens)::bigint
-                                             ELSE floor($3::float8)::bigint + 1 END,
+                                        ($3::float8 - excluded.tokens)::bigint,
                                         $3::float8
                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                    excluded.lease_epoch_us),
@@ -74,9 +72,7 @@ ON CONFLICT (key) DO UPDATE
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
                               (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                                      CASE WHEN excluded.allowed OR $5::boolean
-                                                           THEN ($3::float8 - excluded.tokens)::bigint
-                                                           ELSE floor($3::float8)::bigint + 1 END,
+                                                      ($3::float8 - excluded.tokens)::bigint,
                                                       $3::float8
                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                  t.leased_prev,
@@ -85,15 +81,14 @@ ON CONFLICT (key) DO UPDATE
                                                       $5::boolean, false)).tokens,
                               $3::float8, $4::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                         CASE WHEN excluded.allowed OR $5::boolean
-                                              THEN ($3::float8 - excluded.tokens)::bigint
-                                              ELSE floor($3::float8)::bigint + 1 END,
-                                         $3::float8
-                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
-                                                                    excluded.lease_epoch_us),
-                                         $4::float8, $5::boolean,
-                                         false)).allowed
+       allowed = excluded.allowed
+                 AND (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                             ($3::float8 - excluded.tokens)::bigint,
+                                             $3::float8
+                                             - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                        excluded.lease_epoch_us),
+                                             $4::float8, $5::boolean,
+                                             false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_us(updated_at) AS updated_at_us,
@@ -124,13 +119,15 @@ type TokenBucketTakeManyRow struct {
 // and the return of a lease's unused units (migration 000016).
 // TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
 // rules of FixedWindowTakeMany. The update arm reads the check's instant from
-// the proposed row's updated_at and its cost as capacity less the proposed
-// balance (exact for integer costs below 2^53), unless the cost alone is
-// over the capacity (then allowed is false, and any such cost decides the
-// same). The balance and instants are returned as in TokenBucketTake, and
-// the units out on lease count as they do there (the proposed row carries
-// the check's lease epoch). Its figures sit in an unflattened one-row
-// subquery, as FixedWindowTakeMany's do.
+// the proposed row's updated_at and its charge as capacity less the proposed
+// balance (exact for integer costs below 2^53): the cost, or, for a cost
+// alone over the capacity, nothing (without penalty; the check stays denied,
+// as the proposed row's allowed is ANDed in) or at most twice the capacity
+// (under penalty, which floors the balance at -capacity whatever the cost).
+// The balance and instants are returned as in TokenBucketTake, and the units
+// out on lease count as they do there (the proposed row carries the check's
+// lease epoch). Its figures sit in an unflattened one-row subquery, as
+// FixedWindowTakeMany's do.
 func (q *Queries) TokenBucketTakeMany(ctx context.Context, db DBTX, arg TokenBucketTakeManyParams) ([]TokenBucketTakeManyRow, error) {
 	rows, err := db.Query(ctx, tokenBucketTakeMany,
 		arg.Keys,
@@ -196,9 +193,7 @@ SELECT ($1::bytea[])[f.i] AS key, s.tokens, p.ts AS updated_at,
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty
-                                             THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
-                                             ELSE excluded.policy_burst + 1 END,
+                                        (excluded.policy_burst::float8 - excluded.tokens)::bigint,
                                         (excluded.policy_burst
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                     excluded.lease_epoch_us))::float8,
@@ -208,10 +203,7 @@ ON CONFLICT (key) DO UPDATE
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
                               (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                                      CASE WHEN excluded.allowed OR excluded.policy_penalty
-                                                           THEN (excluded.policy_burst::float8
-                                                                 - excluded.tokens)::bigint
-                                                           ELSE excluded.policy_burst + 1 END,
+                                                      (excluded.policy_burst::float8 - excluded.tokens)::bigint,
                                                       (excluded.policy_burst
                                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                   t.leased_prev,
@@ -222,15 +214,14 @@ ON CONFLICT (key) DO UPDATE
                               excluded.policy_burst::float8,
                               excluded.policy_limit::float8 / excluded.policy_window_us::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                         CASE WHEN excluded.allowed OR excluded.policy_penalty
-                                              THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
-                                              ELSE excluded.policy_burst + 1 END,
-                                         (excluded.policy_burst
-                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
-                                                                     excluded.lease_epoch_us))::float8,
-                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
-                                         excluded.policy_penalty, false)).allowed,
+       allowed = excluded.allowed
+                 AND (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                             (excluded.policy_burst::float8 - excluded.tokens)::bigint,
+                                             (excluded.policy_burst
+                                              - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                         excluded.lease_epoch_us))::float8,
+                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                             excluded.policy_penalty, false)).allowed,
        policy_limit = excluded.policy_limit,
        policy_window_us = excluded.policy_window_us,
        policy_burst = excluded.policy_burst,
@@ -272,7 +263,7 @@ type TokenBucketTakeManyPolicyRow struct {
 // longer a token bucket storing keys in key_mode, is not counted and does
 // not come back: the caller decides it on its own. The rate read for each
 // key reaches the update arm in the proposed row (excluded.policy_limit and
-// the rest), which reads the check's cost back as TokenBucketTakeMany's
+// the rest), which reads the check's charge back as TokenBucketTakeMany's
 // does, against the burst read. limit, window_us and burst are the rate
 // that was applied.
 func (q *Queries) TokenBucketTakeManyPolicy(ctx context.Context, db DBTX, arg TokenBucketTakeManyPolicyParams) ([]TokenBucketTakeManyPolicyRow, error) {

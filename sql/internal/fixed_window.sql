@@ -11,10 +11,13 @@
 -- distinct within one call (one statement cannot update a row twice). Keys
 -- come back hex-encoded (key_hex), which no session setting changes
 -- (bytea_output does change bytea's text form). The update arm cannot see
--- the arrays, so it reads each check's cost back from the proposed row: its
--- count, which the step made the cost itself unless the cost alone is over
--- max_count (then allowed is false, and any cost over max_count decides the
--- same). Windows, overflow and the returned instants are as in
+-- the arrays, so it reads each check's charge back from the proposed row:
+-- its count, which is the cost itself, except when the cost alone is over
+-- max_count. Then the proposed row is denied: without penalty it charged
+-- nothing, and a charge of nothing leaves the counter row as a denial does,
+-- so the update arm's step is given that charge and its allowed is ANDed
+-- with the proposed row's (under penalty the count is the cost, as in the
+-- single take). Windows, overflow and the returned instants are as in
 -- FixedWindowTake. The statement's own figures sit in a one-row subquery
 -- that is not flattened (OFFSET 0), so that a prepared statement's generic
 -- plan costs what a custom one does and PostgreSQL stops planning it anew
@@ -33,13 +36,12 @@ SELECT (sqlc.arg(keys)::bytea[])[i] AS key, pgrl_from_epoch_us(p.end_us) AS expi
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
-                                       CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                            ELSE 9223372036854775807 END,
+                                       excluded.count,
                                        sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).count,
-       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
-                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                              ELSE 9223372036854775807 END,
-                                         sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).allowed,
+       allowed = excluded.allowed
+                 AND (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                             excluded.count,
+                                             sqlc.arg(max_count)::bigint, sqlc.arg(penalty)::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, count, pgrl_us(expires_at) AS expires_at_us, allowed,
           pgrl_us(updated_at) AS now_us;
@@ -98,7 +100,7 @@ RETURNING count, pgrl_us(expires_at) AS expires_at_us, allowed, pgrl_us(updated_
 -- counted and does not come back: the caller decides it on its own. The
 -- figures read for each key reach the update arm in the proposed row
 -- (excluded.policy_limit, excluded.policy_penalty), and the update arm reads
--- the check's cost back from it as FixedWindowTakeMany's does. max_count is
+-- the check's charge back from it as FixedWindowTakeMany's does. max_count is
 -- the limit that was applied.
 INSERT INTO pgrl_fixed_window AS t (key, expires_at, count, allowed, updated_at, policy_limit, policy_penalty)
 SELECT (@keys::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at, s.count, s.allowed,
@@ -123,13 +125,12 @@ SELECT (@keys::bytea[])[f.i] AS key, pgrl_from_epoch_us(p.end_us) AS expires_at,
  ORDER BY 1
 ON CONFLICT (key, expires_at) DO UPDATE
    SET count = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
-                                       CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                            ELSE 9223372036854775807 END,
+                                       excluded.count,
                                        excluded.policy_limit, excluded.policy_penalty, false)).count,
-       allowed = (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
-                                         CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                              ELSE 9223372036854775807 END,
-                                         excluded.policy_limit, excluded.policy_penalty, false)).allowed,
+       allowed = excluded.allowed
+                 AND (pgrl_fixed_window_take(pgrl_us(excluded.expires_at), t.count,
+                                             excluded.count,
+                                             excluded.policy_limit, excluded.policy_penalty, false)).allowed,
        updated_at = excluded.updated_at,
        policy_limit = excluded.policy_limit,
        policy_penalty = excluded.policy_penalty

@@ -4,9 +4,9 @@
 
 -- name: SlidingWindowTakeMany :many
 -- SlidingWindowTakeMany is SlidingWindowTake for several keys at once, under
--- the rules of FixedWindowTakeMany: the update arm reads each check's cost
--- back from the proposed row's count (or, when the cost alone is over
--- max_count, any such cost, which decides the same). Its figures sit in an
+-- the rules of FixedWindowTakeMany: the update arm reads each check's
+-- charge back from the proposed row's count, and a check the proposed row
+-- denies stays denied. Its figures sit in an
 -- unflattened one-row subquery, as FixedWindowTakeMany's do.
 INSERT INTO pgrl_sliding_window AS t (key, window_start, count, prev_count, expires_at, allowed, updated_at)
 SELECT (sqlc.arg(keys)::bytea[])[i] AS key, pgrl_from_epoch_us(p.start_us) AS window_start, s.count,
@@ -25,33 +25,29 @@ ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         sqlc.arg(window_us)::bigint,
-                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        excluded.count, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).window_start_us),
        count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         sqlc.arg(window_us)::bigint,
-                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        excluded.count, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).count,
        prev_count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         sqlc.arg(window_us)::bigint,
-                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        excluded.count, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         sqlc.arg(window_us)::bigint,
-                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        excluded.count, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).window_start_us
                                     + 2 * sqlc.arg(window_us)::bigint),
-       allowed = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
+       allowed = excluded.allowed
+                 AND (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         sqlc.arg(window_us)::bigint,
-                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean THEN excluded.count
-                                             ELSE 9223372036854775807 END, sqlc.arg(max_count)::bigint,
+                                        excluded.count, sqlc.arg(max_count)::bigint,
                                         sqlc.arg(penalty)::boolean, false)).allowed,
        updated_at = excluded.updated_at
 RETURNING encode(key, 'hex') AS key_hex, pgrl_us(window_start) AS window_start_us, count, prev_count,
@@ -156,33 +152,29 @@ ON CONFLICT (key) DO UPDATE
    SET window_start = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         @window_us::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).window_start_us),
        count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         @window_us::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).count,
        prev_count = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         @window_us::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).prev_count,
        expires_at = pgrl_ts((pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         @window_us::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).window_start_us
                                     + 2 * @window_us::bigint),
-       allowed = (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
+       allowed = excluded.allowed
+                 AND (pgrl_sliding_window_take_at(pgrl_us(t.window_start), t.count, t.prev_count,
                                         pgrl_us(excluded.updated_at), pgrl_us(excluded.window_start),
                                         @window_us::bigint,
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty THEN excluded.count
-                                             ELSE 9223372036854775807 END, excluded.policy_limit,
+                                        excluded.count, excluded.policy_limit,
                                         excluded.policy_penalty, false)).allowed,
        updated_at = excluded.updated_at,
        policy_limit = excluded.policy_limit,

@@ -6,13 +6,15 @@
 -- name: TokenBucketTakeMany :many
 -- TokenBucketTakeMany is TokenBucketTake for several keys at once, under the
 -- rules of FixedWindowTakeMany. The update arm reads the check's instant from
--- the proposed row's updated_at and its cost as capacity less the proposed
--- balance (exact for integer costs below 2^53), unless the cost alone is
--- over the capacity (then allowed is false, and any such cost decides the
--- same). The balance and instants are returned as in TokenBucketTake, and
--- the units out on lease count as they do there (the proposed row carries
--- the check's lease epoch). Its figures sit in an unflattened one-row
--- subquery, as FixedWindowTakeMany's do.
+-- the proposed row's updated_at and its charge as capacity less the proposed
+-- balance (exact for integer costs below 2^53): the cost, or, for a cost
+-- alone over the capacity, nothing (without penalty; the check stays denied,
+-- as the proposed row's allowed is ANDed in) or at most twice the capacity
+-- (under penalty, which floors the balance at -capacity whatever the cost).
+-- The balance and instants are returned as in TokenBucketTake, and the units
+-- out on lease count as they do there (the proposed row carries the check's
+-- lease epoch). Its figures sit in an unflattened one-row subquery, as
+-- FixedWindowTakeMany's do.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us)
 SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
        pgrl_token_bucket_full_at(p.ts, s.tokens, p.capacity, p.refill_per_us) AS full_at, s.allowed,
@@ -27,9 +29,7 @@ SELECT (sqlc.arg(keys)::bytea[])[i] AS key, s.tokens, p.ts AS updated_at,
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                        CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
-                                             THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
-                                             ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                        (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint,
                                         sqlc.arg(capacity)::float8
                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                    excluded.lease_epoch_us),
@@ -38,9 +38,7 @@ ON CONFLICT (key) DO UPDATE
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
                               (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                                      CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
-                                                           THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
-                                                           ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
+                                                      (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint,
                                                       sqlc.arg(capacity)::float8
                                                       - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                  t.leased_prev,
@@ -49,15 +47,14 @@ ON CONFLICT (key) DO UPDATE
                                                       sqlc.arg(penalty)::boolean, false)).tokens,
                               sqlc.arg(capacity)::float8, sqlc.arg(refill_per_us)::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                         CASE WHEN excluded.allowed OR sqlc.arg(penalty)::boolean
-                                              THEN (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint
-                                              ELSE floor(sqlc.arg(capacity)::float8)::bigint + 1 END,
-                                         sqlc.arg(capacity)::float8
-                                         - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
-                                                                    excluded.lease_epoch_us),
-                                         sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
-                                         false)).allowed
+       allowed = excluded.allowed
+                 AND (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                             (sqlc.arg(capacity)::float8 - excluded.tokens)::bigint,
+                                             sqlc.arg(capacity)::float8
+                                             - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                        excluded.lease_epoch_us),
+                                             sqlc.arg(refill_per_us)::float8, sqlc.arg(penalty)::boolean,
+                                             false)).allowed
 RETURNING encode(key, 'hex') AS key_hex,
           pgrl_float8_bits(tokens) AS tokens_bits,
           pgrl_us(updated_at) AS updated_at_us,
@@ -165,7 +162,7 @@ RETURNING pgrl_float8_bits(tokens) AS tokens_bits,
 -- longer a token bucket storing keys in key_mode, is not counted and does
 -- not come back: the caller decides it on its own. The rate read for each
 -- key reaches the update arm in the proposed row (excluded.policy_limit and
--- the rest), which reads the check's cost back as TokenBucketTakeMany's
+-- the rest), which reads the check's charge back as TokenBucketTakeMany's
 -- does, against the burst read. limit, window_us and burst are the rate
 -- that was applied.
 INSERT INTO pgrl_token_bucket AS t (key, tokens, updated_at, full_at, allowed, lease_epoch_us,
@@ -199,9 +196,7 @@ SELECT (@keys::bytea[])[f.i] AS key, s.tokens, p.ts AS updated_at,
  ORDER BY 1
 ON CONFLICT (key) DO UPDATE
    SET tokens = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                        CASE WHEN excluded.allowed OR excluded.policy_penalty
-                                             THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
-                                             ELSE excluded.policy_burst + 1 END,
+                                        (excluded.policy_burst::float8 - excluded.tokens)::bigint,
                                         (excluded.policy_burst
                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
                                                                     excluded.lease_epoch_us))::float8,
@@ -211,10 +206,7 @@ ON CONFLICT (key) DO UPDATE
        full_at = greatest(pgrl_token_bucket_refilled_at(
                               greatest(t.updated_at, excluded.updated_at),
                               (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                                      CASE WHEN excluded.allowed OR excluded.policy_penalty
-                                                           THEN (excluded.policy_burst::float8
-                                                                 - excluded.tokens)::bigint
-                                                           ELSE excluded.policy_burst + 1 END,
+                                                      (excluded.policy_burst::float8 - excluded.tokens)::bigint,
                                                       (excluded.policy_burst
                                                        - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased,
                                                                                   t.leased_prev,
@@ -225,15 +217,14 @@ ON CONFLICT (key) DO UPDATE
                               excluded.policy_burst::float8,
                               excluded.policy_limit::float8 / excluded.policy_window_us::float8),
                           pgrl_token_bucket_lease_over_at(t.lease_epoch_us, t.leased, t.leased_prev)),
-       allowed = (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
-                                         CASE WHEN excluded.allowed OR excluded.policy_penalty
-                                              THEN (excluded.policy_burst::float8 - excluded.tokens)::bigint
-                                              ELSE excluded.policy_burst + 1 END,
-                                         (excluded.policy_burst
-                                          - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
-                                                                     excluded.lease_epoch_us))::float8,
-                                         excluded.policy_limit::float8 / excluded.policy_window_us::float8,
-                                         excluded.policy_penalty, false)).allowed,
+       allowed = excluded.allowed
+                 AND (pgrl_token_bucket_take(t.tokens, 0, pgrl_elapsed_us(t.updated_at, excluded.updated_at),
+                                             (excluded.policy_burst::float8 - excluded.tokens)::bigint,
+                                             (excluded.policy_burst
+                                              - pgrl_token_bucket_leased(t.lease_epoch_us, t.leased, t.leased_prev,
+                                                                         excluded.lease_epoch_us))::float8,
+                                             excluded.policy_limit::float8 / excluded.policy_window_us::float8,
+                                             excluded.policy_penalty, false)).allowed,
        policy_limit = excluded.policy_limit,
        policy_window_us = excluded.policy_window_us,
        policy_burst = excluded.policy_burst,
