@@ -11,10 +11,15 @@
 -- (the sliding window rolled on, the bucket refilled); check j's state is
 -- that state with the admitted checks up to j taken, one unit each, and
 -- the row is written once, with the state after its last check. Each
--- existing row is read FOR UPDATE, in key order, and found through the
--- primary key: the join also asks for key = ANY (keys), without which the
--- planner, taking the array for a thousand keys, hashed the whole table
--- (gen's TestStatementsProbeTheirRows). A key whose row does not
+-- existing row is read FOR UPDATE, in key order: keys ascend, and each
+-- key's row is found and locked by a probe of the primary key of its own
+-- (LATERAL), then written through the primary key (key = ANY of the keys
+-- read). Joined to the keys array, the table was hashed whole on every
+-- call, the planner taking the array for a thousand keys (gen's
+-- TestStatementsProbeTheirRows); and no estimate depends on the arrays'
+-- contents, which a custom plan sees and a generic one does not, so that
+-- the generic plan is as cheap as a custom one and is used (otherwise
+-- PostgreSQL plans such a statement anew on every call). A key whose row does not
 -- exist (or was deleted under the statement) is not decided: no row comes
 -- back for its checks, nothing is counted for them, and the caller sends
 -- them in a check statement (…TakeChecks), which makes the row. The rows
@@ -32,15 +37,15 @@ WITH p AS (
                    pgrl_window_end_us(p.now_us, (@windows_us::bigint[])[k]) AS end_us,
                    coalesce((@ends::integer[])[k - 1], 0) AS before
               FROM p, generate_subscripts(@keys::bytea[], 1) AS k) AS r
-      JOIN pgrl_fixed_window AS t
-        ON t.key = r.key AND t.expires_at = pgrl_from_epoch_us(r.end_us) AND t.key = ANY (@keys::bytea[])
-     ORDER BY t.key
-       FOR UPDATE OF t
+     CROSS JOIN LATERAL (SELECT t.key, t.count
+                           FROM pgrl_fixed_window AS t
+                          WHERE t.key = r.key AND t.expires_at = pgrl_from_epoch_us(r.end_us)
+                            FOR UPDATE) AS t
 ), u AS (
     UPDATE pgrl_fixed_window AS t
        SET count = o.count + o.granted, allowed = o.granted = o.n, updated_at = greatest(t.updated_at, p.ts)
       FROM p, o
-     WHERE t.key = o.key AND t.expires_at = pgrl_from_epoch_us(o.end_us)
+     WHERE t.key = ANY (ARRAY(SELECT o.key FROM o)) AND t.key = o.key AND t.expires_at = pgrl_from_epoch_us(o.end_us)
     RETURNING o.k, o.before, o.count, o.granted, o.end_us
 )
 SELECT j::integer AS check_index, a.allowed::integer::bigint AS granted, (u.count + a.taken)::bigint AS count,
@@ -68,9 +73,10 @@ WITH p AS (
                         (@capacities::float8[])[k] AS capacity, (@refills_per_us::float8[])[k] AS refill_per_us,
                         coalesce((@ends::integer[])[k - 1], 0) AS before
                    FROM generate_subscripts(@keys::bytea[], 1) AS k) AS r
-      JOIN pgrl_token_bucket AS t ON t.key = r.key AND t.key = ANY (@keys::bytea[])
-     ORDER BY t.key
-       FOR UPDATE OF t
+     CROSS JOIN LATERAL (SELECT t.key, t.tokens, t.updated_at, t.lease_epoch_us, t.leased, t.leased_prev
+                           FROM pgrl_token_bucket AS t
+                          WHERE t.key = r.key
+                            FOR UPDATE) AS t
 ), g AS MATERIALIZED (
     SELECT o.k, o.n, o.before, o.capacity, o.refill_per_us, o.over_at, o.key,
            (pgrl_token_bucket_take(o.tokens, o.updated_at_us, p.now_us, 0, o.cap, o.refill_per_us, false,
@@ -87,7 +93,7 @@ WITH p AS (
                                                         g.capacity, g.refill_per_us), g.over_at),
            allowed = g.granted = g.n
       FROM g
-     WHERE t.key = g.key
+     WHERE t.key = ANY (ARRAY(SELECT g.key FROM g)) AND t.key = g.key
     RETURNING g.k, g.before, g.tokens, g.updated_at_us, g.granted, g.capacity, g.refill_per_us, g.over_at
 )
 SELECT j::integer AS check_index, a.allowed::integer::bigint AS granted,
@@ -113,9 +119,10 @@ WITH p AS (
                    (@windows_us::bigint[])[k] AS window_us,
                    coalesce((@ends::integer[])[k - 1], 0) AS before
               FROM generate_subscripts(@keys::bytea[], 1) AS k) AS r
-      JOIN pgrl_sliding_window AS t ON t.key = r.key AND t.key = ANY (@keys::bytea[])
-     ORDER BY t.key
-       FOR UPDATE OF t
+     CROSS JOIN LATERAL (SELECT t.key, t.window_start, t.count, t.prev_count
+                           FROM pgrl_sliding_window AS t
+                          WHERE t.key = r.key
+                            FOR UPDATE) AS t
 ), g AS MATERIALIZED (
     SELECT o.k, o.n, o.before, o.window_us, o.key,
            (pgrl_sliding_window_take(o.window_start_us, o.count, o.prev_count, p.now_us, o.window_us, 0,
@@ -133,7 +140,7 @@ WITH p AS (
            prev_count = g.prev_count, expires_at = pgrl_from_epoch_us(g.window_start_us + 2 * g.window_us),
            allowed = g.granted = g.n, updated_at = greatest(t.updated_at, p.ts)
       FROM p, g
-     WHERE t.key = g.key
+     WHERE t.key = ANY (ARRAY(SELECT g.key FROM g)) AND t.key = g.key
     RETURNING g.k, g.before, g.window_start_us, g.count, g.prev_count, g.granted
 )
 SELECT j::integer AS check_index, a.allowed::integer::bigint AS granted, u.window_start_us::bigint AS window_start_us,
